@@ -1,0 +1,90 @@
+// Status and Result<T>: how bad input travels from where it is found to main().
+//
+// A Status is either OK or carries one human-readable message. Callers add context
+// as the error propagates (`status.with_context("node 'fc2' (Gemm)")` gives
+// "node 'fc2' (Gemm): <message>"), and the tools print the final message as one
+// line on stderr and exit with status 2. Broken invariants are not Statuses: they
+// are bugs and abort through PIPESHARD_CHECK.
+#ifndef PIPESHARD_COMMON_STATUS_H_
+#define PIPESHARD_COMMON_STATUS_H_
+
+#include <cstdio>
+#include <cstdlib>
+#include <optional>
+#include <string>
+#include <utility>
+#include <variant>
+
+namespace pipeshard {
+
+class [[nodiscard]] Status {
+ public:
+  Status() = default;  // OK
+  static Status ok() { return Status(); }
+  static Status error(std::string message) { return Status(std::move(message)); }
+
+  bool is_ok() const { return !message_.has_value(); }
+  explicit operator bool() const { return is_ok(); }
+  // The message; empty for OK.
+  const std::string& message() const {
+    static const std::string kEmpty;
+    return message_ ? *message_ : kEmpty;
+  }
+  // Returns a copy whose message is "context: message" (OK stays OK).
+  Status with_context(const std::string& context) const {
+    if (is_ok()) return *this;
+    return Status(context + ": " + *message_);
+  }
+
+ private:
+  explicit Status(std::string message) : message_(std::move(message)) {}
+  std::optional<std::string> message_;
+};
+
+// A value or the Status that explains why there is none.
+template <typename T>
+class [[nodiscard]] Result {
+ public:
+  Result(T value) : value_(std::move(value)) {}                 // NOLINT: implicit by design
+  Result(Status status) : value_(std::move(status)) {}          // NOLINT: must not be OK
+  bool is_ok() const { return std::holds_alternative<T>(value_); }
+  explicit operator bool() const { return is_ok(); }
+  const Status& status() const {
+    static const Status kOk;
+    return is_ok() ? kOk : std::get<Status>(value_);
+  }
+  T& value() & { return std::get<T>(value_); }
+  const T& value() const& { return std::get<T>(value_); }
+  T&& value() && { return std::get<T>(std::move(value_)); }
+  T* operator->() { return &value(); }
+  const T* operator->() const { return &value(); }
+  T& operator*() { return value(); }
+  const T& operator*() const { return value(); }
+
+ private:
+  std::variant<T, Status> value_;
+};
+
+[[noreturn]] inline void check_failed(const char* file, int line, const char* expr,
+                                      const std::string& detail) {
+  std::fprintf(stderr, "pipeshard: internal error at %s:%d: check '%s' failed%s%s\n", file, line,
+               expr, detail.empty() ? "" : ": ", detail.c_str());
+  std::abort();
+}
+
+}  // namespace pipeshard
+
+// Aborts with file:line when an invariant (not user input) is broken.
+#define PIPESHARD_CHECK(cond, ...)                                                     \
+  do {                                                                                 \
+    if (!(cond)) ::pipeshard::check_failed(__FILE__, __LINE__, #cond, std::string{__VA_ARGS__}); \
+  } while (0)
+
+// Returns early from a function returning Status or Result<T> when `expr` fails.
+#define PIPESHARD_RETURN_IF_ERROR(expr)            \
+  do {                                             \
+    ::pipeshard::Status _st = (expr);              \
+    if (!_st.is_ok()) return _st;                  \
+  } while (0)
+
+#endif  // PIPESHARD_COMMON_STATUS_H_
