@@ -45,7 +45,8 @@ enum class OpKind {
   kDropout,     // `ratio`; active only when `training`
   kReshape,     // Flatten or Reshape to `target` (batch kept as dim 0)
   kAdd,         // elementwise sum of two activations of one shape (residual)
-  kAllReduce,   // tensor-parallel sum over the shard group (only in sharded stage files)
+  kAllReduce,   // tensor-parallel sum over the shard group, then + bias if present
+                //   (only in sharded stage files)
   kAllGather,   // tensor-parallel concatenation over the last dim (only in sharded files)
 };
 

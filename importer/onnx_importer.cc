@@ -88,34 +88,33 @@ void ImportContext::emit(Node node) {
 
 void ImportContext::finalize_nodes() {
   // Emission follows the anchors of the patterns, which is nearly but not always a
-  // topological order of the results; sort by value dependencies (stable).
+  // topological order of the results: order by value dependencies, earliest emitted
+  // first among the ready ones (Kahn with a min-heap).
   std::vector<int> made_by(graph.values.size(), -1);
   for (size_t n = 0; n < emitted.size(); ++n) {
     for (int v : emitted[n].outputs) made_by[v] = static_cast<int>(n);
   }
-  std::vector<bool> placed(emitted.size(), false);
-  std::vector<bool> ready_value(graph.values.size(), false);
-  for (size_t v = 0; v < graph.values.size(); ++v) ready_value[v] = made_by[v] < 0;
-  for (size_t done = 0; done < emitted.size();) {
-    size_t before = done;
-    for (size_t n = 0; n < emitted.size(); ++n) {
-      if (placed[n]) continue;
-      bool ok = std::all_of(emitted[n].inputs.begin(), emitted[n].inputs.end(),
-                            [&](int v) { return ready_value[v]; });
-      if (!ok) continue;
-      placed[n] = true;
-      ++done;
-      const int id = static_cast<int>(graph.nodes.size());
-      for (int v : emitted[n].inputs) graph.values[v].consumers.push_back(id);
-      for (int v : emitted[n].outputs) {
-        graph.values[v].producer = id;
-        ready_value[v] = true;
-      }
-      graph.nodes.push_back(std::move(emitted[n]));
-      break;  // restart from the first unplaced node: keeps emission order stable
+  std::vector<int> pending(emitted.size(), 0);
+  std::vector<std::vector<int>> readers(emitted.size());
+  for (size_t n = 0; n < emitted.size(); ++n) {
+    for (int v : emitted[n].inputs) {
+      if (made_by[v] < 0) continue;
+      ++pending[n];
+      readers[made_by[v]].push_back(static_cast<int>(n));
     }
-    PIPESHARD_CHECK(done > before, "recognised nodes form a cycle");
   }
+  std::priority_queue<int, std::vector<int>, std::greater<int>> ready;
+  for (size_t n = 0; n < emitted.size(); ++n) if (pending[n] == 0) ready.push(static_cast<int>(n));
+  while (!ready.empty()) {
+    const int n = ready.top();
+    ready.pop();
+    const int id = static_cast<int>(graph.nodes.size());
+    for (int v : emitted[n].inputs) graph.values[v].consumers.push_back(id);
+    for (int v : emitted[n].outputs) graph.values[v].producer = id;
+    graph.nodes.push_back(std::move(emitted[n]));
+    for (int r : readers[n]) if (--pending[r] == 0) ready.push(r);
+  }
+  PIPESHARD_CHECK(graph.nodes.size() == emitted.size(), "recognised nodes form a cycle");
   emitted.clear();
 }
 

@@ -388,6 +388,16 @@ Status recognise_single(ImportContext& ctx, int i) {
     node.kind = op == "AllReduce" ? OpKind::kAllReduce : OpKind::kAllGather;
     node.shards = attr_int(n, "shards", 0);
     if (node.shards < 1) return ctx.node_error(i, "needs a positive 'shards' attribute");
+    // A row-parallel Linear adds its bias after the reduction.
+    int add = node.kind == OpKind::kAllReduce ? sole_consumer(ctx, n.output(0)) : -1;
+    auto bias = is_op(ctx, add, "Add") ? other_operand(ctx, add, n.output(0)) : std::nullopt;
+    if (bias && ctx.is_float_initializer(*bias)) {
+      Result<int> b = ctx.param_id(*bias, true);
+      if (!b) return b.status().with_context(ctx.describe(add));
+      node.bias = *b;
+      node.outputs = {ctx.value_id(ctx.resolve(ctx.node(add).output(0)))};
+      node.onnx_nodes.push_back(add);
+    }
   } else if (!is_default_domain(n)) {
     return ctx.node_error(i, "operator domain '" + n.domain() + "' is not supported");
   } else if (kActivations.count(op)) {

@@ -1,0 +1,281 @@
+#include "partitioner/plan.h"
+
+#include <algorithm>
+#include <set>
+
+#include "partitioner/pipeline_split.h"
+#include "partitioner/tensor_parallel.h"
+
+namespace pipeshard {
+namespace {
+
+constexpr int64_t kFloatBytes = 4;
+
+bool starts_layer(const Graph& g, const Node& n) { return !g.node_params(n).empty(); }
+
+// Where each value lives, in layers: produced in layer `made` (-1 for model inputs),
+// last needed in layer `last` (`layers` for model outputs, which the loss reads).
+struct LiveRange {
+  int made = -1;
+  int last = -1;
+};
+
+std::vector<LiveRange> live_ranges(const Graph& g, const std::vector<int>& layer, int layers) {
+  std::vector<LiveRange> r(g.values.size());
+  for (size_t v = 0; v < g.values.size(); ++v) {
+    const Value& val = g.values[v];
+    r[v].made = val.producer < 0 ? -1 : layer[val.producer];
+    r[v].last = r[v].made;
+    for (int c : val.consumers) r[v].last = std::max(r[v].last, layer[c]);
+  }
+  for (int v : g.outputs) r[v].last = layers;
+  return r;
+}
+
+int64_t value_bytes(const Graph& g, int v) { return g.values[v].shape.per_sample_elements() * kFloatBytes; }
+
+// In-flight micro-batches on stage k, whose activations it must keep for backward.
+int64_t in_flight(const PartitionOptions& o, int k) {
+  const int m = o.micro_batches > 0 ? o.micro_batches : o.stages;
+  return o.schedule == ScheduleKind::kGPipe ? m : std::min(m, o.stages - k);
+}
+
+int64_t micro_batch_size(const PartitionOptions& o) {
+  const int m = o.micro_batches > 0 ? o.micro_batches : o.stages;
+  return (o.batch_size + m - 1) / m;
+}
+
+// Per-layer figures: trainable parameters (each tensor at its first use), all parameter
+// elements (running statistics too), flops and activation bytes kept for backward.
+struct LayerFigures {
+  std::vector<int64_t> params, all_param_elements, flops, activation_bytes;
+};
+
+LayerFigures layer_figures(const Graph& g, const std::vector<int>& layer, int layers) {
+  LayerFigures f{std::vector<int64_t>(layers), std::vector<int64_t>(layers), std::vector<int64_t>(layers),
+                 std::vector<int64_t>(layers)};
+  std::set<int> seen;
+  for (size_t i = 0; i < g.nodes.size(); ++i) {
+    const Node& n = g.nodes[i];
+    const int l = layer[i];
+    for (int p : g.node_params(n)) {
+      if (!seen.insert(p).second) continue;
+      f.all_param_elements[l] += g.params[p].elements();
+      if (g.params[p].trainable) f.params[l] += g.params[p].elements();
+    }
+    f.flops[l] += g.node_flops_per_sample(n);
+    f.activation_bytes[l] += value_bytes(g, n.outputs[0]);
+  }
+  return f;
+}
+
+int64_t memory_bytes(const PartitionOptions& o, int k, int64_t param_elements, int64_t activation_bytes) {
+  return param_elements * kFloatBytes * (2 + o.optimizer_slots) +
+         in_flight(o, k) * micro_batch_size(o) * activation_bytes;
+}
+
+PipelineSplitProblem make_problem(const PartitionOptions& o, const LayerFigures& f,
+                                  std::vector<int64_t> cut_bytes) {
+  PipelineSplitProblem p;
+  p.stages = o.stages;
+  p.cut_bytes = std::move(cut_bytes);
+  switch (o.balance) {
+    case BalanceBy::kParams: p.unit_cost = f.params; break;
+    case BalanceBy::kFlops: p.unit_cost = f.flops; break;
+    case BalanceBy::kMemory:
+      for (int64_t e : f.all_param_elements) p.unit_cost.push_back(e * kFloatBytes * (2 + o.optimizer_slots));
+      p.unit_activation = f.activation_bytes;
+      for (int k = 0; k < o.stages; ++k) p.stage_activation_factor.push_back(in_flight(o, k) * micro_batch_size(o));
+      break;
+  }
+  return p;
+}
+
+TensorSpec spec(const Graph& g, int v) { return TensorSpec{g.values[v].name, g.values[v].shape}; }
+
+void fill_stage_values(const Graph& g, const std::vector<LiveRange>& live, StagePlan& s) {
+  std::set<int> in_stage(s.nodes.begin(), s.nodes.end());
+  for (size_t v = 0; v < g.values.size(); ++v) {
+    const Value& val = g.values[v];
+    const bool made_here = val.producer >= 0 && in_stage.count(val.producer);
+    const bool made_before = live[v].made < s.first_layer;
+    const bool read_here = std::any_of(val.consumers.begin(), val.consumers.end(),
+                                       [&](int c) { return in_stage.count(c) > 0; });
+    if (made_before && read_here) s.inputs.push_back(spec(g, static_cast<int>(v)));
+    if (made_here && live[v].last >= s.end_layer) s.outputs.push_back(spec(g, static_cast<int>(v)));
+    if (made_before && live[v].last >= s.end_layer) s.carried.push_back(spec(g, static_cast<int>(v)));
+  }
+}
+
+Status check_options(const PartitionOptions& o) {
+  if (o.stages < 1) return Status::error("--stages must be at least 1, got " + std::to_string(o.stages));
+  if (o.tensor_parallel < 1) return Status::error("--tensor-parallel must be at least 1, got " + std::to_string(o.tensor_parallel));
+  if (o.batch_size < 1) return Status::error("--batch-size must be at least 1");
+  if (o.micro_batches < 0) return Status::error("--micro-batches must be at least 1");
+  return Status::ok();
+}
+
+}  // namespace
+
+std::vector<int> layer_of_nodes(const Graph& g) {
+  // A node with parameters opens a new layer; parameter-free nodes join the layer
+  // before them (those ahead of the first layer join the first).
+  std::vector<int> layer(g.nodes.size(), 0);
+  int current = 0;
+  bool opened = false;
+  for (size_t i = 0; i < g.nodes.size(); ++i) {
+    if (starts_layer(g, g.nodes[i])) {
+      if (opened) ++current;
+      opened = true;
+    }
+    layer[i] = current;
+  }
+  return layer;
+}
+
+Result<Plan> make_plan(const Graph& g, const std::string& model_path, const PartitionOptions& o) {
+  PIPESHARD_RETURN_IF_ERROR(check_options(o));
+  const std::vector<int> layer = layer_of_nodes(g);
+  const int layers = layer.empty() ? 0 : layer.back() + 1;
+  if (o.stages > layers) {
+    return Status::error("cannot make " + std::to_string(o.stages) + " non-empty stages from " +
+                         std::to_string(layers) + " layers");
+  }
+  const std::vector<LiveRange> live = live_ranges(g, layer, layers);
+  std::vector<int64_t> cut_bytes(layers + 1, 0);
+  for (size_t v = 0; v < g.values.size(); ++v) {
+    for (int j = live[v].made + 1; j <= std::min(live[v].last, layers); ++j) {
+      if (j >= 0) cut_bytes[j] += value_bytes(g, static_cast<int>(v));
+    }
+  }
+  const LayerFigures fig = layer_figures(g, layer, layers);
+  const PipelineSplitProblem problem = make_problem(o, fig, cut_bytes);
+  Result<PipelineSplit> split = split_pipeline(problem);
+  if (!split) return split.status();
+
+  Plan plan;
+  plan.model = model_path;
+  plan.options = o;
+  plan.total_parameters = g.total_parameter_count();
+  plan.layers = layers;
+  plan.crossing_bytes = split->crossing_bytes;
+  int64_t cost_sum = 0;
+  for (int k = 0; k < o.stages; ++k) {
+    StagePlan s;
+    s.stage = k;
+    s.first_layer = split->stage_begin[k];
+    s.end_layer = split->stage_begin[k + 1];
+    int64_t elements = 0, activation = 0;
+    for (int l = s.first_layer; l < s.end_layer; ++l) {
+      s.flops_per_sample += fig.flops[l];
+      elements += fig.all_param_elements[l];
+      activation += fig.activation_bytes[l];
+    }
+    std::set<int> params;
+    for (size_t i = 0; i < g.nodes.size(); ++i) {
+      if (layer[i] < s.first_layer || layer[i] >= s.end_layer) continue;
+      s.nodes.push_back(static_cast<int>(i));
+      for (int p : g.node_params(g.nodes[i])) if (g.params[p].trainable) params.insert(p);
+    }
+    for (int p : params) s.parameters += g.params[p].elements();
+    s.cost = split->stage_cost[k];
+    cost_sum += s.cost;
+    s.activation_bytes_out = cut_bytes[s.end_layer];
+    fill_stage_values(g, live, s);
+    s.roles.assign(s.nodes.size(), ShardRole::kReplicated);
+    if (o.tensor_parallel > 1) {
+      PIPESHARD_RETURN_IF_ERROR(assign_shard_roles(g, o, s));
+      elements = sharded_parameter_elements(g, o.tensor_parallel, s);
+      for (int t = 0; t < o.tensor_parallel; ++t) {
+        s.files.push_back("stage_" + std::to_string(k) + "_tp" + std::to_string(t) + ".onnx");
+      }
+    } else {
+      s.files.push_back("stage_" + std::to_string(k) + ".onnx");
+    }
+    s.memory_bytes = memory_bytes(o, k, elements, activation);
+    plan.stages.push_back(std::move(s));
+  }
+  const double mean = static_cast<double>(cost_sum) / o.stages;
+  plan.balance = mean > 0 ? static_cast<double>(split->max_stage_cost) / mean : 1.0;
+  return plan;
+}
+
+const char* balance_name(BalanceBy b) {
+  switch (b) {
+    case BalanceBy::kParams: return "params";
+    case BalanceBy::kFlops: return "flops";
+    case BalanceBy::kMemory: return "memory";
+  }
+  return "?";
+}
+
+const char* shard_role_name(ShardRole r) {
+  switch (r) {
+    case ShardRole::kReplicated: return "replicated";
+    case ShardRole::kColumn: return "column";
+    case ShardRole::kShardLocal: return "shard-local";
+    case ShardRole::kRow: return "row";
+    case ShardRole::kColumnGather: return "column-gather";
+  }
+  return "?";
+}
+
+namespace {
+
+nlohmann::json specs_json(const std::vector<TensorSpec>& specs) {
+  nlohmann::json out = nlohmann::json::array();
+  for (const auto& s : specs) {
+    nlohmann::json shape = nlohmann::json::array();
+    for (int64_t d : s.shape.dims) {
+      if (d == kBatch) shape.push_back("batch"); else shape.push_back(d);
+    }
+    out.push_back({{"name", s.name}, {"shape", shape}, {"dtype", "float32"}});
+  }
+  return out;
+}
+
+}  // namespace
+
+nlohmann::json plan_to_json(const Plan& plan, const Graph& g) {
+  const PartitionOptions& o = plan.options;
+  nlohmann::json j;
+  j["model"] = plan.model;
+  j["total_parameters"] = plan.total_parameters;
+  j["layers"] = plan.layers;
+  j["balance"] = balance_name(o.balance);
+  j["balance_ratio"] = plan.balance;
+  j["tensor_parallel"] = o.tensor_parallel;
+  j["crossing_bytes_per_sample"] = plan.crossing_bytes;
+  j["memory_assumptions"] = {{"batch_size", o.batch_size},
+                             {"micro_batches", o.micro_batches > 0 ? o.micro_batches : o.stages},
+                             {"schedule", o.schedule == ScheduleKind::kGPipe ? "gpipe" : "1f1b"},
+                             {"optimizer_slots", o.optimizer_slots}};
+  j["stages"] = nlohmann::json::array();
+  for (const StagePlan& s : plan.stages) {
+    nlohmann::json st;
+    st["stage"] = s.stage;
+    st["layers"] = {s.first_layer, s.end_layer};
+    st["parameters"] = s.parameters;
+    st["share"] = plan.total_parameters ? static_cast<double>(s.parameters) / plan.total_parameters : 0.0;
+    st["cost"] = s.cost;
+    st["flops_per_sample"] = s.flops_per_sample;
+    st["activation_bytes_per_sample"] = s.activation_bytes_out;
+    st["memory_bytes"] = s.memory_bytes;
+    nlohmann::json nodes = nlohmann::json::array();
+    for (size_t i = 0; i < s.nodes.size(); ++i) {
+      const Node& n = g.nodes[s.nodes[i]];
+      nlohmann::json nj = {{"name", n.name}, {"kind", op_kind_name(n)}};
+      if (o.tensor_parallel > 1) nj["shard"] = shard_role_name(s.roles[i]);
+      nodes.push_back(nj);
+    }
+    st["nodes"] = nodes;
+    st["inputs"] = specs_json(s.inputs);
+    st["outputs"] = specs_json(s.outputs);
+    st["carried"] = specs_json(s.carried);
+    st["files"] = s.files;
+    j["stages"].push_back(st);
+  }
+  return j;
+}
+
+}  // namespace pipeshard

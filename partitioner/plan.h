@@ -1,0 +1,97 @@
+// The Plan: how a Graph is cut into pipeline stages and tensor-parallel shards.
+//
+// make_plan() groups the Graph's nodes into layers (a node with parameters starts a
+// layer; parameter-free nodes such as activations join the layer before them), prices
+// each layer (parameters, flops or memory), and lets split_pipeline() choose the
+// optimal cuts. Values that cross a cut, residual connections included, become stage
+// inputs and outputs. With tensor_parallel > 1, each stage's Linear layers are then
+// paired Megatron-style (tensor_parallel.h).
+//
+// A Plan is plain data: plan_to_json() gives plan.json (design.md lists its fields),
+// and the stage files are written from it (stage_writer.h).
+#ifndef PIPESHARD_PARTITIONER_PLAN_H_
+#define PIPESHARD_PARTITIONER_PLAN_H_
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "common/status.h"
+#include "importer/graph.h"
+
+namespace pipeshard {
+
+enum class BalanceBy { kParams, kFlops, kMemory };
+enum class ScheduleKind { kGPipe, k1F1B };
+
+// How a node runs under tensor parallelism.
+enum class ShardRole {
+  kReplicated,     // every tensor-parallel rank runs the whole node
+  kColumn,         // Linear split by output features; output stays sharded
+  kShardLocal,     // elementwise node between a column and a row Linear, on shards
+  kRow,            // Linear split by input features; all-reduce after it, then bias
+  kColumnGather,   // unpaired Linear split by output features, then all-gather
+};
+
+struct PartitionOptions {
+  int stages = 1;
+  int tensor_parallel = 1;
+  BalanceBy balance = BalanceBy::kParams;
+  // Assumptions of the memory estimate (and of --balance memory):
+  int64_t batch_size = 32;          // samples per step on one data-parallel replica
+  int micro_batches = 0;            // 0: as many as stages
+  ScheduleKind schedule = ScheduleKind::k1F1B;
+  int optimizer_slots = 2;          // float32 state per parameter (Adam: 2, SGD+momentum: 1)
+  // An unpaired Linear with fewer parameters than this stays replicated.
+  int64_t min_shard_parameters = 65536;
+};
+
+struct TensorSpec {
+  std::string name;
+  Shape shape;
+};
+
+struct StagePlan {
+  int stage = 0;
+  std::vector<int> nodes;             // Graph node ids, in topological order
+  int first_layer = 0, end_layer = 0; // layers [first_layer, end_layer)
+  int64_t parameters = 0;             // trainable elements (a shared tensor once)
+  int64_t cost = 0;                   // what the balance minimised
+  int64_t flops_per_sample = 0;       // multiply-accumulates, forward
+  int64_t activation_bytes_out = 0;   // per sample, crossing the cut after this stage
+  int64_t memory_bytes = 0;           // estimate per rank: see PartitionOptions
+  std::vector<TensorSpec> inputs;     // values this stage's nodes read from earlier stages
+  std::vector<TensorSpec> outputs;    // values it produces that later stages or the loss need
+  std::vector<TensorSpec> carried;    // values passing through it to a later stage
+  std::vector<ShardRole> roles;       // [nodes]; all kReplicated when tensor_parallel == 1
+  std::vector<std::string> files;     // stage files, relative to the output folder
+};
+
+struct Plan {
+  std::string model;                  // the model path as given
+  PartitionOptions options;
+  int64_t total_parameters = 0;
+  int layers = 0;
+  std::vector<StagePlan> stages;
+  double balance = 1.0;               // largest stage cost / mean stage cost
+  int64_t crossing_bytes = 0;         // per sample, summed over the cuts
+};
+
+// Layer index of every node ([nodes]); the number of layers is back() + 1.
+std::vector<int> layer_of_nodes(const Graph& graph);
+
+// Cuts `graph` as `options` asks. Errors: more stages than layers, a width that does
+// not divide by tensor_parallel (naming the layer), invalid options.
+Result<Plan> make_plan(const Graph& graph, const std::string& model_path,
+                       const PartitionOptions& options);
+
+nlohmann::json plan_to_json(const Plan& plan, const Graph& graph);
+
+const char* balance_name(BalanceBy b);
+const char* shard_role_name(ShardRole r);
+
+}  // namespace pipeshard
+
+#endif  // PIPESHARD_PARTITIONER_PLAN_H_
