@@ -204,7 +204,9 @@ TEST_P(EveryModel, StageFilesAreValidAndHoldOnlyTheirOwnInitializers) {
 }
 
 TEST_P(EveryModel, OnnxRuntimeRunsTheChainedStagesLikeTheFullModel) {
-  if (GetParam() == "dropout_train") GTEST_SKIP() << "training-mode Dropout draws a random mask in onnxruntime";
+  // Training-mode Dropout draws a random mask in onnxruntime, so for that model the
+  // outputs can't be compared: onnxruntime must still load every stage file.
+  const bool random = GetParam() == "dropout_train";
   const int layers = layer_count(GetParam());
   for (int stages = 2; stages <= std::min(layers, 3); ++stages) {
     ScratchDir dir("ort");
@@ -213,7 +215,7 @@ TEST_P(EveryModel, OnnxRuntimeRunsTheChainedStagesLikeTheFullModel) {
                             std::to_string(stages) + " --out " + quote(dir.path()));
     ASSERT_EQ(part.exit_code, 0) << part.err;
     auto check = run_command("node " + quote(source_path("tests/ort/chain_check.mjs")) + " --model " + quote(model) +
-                             " --plan " + quote(dir / "plan.json") + " --batch 4");
+                             " --plan " + quote(dir / "plan.json") + " --batch 4" + (random ? " --check-only" : ""));
     EXPECT_EQ(check.exit_code, 0) << check.out << check.err;
     EXPECT_NE(check.out.find("\"ok\":true"), std::string::npos) << check.out;
   }

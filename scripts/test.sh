@@ -1,0 +1,7 @@
+#!/usr/bin/env bash
+# The whole test suite: install, build, run every test through ctest.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/install-deps.sh
+bash scripts/build.sh
+ctest --test-dir build --output-on-failure -j"$(nproc)"
