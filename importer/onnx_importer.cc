@@ -64,8 +64,25 @@ int ImportContext::value_id(const std::string& name) {
 }
 
 Result<int> ImportContext::param_id(const std::string& raw_name, bool trainable) {
-  const std::string name = resolve(raw_name);
+  std::string name = resolve(raw_name);
   auto it = param_ids.find(name);
+  if (it != param_ids.end() && graph.params[it->second].trainable != trainable) {
+    // One tensor in two roles: exporters fold equal initializers into one, so a fresh
+    // BatchNorm's running variance may be an Identity of its scale. Statistics must
+    // not update the weight: give the second role its own copy, named as the node
+    // reads it (the Identity's output), which is where it is written back.
+    name = raw_name != name ? raw_name : raw_name + (trainable ? "" : ".running");
+    it = param_ids.find(name);
+    if (it == param_ids.end()) {
+      const int id = static_cast<int>(graph.params.size());
+      Parameter copy = graph.params[param_ids.at(resolve(raw_name))];
+      copy.name = name;
+      copy.trainable = trainable;
+      graph.params.push_back(std::move(copy));
+      param_ids[name] = id;
+      return id;
+    }
+  }
   if (it != param_ids.end()) return it->second;
   auto data = float_data.find(name);
   if (data == float_data.end()) {

@@ -369,6 +369,10 @@ def norm_models():
         bn[1].bias.uniform_(-0.2, 0.2)
     export("batchnorm_eval", bn, [16], [L, "BatchNorm", R, L])
     export("batchnorm_train", bn, [16], [L, "BatchNorm", R, L], training=TRAIN, train_ref=True)
+    # Fresh BatchNorm statistics equal its affine parameters (ones, zeros): constant
+    # folding merges the equal initializers and emits Identity nodes for the statistics.
+    fresh = seeded(22, lambda: mlp(nn.Linear(16, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Linear(32, 10)))
+    export("batchnorm_default_stats", fresh, [16], [L, "BatchNorm", R, L])
 
 
 def dropout_models():
