@@ -161,6 +161,11 @@ Status check_structure(ImportContext& ctx) {
   for (const auto& t : g.initializer()) defined.insert(t.name());
   for (const auto& in : g.input()) defined.insert(in.name());
   for (int i = 0; i < g.node_size(); ++i) {
+    // Recognisers read output(0), and input(0) of every op but Constant.
+    if (g.node(i).output_size() == 0 || g.node(i).output(0).empty()) return ctx.node_error(i, "has no output");
+    if (g.node(i).op_type() != "Constant" && (g.node(i).input_size() == 0 || g.node(i).input(0).empty())) {
+      return ctx.node_error(i, "has no input");
+    }
     for (const auto& out : g.node(i).output()) {
       if (out.empty()) continue;
       if (ctx.producer.count(out) || defined.count(out)) {

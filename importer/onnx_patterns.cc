@@ -222,8 +222,8 @@ Status emit_linear(ImportContext& ctx, int at, const std::string& x, const std::
   if (!src) return src.status();
   const auto& [w_name, flipped] = *src;
   const auto& dims = ctx.float_dims.at(w_name);
-  if (dims.size() != 2) {
-    return ctx.node_error(at, "weight '" + w_name + "' must be 2-D, has " + std::to_string(dims.size()) + " dims");
+  if (dims.size() != 2 || dims[0] == 0 || dims[1] == 0) {
+    return ctx.node_error(at, "weight '" + w_name + "' must be a non-empty 2-D matrix");
   }
   Node node;
   node.name = ctx.node(at).name().empty() ? output : ctx.node(at).name();

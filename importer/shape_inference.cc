@@ -25,7 +25,7 @@ Status expect_vector(const Graph& g, int param, int64_t size, const Node& n, con
 // dim 0 standing for the batch.
 Result<std::vector<int64_t>> reshape_target(const Node& n, const Shape& in) {
   const auto& spec = n.target;
-  if (spec.empty()) return Status::error(node_label(n) + ": empty target shape");
+  if (spec.size() < 2) return Status::error(node_label(n) + ": the target shape must keep the batch and at least one feature dimension");
   if (!(spec[0] == -1 || spec[0] == 0 || spec[0] > 0)) {
     return Status::error(node_label(n) + ": the first target dimension must keep the batch");
   }
