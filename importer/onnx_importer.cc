@@ -71,7 +71,11 @@ Result<int> ImportContext::param_id(const std::string& raw_name, bool trainable)
     // BatchNorm's running variance may be an Identity of its scale. Statistics must
     // not update the weight: give the second role its own copy, named as the node
     // reads it (the Identity's output), which is where it is written back.
-    name = raw_name != name ? raw_name : raw_name + (trainable ? "" : ".running");
+    if (raw_name != name) {
+      name = raw_name;
+    } else if (!trainable) {
+      name.append(".running");
+    }
     it = param_ids.find(name);
     if (it == param_ids.end()) {
       const int id = static_cast<int>(graph.params.size());
