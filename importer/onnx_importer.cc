@@ -53,7 +53,8 @@ bool ImportContext::is_graph_output(const std::string& name) const {
 
 std::string ImportContext::describe(int i) const {
   const auto& n = node(i);
-  std::string name = n.name().empty() ? (n.output_size() ? n.output(0) : "#" + std::to_string(i)) : n.name();
+  if (n.name().empty() && n.output_size() == 0) return "node #" + std::to_string(i) + " (" + n.op_type() + ")";
+  const std::string& name = n.name().empty() ? n.output(0) : n.name();
   return "node '" + name + "' (" + n.op_type() + ")";
 }
 
