@@ -210,16 +210,24 @@ int64_t smallest_bottleneck(const StageCosts& costs) {
 
 // ---- Step 2: the cheapest cuts under that bottleneck ---------------------------------------
 
+// What the cut DP minimises, lexicographically: bytes crossing the cuts, then how far the
+// cuts sit from their even shares (see balance_deviation).
+struct CutScore {
+  int64_t bytes = 0;
+  Int128 deviation = 0;
+  bool operator<(const CutScore& o) const { return bytes != o.bytes ? bytes < o.bytes : deviation < o.deviation; }
+};
+
 // Sliding-window minimum over candidate indices that enter in decreasing order and leave from
 // the largest index down. Among equal values the smallest index wins (our tie-break rule).
 class MinWindow {
  public:
   explicit MinWindow(size_t capacity) { indices_.reserve(capacity); }
 
-  void push(int index, int64_t value) {
+  void push(int index, CutScore value) {
     // A newer (smaller) index with a value no larger stays in the window longer, so it
     // makes older entries with larger or equal values useless.
-    while (size() > 0 && values_.back() >= value) pop_back();
+    while (size() > 0 && !(values_.back() < value)) pop_back();
     indices_.push_back(index);
     values_.push_back(value);
   }
@@ -229,40 +237,64 @@ class MinWindow {
   }
   size_t size() const { return indices_.size() - head_; }
   int best_index() const { return indices_[head_]; }
-  int64_t best_value() const { return values_[head_]; }
+  CutScore best_value() const { return values_[head_]; }
 
  private:
   void pop_back() {
     indices_.pop_back();
     values_.pop_back();
   }
-  std::vector<int> indices_;     // increasing values from head_ to back, decreasing indices
-  std::vector<int64_t> values_;  // parallel to indices_
+  std::vector<int> indices_;       // increasing values from head_ to back, decreasing indices
+  std::vector<CutScore> values_;   // parallel to indices_
   size_t head_ = 0;
+};
+
+// |P * W(before unit j) - k * W(all)|: how far a cut before unit j, opening stage k, is from
+// the k-th even share of the weight W = unit_cost + unit_activation (units when all are 0).
+class BalanceDeviation {
+ public:
+  explicit BalanceDeviation(const PipelineSplitProblem& p) : stages_(p.stages), prefix_(p.unit_cost.size() + 1, 0) {
+    for (size_t i = 0; i < p.unit_cost.size(); ++i) {
+      prefix_[i + 1] = prefix_[i] + p.unit_cost[i] + (p.unit_activation.empty() ? 0 : p.unit_activation[i]);
+    }
+    if (prefix_.back() == 0) {
+      for (size_t i = 0; i < prefix_.size(); ++i) prefix_[i] = static_cast<Int128>(i);
+    }
+  }
+  Int128 operator()(int stage, int unit) const {
+    const Int128 d = Int128(stages_) * prefix_[unit] - Int128(stage) * prefix_.back();
+    return d < 0 ? -d : d;
+  }
+
+ private:
+  int stages_;
+  std::vector<Int128> prefix_;  // [n + 1]
 };
 
 constexpr int64_t kUnreachable = kInt64Max;
 
 // Returns stage_begin of the split with every stage costing <= budget that minimises total cut
-// bytes, ties broken towards the lexicographically smallest stage_begin. Requires
-// fits_in_budget(costs, budget).
+// bytes, then the summed BalanceDeviation of its cuts, ties broken towards the
+// lexicographically smallest stage_begin. Requires fits_in_budget(costs, budget).
 //
-// Dynamic program from the last stage backwards: for stage k, next_tail[s] = least cut bytes
-// to cover [s, n) with stages k..P-1 (not counting the cut at s itself). Stage k starting at s
+// Dynamic program from the last stage backwards: for stage k, next_tail[s] = best score to
+// cover [s, n) with stages k..P-1 (not counting the cut at s itself). Stage k starting at s
 // may end at any e in [s+1, last], where `last` is the largest end with cost(k, s, e) <= budget;
-// as s moves left `last` never moves right, so a sliding-window minimum over e of cut_bytes[e] +
-// tail_bytes[e] (stages k+1..P-1 from e) gives each entry in amortised O(1).
-std::vector<int> cheapest_cuts_within_budget(const StageCosts& costs,
-                                             const std::vector<int64_t>& cut_bytes,
+// as s moves left `last` never moves right, so a sliding-window minimum over e of the cut at e
+// plus tail[e] (stages k+1..P-1 from e) gives each entry in amortised O(1). Both parts of a
+// cut's score depend on the cut alone, which is what keeps the window valid.
+std::vector<int> cheapest_cuts_within_budget(const StageCosts& costs, const PipelineSplitProblem& problem,
                                              int64_t budget) {
   const int n = costs.units();
   const int stages = costs.stages();
+  const BalanceDeviation deviation(problem);
   // [stages, n]; chosen_end[k][s] = where stage k ends when it starts at unit s.
   std::vector<std::vector<int>> chosen_end(stages, std::vector<int>(n, -1));
-  std::vector<int64_t> tail_bytes(n + 1, kUnreachable);  // [n + 1]; for stages k+1..P-1
-  std::vector<int64_t> next_tail(n + 1);                 // [n + 1]; for stages k..P-1
+  const CutScore unreachable{kUnreachable, 0};
+  std::vector<CutScore> tail(n + 1, unreachable);  // [n + 1]; for stages k+1..P-1
+  std::vector<CutScore> next_tail(n + 1);          // [n + 1]; for stages k..P-1
   for (int stage = stages - 1; stage >= 0; --stage) {
-    std::fill(next_tail.begin(), next_tail.end(), kUnreachable);
+    std::fill(next_tail.begin(), next_tail.end(), unreachable);
     const bool is_last_stage = stage == stages - 1;
     MinWindow window(static_cast<size_t>(n));
     int last = n;
@@ -270,14 +302,15 @@ std::vector<int> cheapest_cuts_within_budget(const StageCosts& costs,
       while (last > start && costs.cost(stage, start, last) > budget) --last;
       if (is_last_stage) {
         if (last == n) {
-          next_tail[start] = 0;
+          next_tail[start] = CutScore{0, 0};
           chosen_end[stage][start] = n;
         }
         continue;
       }
       const int candidate = start + 1;
-      if (tail_bytes[candidate] != kUnreachable) {
-        window.push(candidate, cut_bytes[candidate] + tail_bytes[candidate]);
+      if (tail[candidate].bytes != kUnreachable) {
+        window.push(candidate, CutScore{problem.cut_bytes[candidate] + tail[candidate].bytes,
+                                        deviation(stage + 1, candidate) + tail[candidate].deviation});
       }
       window.drop_above(last);
       if (window.size() > 0) {
@@ -285,9 +318,9 @@ std::vector<int> cheapest_cuts_within_budget(const StageCosts& costs,
         chosen_end[stage][start] = window.best_index();
       }
     }
-    std::swap(tail_bytes, next_tail);
+    std::swap(tail, next_tail);
   }
-  PIPESHARD_CHECK(tail_bytes[0] != kUnreachable, "budget " + std::to_string(budget));
+  PIPESHARD_CHECK(tail[0].bytes != kUnreachable, "budget " + std::to_string(budget));
 
   std::vector<int> stage_begin(stages + 1);  // [stages + 1]
   stage_begin[0] = 0;
@@ -329,7 +362,7 @@ Result<PipelineSplit> split_pipeline(const PipelineSplitProblem& problem) {
   const StageCosts costs(problem);
   const int64_t bottleneck = smallest_bottleneck(costs);
   PipelineSplit split = describe_split(
-      costs, problem.cut_bytes, cheapest_cuts_within_budget(costs, problem.cut_bytes, bottleneck));
+      costs, problem.cut_bytes, cheapest_cuts_within_budget(costs, problem, bottleneck));
   PIPESHARD_CHECK(split.max_stage_cost == bottleneck);
   return split;
 }

@@ -15,8 +15,11 @@
 // cut_bytes[j] bytes between neighbouring stages.
 //
 // Objective, lexicographic: (1) minimise the largest stage cost (the bottleneck); (2) among those
-// splits, minimise the total cut_bytes over the P-1 cuts; (3) among those, return the split whose
-// stage_begin is lexicographically smallest (earliest first cut, then earliest second cut, ...).
+// splits, minimise the total cut_bytes over the P-1 cuts; (3) among those, put the cuts nearest
+// their even shares: minimise the sum over cuts k = 1..P-1 of |P * W(stage_begin[k]) - k * W(n)|,
+// where W(j) sums unit_cost + unit_activation over units [0, j) (unit counts when every weight is
+// 0) — without it, the many splits that tie on a bottleneck set by one stage would put tiny stages
+// first; (4) among those, return the split whose stage_begin is lexicographically smallest.
 // The result is therefore a deterministic function of the problem.
 #ifndef PIPESHARD_PARTITIONER_PIPELINE_SPLIT_H_
 #define PIPESHARD_PARTITIONER_PIPELINE_SPLIT_H_
@@ -59,8 +62,8 @@ Status validate_pipeline_split_problem(const PipelineSplitProblem& problem);
 // Algorithm: binary search over integers for the smallest bottleneck B, between a lower bound
 // (largest single unit, average stage) and an upper bound (average stage + largest unit, priced
 // at the dearest factor), each probe an O(P·n) feasibility check; then, with B fixed, an O(P·n)
-// dynamic program over (stage, first unit) that minimises cut bytes using a sliding-window
-// minimum. Time O(P·n·log(max cost)) (about 25 ms for n = 2000, P = 64 at -O2); memory O(P·n)
+// dynamic program over (stage, first unit) that minimises (cut bytes, deviation) using a
+// sliding-window minimum. Time O(P·n·log(max cost)) (about 25 ms for n = 2000, P = 64 at -O2); memory O(P·n)
 // ints for the chosen cuts.
 Result<PipelineSplit> split_pipeline(const PipelineSplitProblem& problem);
 

@@ -48,19 +48,44 @@ Score score_of(const PipelineSplitProblem& problem, const std::vector<int>& stag
   return score;
 }
 
+// The documented third criterion, computed directly: the sum over cuts k of
+// |P * W(stage_begin[k]) - k * W(n)|, W summing unit_cost + unit_activation (unit counts when
+// all of it is zero).
+__extension__ typedef __int128 Int128;
+Int128 balance_deviation(const PipelineSplitProblem& problem, const std::vector<int>& stage_begin) {
+  const int n = static_cast<int>(problem.unit_cost.size());
+  auto weight = [&](int end) {
+    Int128 w = 0;
+    for (int i = 0; i < end; ++i) {
+      w += problem.unit_cost[i] + (problem.unit_activation.empty() ? 0 : problem.unit_activation[i]);
+    }
+    return w;
+  };
+  const bool all_zero = weight(n) == 0;
+  auto prefix = [&](int end) { return all_zero ? Int128(end) : weight(end); };
+  Int128 total = 0;
+  for (int k = 1; k < problem.stages; ++k) {
+    Int128 d = Int128(problem.stages) * prefix(stage_begin[k]) - Int128(k) * prefix(n);
+    total += d < 0 ? -d : d;
+  }
+  return total;
+}
+
 // Enumerates every composition of n into `stages` positive parts and returns the best
-// stage_begin under the documented order: (max cost, crossing bytes, stage_begin lexicographic).
+// stage_begin under the documented order: (max cost, crossing bytes, balance deviation,
+// stage_begin lexicographic).
 std::vector<int> brute_force_best(const PipelineSplitProblem& problem) {
   const int n = static_cast<int>(problem.unit_cost.size());
   std::vector<int> current = {0};
   std::vector<int> best;
-  std::tuple<int64_t, int64_t, std::vector<int>> best_key;
+  std::tuple<int64_t, int64_t, Int128, std::vector<int>> best_key;
   auto visit = [&](auto&& self) -> void {
     const int placed = static_cast<int>(current.size()) - 1;  // stages already closed
     if (placed == problem.stages - 1) {
       current.push_back(n);
       const Score score = score_of(problem, current);
-      auto key = std::make_tuple(score.max_stage_cost, score.crossing_bytes, current);
+      auto key = std::make_tuple(score.max_stage_cost, score.crossing_bytes,
+                                 balance_deviation(problem, current), current);
       if (best.empty() || key < best_key) {
         best_key = key;
         best = current;
@@ -236,10 +261,29 @@ TEST(PipelineSplitEdgeCases, AllZeroCostsChooseTheCheapestCuts) {
   EXPECT_EQ(split.crossing_bytes, 3);
 }
 
-TEST(PipelineSplitEdgeCases, FullTiesTakeTheLexicographicallySmallestStageBegin) {
+TEST(PipelineSplitEdgeCases, TiesGoToTheCutsNearestTheirEvenShares) {
+  // All weights zero: shares count units. 5 units in 3 stages: ideal cuts at 5/3 and 10/3;
+  // {0,2,3,5} and {0,2,4,5} both deviate by |3*2-5| + |3*3-10| = 2 resp. |6-5| + |12-10| = 3,
+  // so {0,2,3,5} wins; earliest-cuts alone would have given the lopsided {0,1,2,5}.
   const PipelineSplitProblem problem = units_only({0, 0, 0, 0, 0}, 3);
+  EXPECT_EQ(split_or_die(problem).stage_begin, (std::vector<int>{0, 2, 3, 5}));
+}
+
+TEST(PipelineSplitEdgeCases, FullTiesTakeTheLexicographicallySmallestStageBegin) {
+  // 3 units in 2 stages: cuts at 1 and 2 both deviate by |2*j - 3| = 1; the earlier wins.
+  const PipelineSplitProblem problem = units_only({0, 0, 0}, 2);
+  EXPECT_EQ(split_or_die(problem).stage_begin, (std::vector<int>{0, 1, 3}));
+}
+
+TEST(PipelineSplitEdgeCases, EqualLayersSpreadEvenlyWhenOneStageSetsTheBottleneck) {
+  // 2000 equal layers into 64 stages: the bottleneck is 32 layers, and many splits reach
+  // it; the balance criterion keeps every stage at 31 or 32 layers.
+  const PipelineSplitProblem problem = units_only(std::vector<int64_t>(2000, 272), 64);
   const PipelineSplit split = split_or_die(problem);
-  EXPECT_EQ(split.stage_begin, (std::vector<int>{0, 1, 2, 5}));
+  for (int k = 0; k < 64; ++k) {
+    const int layers = split.stage_begin[k + 1] - split.stage_begin[k];
+    EXPECT_TRUE(layers == 31 || layers == 32) << "stage " << k << " has " << layers << " layers";
+  }
 }
 
 TEST(PipelineSplitEdgeCases, OneHugeUnitGetsAStageOfItsOwn) {
