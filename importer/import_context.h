@@ -60,8 +60,11 @@ struct ImportContext {
   }
   // A one-element constant's value.
   std::optional<double> scalar(const std::string& name) const;
-  // Nodes consuming `name` (after aliasing: consumers of every alias are merged).
+  // Nodes consuming `name` or any name aliased to the same value (Identity), sorted.
+  // Valid once merge_alias_consumers() has run.
   std::vector<int> consumers_of(const std::string& name) const;
+  void merge_alias_consumers();
+  std::unordered_map<std::string, std::vector<int>> class_consumers;  // resolved name -> readers
   bool is_graph_output(const std::string& name) const;
   // "node 'fc1' (Gemm)" for messages.
   std::string describe(int onnx_node) const;
@@ -80,6 +83,9 @@ struct ImportContext {
   void finalize_nodes();
   std::vector<Node> emitted;
 };
+
+// "float64", "int64", "float16", ...: an ONNX data type as PyTorch users know it.
+std::string dtype_label(int32_t data_type);
 
 // Elements up to which constants are decoded into ConstantTensor::values.
 inline constexpr int64_t kMaxDecodedConstant = 4096;

@@ -1,6 +1,7 @@
 // Reading the model file and decoding its tensors: initializers (inline or in external
 // data files) and Constant nodes. Everything read from the file is checked before it
 // sizes an allocation or indexes memory.
+#include <cctype>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -38,9 +39,6 @@ int element_size(int32_t data_type) {
   }
 }
 
-const char* data_type_name(int32_t data_type) {
-  return TensorProto::DataType_Name(static_cast<TensorProto::DataType>(data_type)).c_str();
-}
 
 // Reads the bytes an external-data tensor points at into its raw_data, after making
 // sure the location stays inside the model's folder.
@@ -128,7 +126,7 @@ Status decode_tensor(TensorProto& t, const std::string& name, bool is_initialize
   const std::string what = (is_initializer ? "initializer '" : "constant '") + name + "'";
   const int esize = element_size(t.data_type());
   if (esize == 0) {
-    return Status::error(what + " has data type " + data_type_name(t.data_type()) +
+    return Status::error(what + " has data type " + detail::dtype_label(t.data_type()) +
                          "; pipeshard imports float32 models (int64/int32 for shapes)");
   }
   Result<int64_t> n = checked_elements(what, t);
@@ -174,6 +172,20 @@ Status decode_tensor(TensorProto& t, const std::string& name, bool is_initialize
 
 namespace detail {
 
+std::string dtype_label(int32_t data_type) {
+  switch (data_type) {
+    case TensorProto::FLOAT: return "float32";
+    case TensorProto::DOUBLE: return "float64";
+    case TensorProto::FLOAT16: return "float16";
+    case TensorProto::BFLOAT16: return "bfloat16";
+    default: break;
+  }
+  if (!TensorProto::DataType_IsValid(data_type)) return "unknown (" + std::to_string(data_type) + ")";
+  std::string name = TensorProto::DataType_Name(static_cast<TensorProto::DataType>(data_type));
+  for (char& c : name) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  return name;
+}
+
 Status load_constants(const onnx::ModelProto& model, const std::string& base_dir,
                       ImportContext& ctx) {
   // The source proto is ours (a shared copy the caller handed over): external data is
@@ -201,7 +213,10 @@ Status load_constants(const onnx::ModelProto& model, const std::string& base_dir
         c.data_type = attr.name() == "value_float" ? TensorProto::FLOAT : TensorProto::INT64;
         c.values = {attr.name() == "value_float" ? attr.f() : static_cast<double>(attr.i())};
         ctx.constants[node.output(0)] = c;
-        if (attr.name() == "value_float") ctx.float_data[node.output(0)] = {attr.f()};
+        if (attr.name() == "value_float") {
+          ctx.float_data[node.output(0)] = {attr.f()};
+          ctx.float_dims[node.output(0)] = {};
+        }
         found = true;
       } else if (attr.name() == "value_ints") {
         ConstantTensor c;

@@ -14,12 +14,9 @@ namespace pipeshard {
 namespace detail {
 
 std::string ImportContext::resolve(const std::string& name) const {
+  // Aliases come from Identity nodes, which check_structure has proven acyclic.
   std::string n = name;
-  for (int hops = 0; hops < 1000; ++hops) {  // aliases are acyclic (checked), bounded anyway
-    auto it = alias.find(n);
-    if (it == alias.end()) return n;
-    n = it->second;
-  }
+  for (auto it = alias.find(n); it != alias.end(); it = alias.find(n)) n = it->second;
   return n;
 }
 
@@ -30,18 +27,24 @@ std::optional<double> ImportContext::scalar(const std::string& name) const {
 }
 
 std::vector<int> ImportContext::consumers_of(const std::string& name) const {
-  std::vector<int> out;
-  auto it = consumers.find(name);
-  if (it != consumers.end()) out = it->second;
-  for (const auto& [from, to] : alias) {
-    if (to == name) {
-      auto more = consumers_of(from);
-      out.insert(out.end(), more.begin(), more.end());
+  auto it = class_consumers.find(resolve(name));
+  return it == class_consumers.end() ? std::vector<int>() : it->second;
+}
+
+void ImportContext::merge_alias_consumers() {
+  class_consumers.clear();
+  for (const auto& [name, readers] : consumers) {
+    auto& merged = class_consumers[resolve(name)];
+    for (int r : readers) {
+      const auto& n = node(r);
+      const bool folded_identity = n.op_type() == "Identity" && alias.count(n.output(0));
+      if (!folded_identity) merged.push_back(r);
     }
   }
-  std::sort(out.begin(), out.end());
-  out.erase(std::unique(out.begin(), out.end()), out.end());
-  return out;
+  for (auto& [name, readers] : class_consumers) {
+    std::sort(readers.begin(), readers.end());
+    readers.erase(std::unique(readers.begin(), readers.end()), readers.end());
+  }
 }
 
 bool ImportContext::is_graph_output(const std::string& name) const {
@@ -232,8 +235,7 @@ Status import_inputs(ImportContext& ctx) {
     if (!in.type().has_tensor_type()) return Status::error(what + " is not a tensor");
     const auto& tt = in.type().tensor_type();
     if (tt.elem_type() != onnx::TensorProto::FLOAT) {
-      return Status::error(what + " has element type " +
-                           onnx::TensorProto::DataType_Name(static_cast<onnx::TensorProto::DataType>(tt.elem_type())) +
+      return Status::error(what + " has element type " + detail::dtype_label(tt.elem_type()) +
                            "; pipeshard needs float32 inputs (call model.float() before exporting)");
     }
     if (!tt.has_shape() || tt.shape().dim_size() < 2) {

@@ -202,6 +202,10 @@ void emit_activation(ImportContext& ctx, const Region& r, ActivationKind kind, i
 Result<std::pair<std::string, bool>> weight_source(const ImportContext& ctx, int at,
                                                    const std::string& input, std::vector<int>& extra) {
   if (ctx.is_float_initializer(input)) return std::make_pair(ctx.resolve(input), false);
+  if (auto c = ctx.constants.find(ctx.resolve(input)); c != ctx.constants.end()) {
+    return ctx.node_error(at, "weight '" + ctx.resolve(input) + "' is " + dtype_label(c->second.data_type) +
+                                  "; pipeshard trains float32 models (call model.float() before exporting)");
+  }
   int p = producer_of(ctx, input);
   if (is_op(ctx, p, "Transpose") && ctx.is_float_initializer(ctx.node(p).input(0))) {
     const auto* perm = find_attr(ctx.node(p), "perm");
@@ -221,7 +225,7 @@ Status emit_linear(ImportContext& ctx, int at, const std::string& x, const std::
   auto src = weight_source(ctx, at, w_input, onnx_nodes);
   if (!src) return src.status();
   const auto& [w_name, flipped] = *src;
-  const auto& dims = ctx.float_dims.at(w_name);
+  const std::vector<int64_t> dims = ctx.float_dims.count(w_name) ? ctx.float_dims.at(w_name) : std::vector<int64_t>{};
   if (dims.size() != 2 || dims[0] == 0 || dims[1] == 0) {
     return ctx.node_error(at, "weight '" + w_name + "' must be a non-empty 2-D matrix");
   }
@@ -488,6 +492,7 @@ void mark_auxiliary(ImportContext& ctx) {
       ctx.consumed[i] = true;
     }
   }
+  ctx.merge_alias_consumers();
 }
 
 }  // namespace

@@ -1,6 +1,7 @@
 // Shape inference on the Graph: every value gets a shape with a symbolic batch, each
 // layer's widths are checked against its parameters, and shapes the file declares
 // (graph outputs, value_info) are checked against what the layers produce.
+#include <algorithm>
 #include <unordered_map>
 
 #include "importer/import_context.h"
@@ -44,6 +45,7 @@ Result<std::vector<int64_t>> reshape_target(const Node& n, const Shape& in) {
     } else if (d <= 0 || d > kMaxTensorElements) {
       return Status::error(node_label(n) + ": invalid target dimension " + std::to_string(d));
     } else {
+      if (known > kMaxTensorElements / d) return Status::error(node_label(n) + ": target shape needs more than 2^32 elements per sample");
       known *= d;
     }
     out.push_back(d);
@@ -110,6 +112,7 @@ Result<Shape> infer_node(Graph& g, Node& n) {
     }
     case OpKind::kAllGather: {
       Shape out = in;
+      if (n.shards > kMaxTensorElements / std::max<int64_t>(out.dims.back(), 1)) return fail("shards=" + std::to_string(n.shards) + " would gather more than 2^32 features");
       out.dims.back() *= n.shards;
       return out;
     }
@@ -134,6 +137,9 @@ Status check_declared(const ImportContext& ctx, const onnx::ValueInfoProto& vi) 
   auto dims = declared_dims(vi);
   if (it == ctx.value_ids.end() || !dims) return Status::ok();
   const Shape& s = ctx.graph.values[it->second].shape;
+  if (dims->empty()) {
+    return Status::error("shape mismatch: '" + vi.name() + "' is declared as a scalar but the layers produce " + s.to_string());
+  }
   bool same = static_cast<int>(dims->size()) == s.rank();
   for (int k = 1; same && k < s.rank(); ++k) same = (*dims)[k] < 0 || (*dims)[k] == s.dims[k];
   if (!same) {

@@ -110,8 +110,12 @@ void fill_stage_values(const Graph& g, const std::vector<LiveRange>& live, Stage
 Status check_options(const PartitionOptions& o) {
   if (o.stages < 1) return Status::error("--stages must be at least 1, got " + std::to_string(o.stages));
   if (o.tensor_parallel < 1) return Status::error("--tensor-parallel must be at least 1, got " + std::to_string(o.tensor_parallel));
-  if (o.batch_size < 1) return Status::error("--batch-size must be at least 1");
-  if (o.micro_batches < 0) return Status::error("--micro-batches must be at least 1");
+  if (o.batch_size < 1 || o.batch_size > kMaxBatchSize) {
+    return Status::error("--batch-size must be between 1 and " + std::to_string(kMaxBatchSize));
+  }
+  if (o.micro_batches < 0 || o.micro_batches > o.batch_size) {
+    return Status::error("--micro-batches must be between 1 and the batch size");
+  }
   return Status::ok();
 }
 
@@ -198,6 +202,10 @@ Result<Plan> make_plan(const Graph& g, const std::string& model_path, const Part
   const double mean = static_cast<double>(cost_sum) / o.stages;
   plan.balance = mean > 0 ? static_cast<double>(split->max_stage_cost) / mean : 1.0;
   return plan;
+}
+
+std::string plan_json_text(const Plan& plan, const Graph& graph) {
+  return plan_to_json(plan, graph).dump(2, ' ', false, nlohmann::json::error_handler_t::replace) + "\n";
 }
 
 const char* balance_name(BalanceBy b) {

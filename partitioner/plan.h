@@ -88,6 +88,12 @@ Result<Plan> make_plan(const Graph& graph, const std::string& model_path,
                        const PartitionOptions& options);
 
 nlohmann::json plan_to_json(const Plan& plan, const Graph& graph);
+// plan.json's text. Names that are not valid UTF-8 (corrupt files) get U+FFFD in place
+// of the bad bytes instead of failing.
+std::string plan_json_text(const Plan& plan, const Graph& graph);
+
+// Largest --batch-size the memory estimate accepts.
+inline constexpr int64_t kMaxBatchSize = int64_t{1} << 24;
 
 const char* balance_name(BalanceBy b);
 const char* shard_role_name(ShardRole r);

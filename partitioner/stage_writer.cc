@@ -276,23 +276,32 @@ Result<std::shared_ptr<onnx::ModelProto>> build_stage_model(const ImportedModel&
   return out;
 }
 
-Status write_file_atomically(const std::string& path, const std::string& bytes) {
-  const std::string tmp = path + ".tmp" + std::to_string(::getpid());
-  int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-  if (fd < 0) return Status::error("cannot write '" + tmp + "'");
+Status write_file_synced(const std::string& path, const std::string& bytes) {
+  int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+  if (fd < 0) return Status::error("cannot write '" + path + "'");
   size_t done = 0;
   while (done < bytes.size()) {
     ssize_t w = ::write(fd, bytes.data() + done, bytes.size() - done);
     if (w <= 0) {
       ::close(fd);
-      std::remove(tmp.c_str());
+      std::remove(path.c_str());
       return Status::error("cannot write '" + path + "' (disk full?)");
     }
     done += static_cast<size_t>(w);
   }
   const bool synced = ::fsync(fd) == 0;
   ::close(fd);
-  if (!synced || std::rename(tmp.c_str(), path.c_str()) != 0) {
+  if (!synced) {
+    std::remove(path.c_str());
+    return Status::error("cannot write '" + path + "'");
+  }
+  return Status::ok();
+}
+
+Status write_file_atomically(const std::string& path, const std::string& bytes) {
+  const std::string tmp = path + ".tmp" + std::to_string(::getpid());
+  PIPESHARD_RETURN_IF_ERROR(write_file_synced(tmp, bytes));
+  if (std::rename(tmp.c_str(), path.c_str()) != 0) {
     std::remove(tmp.c_str());
     return Status::error("cannot write '" + path + "'");
   }
@@ -310,11 +319,32 @@ Status write_partition(const ImportedModel& model, const Plan& plan, const std::
       files.emplace_back((fs::path(dir) / s.files[t]).string(), std::move(bytes));
     }
   }
-  files.emplace_back((fs::path(dir) / "plan.json").string(), plan_to_json(plan, model.graph).dump(2) + "\n");
+  files.emplace_back((fs::path(dir) / "plan.json").string(), plan_json_text(plan, model.graph));
+  // Nothing may be left half-written: first every file goes to a temporary beside its
+  // target, then every target is checked, and only then is anything renamed.
   std::error_code ec;
+  const bool created = !fs::exists(dir, ec);
   fs::create_directories(dir, ec);
   if (ec || !fs::is_directory(dir)) return Status::error("cannot create output folder '" + dir + "'");
-  for (const auto& [path, bytes] : files) PIPESHARD_RETURN_IF_ERROR(write_file_atomically(path, bytes));
+  std::vector<std::string> temporaries;
+  auto abandon = [&](const Status& why) {
+    for (const auto& t : temporaries) fs::remove(t, ec);
+    if (created) fs::remove_all(dir, ec);
+    return why;
+  };
+  for (const auto& [path, bytes] : files) {
+    const std::string tmp = path + ".partial";
+    temporaries.push_back(tmp);
+    if (Status s = write_file_synced(tmp, bytes); !s) return abandon(s);
+    if (fs::exists(path, ec) && !fs::is_regular_file(path, ec)) {
+      return abandon(Status::error("cannot write '" + path + "': something other than a file is in the way"));
+    }
+  }
+  for (size_t i = 0; i < files.size(); ++i) {
+    if (std::rename(temporaries[i].c_str(), files[i].first.c_str()) != 0) {
+      return abandon(Status::error("cannot write '" + files[i].first + "'"));
+    }
+  }
   return Status::ok();
 }
 

@@ -18,8 +18,22 @@ using namespace pipeshard;
 
 constexpr int kExitBadInput = 2;
 
+// Names and paths come from files nobody here wrote: control characters are escaped so
+// the message stays one line.
+std::string printable(const std::string& s) {
+  std::string out;
+  for (unsigned char c : s) {
+    if (c < 0x20 || c == 0x7f) {
+      out += fmt::format("\\x{:02x}", c);
+    } else {
+      out += static_cast<char>(c);
+    }
+  }
+  return out;
+}
+
 int fail(const std::string& message) {
-  std::fprintf(stderr, "partition: error: %s\n", message.c_str());
+  std::fprintf(stderr, "partition: error: %s\n", printable(message).c_str());
   return kExitBadInput;
 }
 
@@ -140,7 +154,7 @@ int main(int argc, char** argv) {
   if (!plan) return fail(model + ": " + plan.status().message());
   if (Status s = write_partition(*m, *plan, out_dir); !s) return fail(s.message());
   if (json) {
-    fmt::print("{}\n", plan_to_json(*plan, m->graph).dump(2));
+    fmt::print("{}\n", plan_json_text(*plan, m->graph));
   } else {
     print_table(*m, *plan, out_dir);
   }

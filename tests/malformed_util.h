@@ -1,0 +1,192 @@
+// Helpers for the malformed-input suites: editing ONNX models from models/, running the
+// partition tool on the result, and checking the contract for bad input (exit status 2,
+// one "partition: error: " line on stderr naming what is wrong, nothing on stdout, no
+// output folder).
+#ifndef PIPESHARD_TESTS_MALFORMED_UTIL_H_
+#define PIPESHARD_TESTS_MALFORMED_UTIL_H_
+
+#include <onnx/onnx_pb.h>
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "test_util.h"
+
+namespace pipeshard::testing {
+
+// simple.onnx: Gemm /0/Gemm [256,100] -> Relu /1/Relu -> Gemm /2/Gemm [128,256] ->
+// Relu /3/Relu -> Gemm /4/Gemm [10,128], input "input" [batch,100], output "output" [batch,10].
+inline constexpr const char* kSimple = "models/simple.onnx";
+
+// A run of partition that hangs is killed and shows up as exit status 124.
+inline constexpr int kTimeoutSeconds = 30;
+
+// ---- Building models ------------------------------------------------------------------------
+
+inline void write_bytes(const std::string& path, const std::string& bytes) {
+  std::ofstream out(path, std::ios::binary | std::ios::trunc);
+  out.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+  ASSERT_TRUE(out.good()) << "cannot write " << path;
+}
+
+inline onnx::ModelProto load_model(const std::string& rel) {
+  onnx::ModelProto m;
+  const std::string bytes = read_text(source_path(rel));
+  EXPECT_TRUE(!bytes.empty() && m.ParseFromString(bytes)) << "cannot read " << rel;
+  return m;
+}
+
+inline onnx::NodeProto& node_named(onnx::ModelProto& m, const std::string& name) {
+  for (auto& n : *m.mutable_graph()->mutable_node()) {
+    if (n.name() == name) return n;
+  }
+  ADD_FAILURE() << "no node named " << name;
+  return *m.mutable_graph()->add_node();
+}
+
+inline onnx::TensorProto& initializer_named(onnx::ModelProto& m, const std::string& name) {
+  for (auto& t : *m.mutable_graph()->mutable_initializer()) {
+    if (t.name() == name) return t;
+  }
+  ADD_FAILURE() << "no initializer named " << name;
+  return *m.mutable_graph()->add_initializer();
+}
+
+inline void remove_initializer(onnx::ModelProto& m, const std::string& name) {
+  auto* inits = m.mutable_graph()->mutable_initializer();
+  for (int i = 0; i < inits->size(); ++i) {
+    if (inits->Get(i).name() == name) {
+      inits->DeleteSubrange(i, 1);
+      return;
+    }
+  }
+  ADD_FAILURE() << "no initializer named " << name;
+}
+
+// Replaces `t`'s contents by float32 data of `dims`, every element 0.01.
+inline void set_float_tensor(onnx::TensorProto& t, const std::vector<int64_t>& dims) {
+  int64_t n = 1;
+  t.clear_dims();
+  for (int64_t d : dims) {
+    t.add_dims(d);
+    n *= d;
+  }
+  t.set_data_type(onnx::TensorProto::FLOAT);
+  const std::vector<float> data(static_cast<size_t>(n), 0.01f);
+  t.set_raw_data(std::string(reinterpret_cast<const char*>(data.data()), data.size() * sizeof(float)));
+}
+
+// Re-encodes a float32 raw_data tensor as float64.
+inline void convert_to_double(onnx::TensorProto& t) {
+  const std::string& raw = t.raw_data();
+  std::vector<double> data(raw.size() / sizeof(float));
+  for (size_t i = 0; i < data.size(); ++i) {
+    float f;
+    std::memcpy(&f, raw.data() + i * sizeof(float), sizeof(float));
+    data[i] = f;
+  }
+  t.set_data_type(onnx::TensorProto::DOUBLE);
+  t.set_raw_data(std::string(reinterpret_cast<const char*>(data.data()), data.size() * sizeof(double)));
+}
+
+// Sets the float32 value of Constant node `name` (a one-element tensor).
+inline void set_constant_scalar(onnx::ModelProto& m, const std::string& name, float value) {
+  onnx::NodeProto& n = node_named(m, name);
+  ASSERT_EQ(n.op_type(), "Constant");
+  for (auto& a : *n.mutable_attribute()) {
+    if (a.name() == "value") {
+      a.mutable_t()->clear_float_data();
+      a.mutable_t()->set_raw_data(std::string(reinterpret_cast<const char*>(&value), sizeof(float)));
+      return;
+    }
+  }
+  ADD_FAILURE() << name << " has no value attribute";
+}
+
+inline onnx::TensorShapeProto* graph_output_shape(onnx::ModelProto& m) {
+  return m.mutable_graph()->mutable_output(0)->mutable_type()->mutable_tensor_type()->mutable_shape();
+}
+
+inline onnx::TensorShapeProto* graph_input_shape(onnx::ModelProto& m) {
+  return m.mutable_graph()->mutable_input(0)->mutable_type()->mutable_tensor_type()->mutable_shape();
+}
+
+// ---- Running partition and checking the refusal ---------------------------------------------
+
+inline CommandResult run_partition(const std::string& model, const std::string& out_dir,
+                                   const std::string& args = "--stages 2") {
+  std::string command = "timeout " + std::to_string(kTimeoutSeconds) + " " + quote(tool_path("partition"));
+  if (!model.empty()) command += " " + quote(model);
+  if (!args.empty()) command += " " + args;
+  if (!out_dir.empty()) command += " --out " + quote(out_dir);
+  return run_command(command);
+}
+
+inline std::string describe(const CommandResult& r) {
+  return "exit status " + std::to_string(r.exit_code) + ", stderr [" + r.err + "], stdout [" +
+         r.out.substr(0, 400) + "]";
+}
+
+// The whole contract for bad input. `out_dir` must not exist afterwards (pass "" when the
+// case checks its output folder itself); every fragment must appear in the message.
+inline ::testing::AssertionResult refused(const CommandResult& r, const std::string& out_dir,
+                                          const std::vector<std::string>& fragments) {
+  const std::string prefix = "partition: error: ";
+  if (r.exit_code != 2) return ::testing::AssertionFailure() << "want exit status 2; got " << describe(r);
+  if (r.err.empty() || r.err.back() != '\n' || r.err.find('\n') != r.err.size() - 1) {
+    return ::testing::AssertionFailure() << "want exactly one line on stderr; got " << describe(r);
+  }
+  if (r.err.rfind(prefix, 0) != 0) {
+    return ::testing::AssertionFailure() << "want stderr to start with '" << prefix << "'; got " << describe(r);
+  }
+  for (const auto& f : fragments) {
+    if (r.err.find(f) == std::string::npos) {
+      return ::testing::AssertionFailure() << "want '" << f << "' in the message; got " << describe(r);
+    }
+  }
+  if (!r.out.empty()) return ::testing::AssertionFailure() << "want empty stdout; got " << describe(r);
+  if (!out_dir.empty() && std::filesystem::exists(out_dir)) {
+    return ::testing::AssertionFailure() << "want no output folder, but " << out_dir << " was created; "
+                                         << describe(r);
+  }
+  return ::testing::AssertionSuccess();
+}
+
+// For input the tool may accept: exit status 0 with nothing on stderr, or a refusal.
+inline ::testing::AssertionResult succeeded_or_refused(const CommandResult& r, const std::string& out_dir) {
+  if (r.exit_code == 0 && r.err.empty()) return ::testing::AssertionSuccess();
+  return refused(r, out_dir, {});
+}
+
+// A scratch folder with model.onnx (whatever the case writes) and out/ (must not appear).
+class Malformed : public ::testing::Test {
+ protected:
+  std::string model_path() const { return dir_ / "model.onnx"; }
+  std::string out_dir() const { return dir_ / "out"; }
+
+  CommandResult partition_bytes(const std::string& bytes, const std::string& args = "--stages 2") {
+    write_bytes(model_path(), bytes);
+    return run_partition(model_path(), out_dir(), args);
+  }
+  CommandResult partition_model(const onnx::ModelProto& m, const std::string& args = "--stages 2") {
+    return partition_bytes(m.SerializeAsString(), args);
+  }
+  // Loads `rel`, lets `edit` break it, and runs partition on the result.
+  CommandResult partition_edited(const std::string& rel, const std::function<void(onnx::ModelProto&)>& edit) {
+    onnx::ModelProto m = load_model(rel);
+    edit(m);
+    return partition_model(m);
+  }
+
+  ScratchDir dir_{"malformed"};
+};
+
+}  // namespace pipeshard::testing
+
+#endif  // PIPESHARD_TESTS_MALFORMED_UTIL_H_
