@@ -409,6 +409,11 @@ def digits_data():
     np.save(os.path.join(DATA, "digits_features.npy"), features)
     np.save(os.path.join(DATA, "digits_images.npy"), features.reshape(-1, 1, 8, 8))
     np.save(os.path.join(DATA, "digits_labels.npy"), d.target.astype(np.int64))
+    # A fixed split for demos: every 6th sample held out for evaluation.
+    held_out = np.arange(len(features)) % 6 == 5
+    for name, rows in (("train", ~held_out), ("test", held_out)):
+        np.save(os.path.join(DATA, f"digits_{name}_features.npy"), features[rows])
+        np.save(os.path.join(DATA, f"digits_{name}_labels.npy"), d.target[rows].astype(np.int64))
 
 
 def main():
