@@ -1,8 +1,5 @@
 #include "partitioner/stage_writer.h"
 
-#include <fcntl.h>
-#include <unistd.h>
-
 #include <algorithm>
 #include <cstdio>
 #include <filesystem>
@@ -274,38 +271,6 @@ Result<std::shared_ptr<onnx::ModelProto>> build_stage_model(const ImportedModel&
   for (const auto& o : s.outputs) set_value_info(graph->add_output(), o);
   b.finish(graph);
   return out;
-}
-
-Status write_file_synced(const std::string& path, const std::string& bytes) {
-  int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-  if (fd < 0) return Status::error("cannot write '" + path + "'");
-  size_t done = 0;
-  while (done < bytes.size()) {
-    ssize_t w = ::write(fd, bytes.data() + done, bytes.size() - done);
-    if (w <= 0) {
-      ::close(fd);
-      std::remove(path.c_str());
-      return Status::error("cannot write '" + path + "' (disk full?)");
-    }
-    done += static_cast<size_t>(w);
-  }
-  const bool synced = ::fsync(fd) == 0;
-  ::close(fd);
-  if (!synced) {
-    std::remove(path.c_str());
-    return Status::error("cannot write '" + path + "'");
-  }
-  return Status::ok();
-}
-
-Status write_file_atomically(const std::string& path, const std::string& bytes) {
-  const std::string tmp = path + ".tmp" + std::to_string(::getpid());
-  PIPESHARD_RETURN_IF_ERROR(write_file_synced(tmp, bytes));
-  if (std::rename(tmp.c_str(), path.c_str()) != 0) {
-    std::remove(tmp.c_str());
-    return Status::error("cannot write '" + path + "'");
-  }
-  return Status::ok();
 }
 
 Status write_partition(const ImportedModel& model, const Plan& plan, const std::string& dir) {

@@ -14,6 +14,7 @@
 
 #include <string>
 
+#include "common/atomic_file.h"
 #include "common/status.h"
 #include "importer/onnx_importer.h"
 #include "partitioner/plan.h"
@@ -28,11 +29,6 @@ Result<std::shared_ptr<onnx::ModelProto>> build_stage_model(const ImportedModel&
 // models are built before the first byte is written, and each file is written to a
 // temporary name and renamed, so a failure never leaves a half-written file.
 Status write_partition(const ImportedModel& model, const Plan& plan, const std::string& dir);
-
-// Writes `bytes` to `path` atomically (temporary file in the same folder, fsync, rename).
-Status write_file_atomically(const std::string& path, const std::string& bytes);
-// Writes `bytes` to `path` and fsyncs it (no rename); removes the file on failure.
-Status write_file_synced(const std::string& path, const std::string& bytes);
 
 }  // namespace pipeshard
 

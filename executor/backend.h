@@ -1,0 +1,181 @@
+// Backend: memory and kernels for one device. Everything above it — programs, autograd,
+// losses, optimizers, schedules — sees only this interface, so the CUDA backend is a
+// second implementation of the same thing, tested against the CPU one.
+//
+// Conventions (llm.c style):
+// - Pointers are float32 buffers in the backend's memory, from allocate(). Shapes are
+//   given as counts; comments give each buffer's shape, e.g. x [rows, in].
+// - Each layer is a forward/backward pair. Backward ADDS into parameter gradients and
+//   into input gradients (+=), so fan-out (residuals, shared weights) needs no special
+//   case: the caller zeroes gradient buffers once per step.
+// - Kernels never fail on valid shapes; invalid shapes are bugs (PIPESHARD_CHECK).
+// No CUDA header is included here.
+#ifndef PIPESHARD_EXECUTOR_BACKEND_H_
+#define PIPESHARD_EXECUTOR_BACKEND_H_
+
+#include <cstdint>
+#include <memory>
+
+#include "importer/graph.h"
+
+namespace pipeshard {
+
+// y[rows, out] = alpha * x[rows, in] · W + beta * b[out], W stored as `layout` says.
+struct LinearShape {
+  int64_t rows = 0;  // batch × any dims between the batch and the features
+  int64_t in = 0;
+  int64_t out = 0;
+  WeightLayout layout = WeightLayout::kOutIn;
+  float alpha = 1.0f;
+  float beta = 1.0f;
+};
+
+struct Activation {
+  ActivationKind kind = ActivationKind::kRelu;
+  float alpha = 0.01f;  // LeakyRelu's negative slope
+};
+
+// Hyper-parameters of one optimizer step, torch.optim semantics.
+struct SgdStep {
+  float lr = 0.01f, momentum = 0.0f, weight_decay = 0.0f;
+  bool nesterov = false;
+  bool first_step = true;  // torch initialises the momentum buffer to the first gradient
+};
+struct AdamStep {
+  float lr = 1e-3f, beta1 = 0.9f, beta2 = 0.999f, eps = 1e-8f, weight_decay = 0.0f;
+  bool decoupled = false;  // AdamW: decay the weights, not the gradient
+  int64_t step = 1;        // 1-based, for bias correction
+};
+
+class Backend {
+ public:
+  virtual ~Backend() = default;
+  virtual const char* name() const = 0;
+
+  // ---- memory (float32 elements) ----
+  // A zero-filled buffer of n elements; owned by the caller, released with deallocate().
+  virtual float* allocate(int64_t n) = 0;
+  virtual void deallocate(float* p) = 0;
+  virtual void upload(float* dst, const float* host, int64_t n) = 0;
+  virtual void download(float* host, const float* src, int64_t n) = 0;
+  virtual void fill(float* dst, float value, int64_t n) = 0;
+  virtual void copy(float* dst, const float* src, int64_t n) = 0;
+  // y[n] += a * x[n]
+  virtual void axpy(float* y, float a, const float* x, int64_t n) = 0;
+  // x[n] *= a
+  virtual void scale(float* x, float a, int64_t n) = 0;
+  // sum of x[i]^2 in double precision (gradient clipping)
+  virtual double sum_squares(const float* x, int64_t n) = 0;
+  // 1 when any x[i] is NaN or infinite
+  virtual bool any_non_finite(const float* x, int64_t n) = 0;
+
+  // ---- Linear ----
+  // y [rows, out]; x [rows, in]; w [out, in] or [in, out]; b [out] or null.
+  // `epilogue`, when given, is applied to y in the same pass (fused bias + activation);
+  // pre [rows, out] then receives the pre-activation values backward needs.
+  virtual void linear_forward(float* y, const float* x, const float* w, const float* b, const LinearShape& s,
+                              const Activation* epilogue = nullptr, float* pre = nullptr) = 0;
+  // dx [rows, in] += alpha·dy·W ; dw += alpha·dyᵀx laid out like w ; db [out] += beta·Σ_rows dy.
+  // Any of dx, dw, db may be null (not needed). dy [rows, out] is not modified.
+  virtual void linear_backward(float* dx, float* dw, float* db, const float* dy, const float* x, const float* w,
+                               const LinearShape& s) = 0;
+
+  // ---- elementwise ----
+  // y[n] = act(x[n])
+  virtual void activation_forward(float* y, const float* x, int64_t n, const Activation& a) = 0;
+  // dx[n] += dy[n] * act'(x[n]); y = act(x) is passed for kinds whose derivative uses it.
+  virtual void activation_backward(float* dx, const float* dy, const float* x, const float* y, int64_t n,
+                                   const Activation& a) = 0;
+  // y[n] = a[n] + b[n]
+  virtual void add_forward(float* y, const float* a, const float* b, int64_t n) = 0;
+
+  // ---- softmax over the last dim: x, y [rows, width] ----
+  virtual void softmax_forward(float* y, const float* x, int64_t rows, int64_t width, bool log) = 0;
+  // dx += softmax' · dy, using the forward output y.
+  virtual void softmax_backward(float* dx, const float* dy, const float* y, int64_t rows, int64_t width,
+                                bool log) = 0;
+
+  // ---- LayerNorm over the last dim: x, y [rows, width]; w, b [width] or null ----
+  // mean, rstd [rows] are saved for backward.
+  virtual void layernorm_forward(float* y, float* mean, float* rstd, const float* x, const float* w,
+                                 const float* b, int64_t rows, int64_t width, float eps) = 0;
+  virtual void layernorm_backward(float* dx, float* dw, float* db, const float* dy, const float* x,
+                                  const float* w, const float* mean, const float* rstd, int64_t rows,
+                                  int64_t width) = 0;
+
+  // ---- BatchNorm per channel: x, y [batch, channels, inner]; w, b, running_* [channels] ----
+  // training: normalise with the batch's statistics (biased variance), save mean and
+  // rstd [channels] (in both modes: inference saves the running mean and
+  // 1/sqrt(running_var + eps), which backward needs), and update running_mean/var as ONNX does:
+  //   running = momentum * running + (1 - momentum) * batch, with the UNBIASED variance
+  // (PyTorch's rule; ONNX momentum = 1 - torch momentum). Otherwise use the running stats.
+  virtual void batchnorm_forward(float* y, float* mean, float* rstd, float* running_mean, float* running_var,
+                                 const float* x, const float* w, const float* b, int64_t batch, int64_t channels,
+                                 int64_t inner, float eps, float momentum, bool training) = 0;
+  virtual void batchnorm_backward(float* dx, float* dw, float* db, const float* dy, const float* x,
+                                  const float* w, const float* mean, const float* rstd, int64_t batch,
+                                  int64_t channels, int64_t inner, bool training) = 0;
+
+  // ---- Dropout: y[n] = x[n] * mask[n], mask[n] in {0, 1/(1-ratio)} drawn from (seed, offset) ----
+  virtual void dropout_forward(float* y, float* mask, const float* x, int64_t n, float ratio, uint64_t seed,
+                               uint64_t offset) = 0;
+  // dx += dy * mask
+  virtual void dropout_backward(float* dx, const float* dy, const float* mask, int64_t n) = 0;
+
+  // ---- losses, mean over `rows` (the GLOBAL batch: pass its size as `denominator`) ----
+  // logits [rows, classes], labels [rows] as float-encoded class indices.
+  // Returns Σ losses / denominator and writes dlogits [rows, classes] = ∂loss/∂logits.
+  // log_probs: the logits are already log-probabilities (model ends in LogSoftmax): NLL.
+  virtual double cross_entropy(float* dlogits, const float* logits, const float* labels, int64_t rows,
+                               int64_t classes, double denominator, bool log_probs) = 0;
+  // pred, target, dpred [n]; Σ (pred - target)^2 / denominator.
+  virtual double mean_squared_error(float* dpred, const float* pred, const float* target, int64_t n,
+                                    double denominator) = 0;
+
+  // ---- optimizers over contiguous buffers: param, grad, state [n] ----
+  virtual void sgd_step(float* param, const float* grad, float* momentum_buffer, int64_t n, const SgdStep& s) = 0;
+  virtual void adam_step(float* param, const float* grad, float* exp_avg, float* exp_avg_sq, int64_t n,
+                         const AdamStep& s) = 0;
+};
+
+// The CPU reference: OpenBLAS sgemm for Linear, plain loops (OpenMP where it pays) for
+// the rest.
+std::unique_ptr<Backend> make_cpu_backend();
+
+// A buffer owned by a Backend, released when it goes out of scope.
+class DeviceBuffer {
+ public:
+  DeviceBuffer() = default;
+  DeviceBuffer(Backend& backend, int64_t n) : backend_(&backend), data_(backend.allocate(n)), size_(n) {}
+  DeviceBuffer(DeviceBuffer&& o) noexcept { *this = std::move(o); }
+  DeviceBuffer& operator=(DeviceBuffer&& o) noexcept {
+    if (this != &o) {
+      reset();
+      backend_ = o.backend_;
+      data_ = o.data_;
+      size_ = o.size_;
+      o.data_ = nullptr;
+      o.size_ = 0;
+    }
+    return *this;
+  }
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+  ~DeviceBuffer() { reset(); }
+
+  float* data() const { return data_; }
+  int64_t size() const { return size_; }
+
+ private:
+  void reset() {
+    if (data_) backend_->deallocate(data_);
+    data_ = nullptr;
+  }
+  Backend* backend_ = nullptr;
+  float* data_ = nullptr;
+  int64_t size_ = 0;
+};
+
+}  // namespace pipeshard
+
+#endif  // PIPESHARD_EXECUTOR_BACKEND_H_

@@ -1,0 +1,93 @@
+// Internal to the CPU backend: its kernels as free functions (one .cc per op family) and
+// the two loop helpers they share. Shapes, units and the += convention are those of the
+// matching Backend methods in executor/backend.h; only cpu_backend.cc calls these.
+#ifndef PIPESHARD_EXECUTOR_CPU_KERNELS_H_
+#define PIPESHARD_EXECUTOR_CPU_KERNELS_H_
+
+#include <algorithm>
+#include <cstdint>
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#include "executor/backend.h"
+
+namespace pipeshard::cpu {
+
+// Below this many units of work (about one float operation each) a loop runs on the
+// calling thread: waking the OpenMP team costs a few microseconds.
+inline constexpr int64_t kParallelMinWork = 32768;
+
+// Calls body(begin, end) on contiguous pieces that cover [0, n) once, one piece per
+// thread when `work` pays for the threads. Bodies must compute each index the same way
+// whatever the piece, so results do not depend on the thread count.
+template <typename Body>
+void parallel_ranges(int64_t n, int64_t work, Body&& body) {
+  if (n <= 0) return;
+#ifdef _OPENMP
+  if (work >= kParallelMinWork && n > 1 && omp_get_max_threads() > 1) {
+#pragma omp parallel
+    {
+      const int64_t threads = omp_get_num_threads(), t = omp_get_thread_num();
+      const int64_t begin = n * t / threads, end = n * (t + 1) / threads;
+      if (begin < end) body(begin, end);
+    }
+    return;
+  }
+#endif
+  body(0, n);
+}
+
+// Σ chunk(begin, end) over [0, n), in double. The pieces depend on n and work_per_item
+// only (at most 64, each worth at least kParallelMinWork) and their partial sums are
+// added in order, so the result is the same for any thread count.
+template <typename Chunk>
+double deterministic_sum(int64_t n, int64_t work_per_item, Chunk&& chunk) {
+  constexpr int64_t kMaxPieces = 64;
+  if (n <= 0) return 0.0;
+  const int64_t pieces = std::clamp<int64_t>(n * work_per_item / kParallelMinWork, 1, std::min(n, kMaxPieces));
+  double partial[kMaxPieces];
+  parallel_ranges(pieces, n * work_per_item, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p) partial[p] = chunk(n * p / pieces, n * (p + 1) / pieces);
+  });
+  double total = 0.0;
+  for (int64_t p = 0; p < pieces; ++p) total += partial[p];
+  return total;
+}
+
+// ---- elementwise (cpu_backend.cc) ----
+void activation_forward(float* y, const float* x, int64_t n, const Activation& a);
+void activation_backward(float* dx, const float* dy, const float* x, const float* y, int64_t n,
+                         const Activation& a);
+// y[rows, width] = act(y + beta * b) in place, b [width] or null, act optional; pre
+// [rows, width] (or null) receives the values before the activation.
+void bias_activation_rows(float* y, float* pre, const float* b, float beta, int64_t rows, int64_t width,
+                          const Activation* act);
+
+// ---- softmax, LayerNorm, BatchNorm (cpu_normalization.cc) ----
+void softmax_forward(float* y, const float* x, int64_t rows, int64_t width, bool log);
+void softmax_backward(float* dx, const float* dy, const float* y, int64_t rows, int64_t width, bool log);
+void layernorm_forward(float* y, float* mean, float* rstd, const float* x, const float* w, const float* b,
+                       int64_t rows, int64_t width, float eps);
+void layernorm_backward(float* dx, float* dw, float* db, const float* dy, const float* x, const float* w,
+                        const float* mean, const float* rstd, int64_t rows, int64_t width);
+void batchnorm_forward(float* y, float* mean, float* rstd, float* running_mean, float* running_var,
+                       const float* x, const float* w, const float* b, int64_t batch, int64_t channels,
+                       int64_t inner, float eps, float momentum, bool training);
+void batchnorm_backward(float* dx, float* dw, float* db, const float* dy, const float* x, const float* w,
+                        const float* mean, const float* rstd, int64_t batch, int64_t channels, int64_t inner,
+                        bool training);
+
+// ---- dropout, losses, optimizers (cpu_training.cc) ----
+void dropout_forward(float* y, float* mask, const float* x, int64_t n, float ratio, uint64_t seed,
+                     uint64_t offset);
+double cross_entropy(float* dlogits, const float* logits, const float* labels, int64_t rows, int64_t classes,
+                     double denominator, bool log_probs);
+double mean_squared_error(float* dpred, const float* pred, const float* target, int64_t n, double denominator);
+void sgd_step(float* param, const float* grad, float* momentum_buffer, int64_t n, const SgdStep& s);
+void adam_step(float* param, const float* grad, float* exp_avg, float* exp_avg_sq, int64_t n, const AdamStep& s);
+
+}  // namespace pipeshard::cpu
+
+#endif  // PIPESHARD_EXECUTOR_CPU_KERNELS_H_

@@ -1,0 +1,84 @@
+// A Program runs a Graph on a Backend: forward in topological order, backward in
+// reverse. Trainable parameters and their gradients each live in one contiguous buffer
+// (one memset, one optimizer loop, one all-reduce later); BatchNorm running statistics
+// live in a second one. Every value has an activation buffer and a gradient buffer
+// sized for the largest batch; gradients are summed where a value fans out (residual
+// connections, tied weights) because every backward adds (+=).
+//
+// A Linear whose only reader is an activation runs as one fused GEMM + bias +
+// activation pass; Reshape aliases its input's buffers and costs nothing.
+#ifndef PIPESHARD_EXECUTOR_PROGRAM_H_
+#define PIPESHARD_EXECUTOR_PROGRAM_H_
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "common/status.h"
+#include "executor/backend.h"
+#include "importer/graph.h"
+
+namespace pipeshard {
+
+enum class Mode { kTrain, kEval };
+
+class Program {
+ public:
+  // Builds the program for all of `graph` with room for batches of up to `max_batch`
+  // samples, and uploads the graph's parameters. `graph` must outlive the Program.
+  static Result<std::unique_ptr<Program>> create(const Graph& graph, Backend& backend, int64_t max_batch);
+  ~Program();
+
+  // Trainable parameter elements: the size of parameters() and gradients().
+  int64_t trainable_elements() const { return trainable_elements_; }
+  float* parameters() { return params_.data(); }  // [trainable_elements]
+  float* gradients() { return grads_.data(); }    // [trainable_elements]
+  // Where Graph parameter `p` lives in parameters() (-1 when it is not trainable).
+  int64_t parameter_offset(int p) const { return param_offset_[p]; }
+
+  // Copies parameters and running statistics from the backend into graph.params, or
+  // back. `graph` must be the Graph the Program was built from (or a copy of it).
+  void download_parameters(Graph& graph) const;
+  void upload_parameters(const Graph& graph);
+
+  // Runs forward for `batch` samples. host_inputs[k] points at the k-th model input,
+  // [batch, ...] float32 in host memory. In kTrain mode BatchNorm layers that the file
+  // marks as training use batch statistics and update their running statistics, and
+  // Dropout draws masks from `seed`; in kEval mode both use inference semantics.
+  void forward(const std::vector<const float*>& host_inputs, int64_t batch, Mode mode, uint64_t seed);
+  // Model output k after forward(): backend memory, [batch, ...].
+  const float* output(int k) const;
+  const Shape& output_shape(int k) const;
+  // Gradient buffer of model output k, [batch, ...]: write ∂loss/∂output here (the
+  // loss functions do), then call backward().
+  float* output_gradient(int k);
+  // Adds ∂loss/∂parameters into gradients(). Requires a kTrain forward of the same batch.
+  void backward(int64_t batch);
+  void zero_gradients();
+
+  Backend& backend() { return backend_; }
+
+ private:
+  Program(const Graph& graph, Backend& backend, int64_t max_batch);
+  void forward_node(size_t i, int64_t batch, Mode mode, uint64_t seed);
+  void backward_node(size_t i, int64_t batch);
+  const float* param(int p) const;
+  float* param_grad(int p);  // null for non-trainable parameters
+
+  const Graph& graph_;
+  Backend& backend_;
+  int64_t max_batch_;
+  int64_t trainable_elements_ = 0;
+  DeviceBuffer params_, grads_, buffers_;  // trainable, their gradients, running stats
+  std::vector<int64_t> param_offset_;      // [graph params]; into params_ or buffers_
+  std::vector<DeviceBuffer> value_storage_, grad_storage_;
+  std::vector<float*> value_, grad_;       // [graph values]; Reshape aliases its input
+  std::vector<DeviceBuffer> saved_a_, saved_b_;  // [graph nodes]: mean/rstd, mask, pre-activation
+  std::vector<int> fused_activation_;      // [graph nodes]: Linear -> its activation node, or -1
+  std::vector<bool> skip_forward_;         // [graph nodes]: an activation fused into its Linear
+  std::vector<bool> needs_grad_;           // [graph values]: some trainable parameter is upstream
+};
+
+}  // namespace pipeshard
+
+#endif  // PIPESHARD_EXECUTOR_PROGRAM_H_

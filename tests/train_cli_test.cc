@@ -1,0 +1,130 @@
+// The train command line: a short real run (metrics, progress, a saved model that
+// pipeshard and onnxruntime load), and bad input refused with one line, exit status 2
+// and nothing written.
+#include <algorithm>
+#include <filesystem>
+#include <fstream>
+#include <set>
+
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+#include <onnx/onnx_pb.h>
+
+#include "importer/onnx_importer.h"
+#include "tests/test_util.h"
+
+namespace pipeshard {
+namespace {
+
+using testing::quote;
+using testing::run_command;
+using testing::ScratchDir;
+using testing::source_path;
+using testing::tool_path;
+
+std::string train_command(const std::string& model, const std::string& extra) {
+  return quote(tool_path("train")) + " " + quote(source_path("models/" + model)) + " --data " +
+         quote(source_path("data/digits_features.npy")) + " --labels " + quote(source_path("data/digits_labels.npy")) +
+         " " + extra;
+}
+
+TEST(TrainCli, ShortRunWritesMetricsAndALoadableModel) {
+  ScratchDir dir("train");
+  auto r = run_command(train_command("simple_digits.onnx", "--steps 12 --batch-size 64 --lr 0.05 --momentum 0.9 --metrics " +
+                                                               quote(dir / "m.jsonl") + " --save " + quote(dir / "t.onnx")));
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  std::ifstream in(dir / "m.jsonl");
+  std::string line;
+  int64_t expected = 1;
+  double first = 0, last = 0;
+  while (std::getline(in, line)) {
+    auto j = nlohmann::json::parse(line);
+    EXPECT_EQ(j["step"].get<int64_t>(), expected++);
+    for (const char* key : {"epoch", "loss", "lr", "samples_per_s"}) EXPECT_TRUE(j.contains(key)) << key;
+    (expected == 2 ? first : last) = j["loss"].get<double>();
+  }
+  EXPECT_EQ(expected, 13);
+  EXPECT_LT(last, first) << "the loss falls";
+  // The trained file: same initializer names as the input, new values.
+  Result<ImportedModel> original = import_onnx_file(source_path("models/simple_digits.onnx"));
+  Result<ImportedModel> trained = import_onnx_file(dir / "t.onnx");
+  ASSERT_TRUE(trained.is_ok()) << trained.status().message();
+  std::set<std::string> a, b;
+  for (const auto& t : original->source->graph().initializer()) a.insert(t.name());
+  for (const auto& t : trained->source->graph().initializer()) b.insert(t.name());
+  EXPECT_EQ(a, b);
+  EXPECT_NE(trained->graph.params[0].data, original->graph.params[0].data);
+  // onnxruntime runs it.
+  auto ort = run_command("node " + quote(source_path("tests/ort/eval.mjs")) + " " + quote(dir / "t.onnx") + " " +
+                         quote(source_path("models/reference/simple_digits.input.npy")) + " " + quote(dir / "out.npy"));
+  EXPECT_EQ(ort.exit_code, 0) << ort.err;
+}
+
+TEST(TrainCli, BatchNormStatisticsFoldedIntoWeightsAreSavedSeparately) {
+  // batchnorm_default_stats.onnx reads its running statistics through Identity nodes of
+  // the scale and bias; after training they differ and must be saved apart.
+  ScratchDir dir("bnsave");
+  auto r = run_command(quote(tool_path("train")) + " " + quote(source_path("models/batchnorm_default_stats.onnx")) +
+                       " --data " + quote(source_path("models/reference/batchnorm_default_stats.input.npy")) +
+                       " --labels " + quote(source_path("models/reference/batchnorm_default_stats.output.npy")) +
+                       " --loss mse --batch-size 3 --steps 3 --save " + quote(dir / "t.onnx"));
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  Result<ImportedModel> trained = import_onnx_file(dir / "t.onnx");
+  ASSERT_TRUE(trained.is_ok()) << trained.status().message();
+  const Graph& g = trained->graph;
+  for (const Node& n : g.nodes) {
+    if (n.kind != OpKind::kBatchNorm) continue;
+    EXPECT_EQ(g.params[n.running_var].name, "1.running_var");
+    EXPECT_NE(g.params[n.running_var].data, g.params[n.weight].data) << "statistics and scale trained apart";
+  }
+}
+
+struct BadRun {
+  std::string name;
+  std::string args;      // after the model
+  std::string fragment;  // expected in the one stderr line
+};
+
+class TrainRefuses : public ::testing::TestWithParam<BadRun> {};
+
+TEST_P(TrainRefuses, WithOneLineAndStatus2) {
+  ScratchDir dir("bad");
+  auto r = run_command(quote(tool_path("train")) + " " + GetParam().args + " --save " + quote(dir / "out.onnx"));
+  EXPECT_EQ(r.exit_code, 2) << r.err;
+  EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 1) << r.err;
+  EXPECT_EQ(r.err.rfind("train: error: ", 0), 0u) << r.err;
+  EXPECT_NE(r.err.find(GetParam().fragment), std::string::npos) << r.err;
+  EXPECT_FALSE(std::filesystem::exists(dir / "out.onnx"));
+}
+
+const std::string kModel = quote(source_path("models/simple_digits.onnx"));
+const std::string kData = " --data " + quote(source_path("data/digits_features.npy"));
+const std::string kLabels = " --labels " + quote(source_path("data/digits_labels.npy"));
+
+INSTANTIATE_TEST_SUITE_P(
+    Cases, TrainRefuses,
+    ::testing::Values(
+        BadRun{"MissingModel", "/nonexistent.onnx" + kData + kLabels, "no such file"},
+        BadRun{"MissingData", kModel + " --data /nonexistent.npy" + kLabels, "/nonexistent.npy"},
+        BadRun{"WrongWidth", quote(source_path("models/simple.onnx")) + kData + kLabels, "takes [N, 100]"},
+        BadRun{"LabelsAsFeatures", kModel + " --data " + quote(source_path("data/digits_labels.npy")) + kLabels, "int64"},
+        BadRun{"MomentumWithAdam", kModel + kData + kLabels + " --optimizer adam --momentum 0.9", "SGD settings"},
+        BadRun{"BetasWithSgd", kModel + kData + kLabels + " --betas 0.9,0.99", "Adam/AdamW settings"},
+        BadRun{"BadBetas", kModel + kData + kLabels + " --optimizer adam --betas 0.9", "--betas must be two numbers"},
+        BadRun{"NegativeLr", kModel + kData + kLabels + " --lr -1", "--lr must be positive"},
+        BadRun{"HugeBatch", kModel + kData + kLabels + " --batch-size 5000", "fewer than one batch of 5000"},
+        BadRun{"StepsAndEpochs", kModel + kData + kLabels + " --steps 3 --epochs 2", "excludes"},
+        BadRun{"UnknownOptimizer", kModel + kData + kLabels + " --optimizer lamb", "lamb"},
+        BadRun{"MseWithIntLabels", kModel + kData + kLabels + " --loss mse", "float32"},
+        BadRun{"ResumeWithoutCheckpoint", kModel + kData + kLabels + " --resume /nonexistent", "no checkpoint"},
+        BadRun{"PipelineWithoutMpirun", kModel + kData + kLabels + " --stages 2", "mpirun"}),
+    [](const auto& info) { return info.param.name; });
+
+TEST(TrainCli, HelpExitsZero) {
+  auto r = run_command(quote(tool_path("train")) + " --help");
+  EXPECT_EQ(r.exit_code, 0);
+  EXPECT_NE(r.out.find("--grad-accum"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace pipeshard

@@ -1,0 +1,218 @@
+// The training loop's promises that need no PyTorch to check: gradient accumulation is
+// a larger batch, a resumed run is the uninterrupted run, shuffling is seeded, and
+// bad data files are refused with a message naming the file and the problem.
+#include <cmath>
+
+#include <gtest/gtest.h>
+
+#include "executor/npy.h"
+#include "executor/trainer.h"
+#include "importer/onnx_importer.h"
+#include "tests/test_util.h"
+
+namespace pipeshard {
+namespace {
+
+using testing::ScratchDir;
+using testing::source_path;
+
+struct RunResult {
+  std::vector<double> losses;
+  Graph trained;
+};
+
+ImportedModel load(const std::string& name) {
+  Result<ImportedModel> m = import_onnx_file(source_path("models/" + name + ".onnx"));
+  EXPECT_TRUE(m.is_ok()) << m.status().message();
+  return std::move(m).value();
+}
+
+Dataset digits() {
+  ImportedModel m = load("simple_digits");
+  Result<Dataset> d = load_dataset(source_path("data/digits_features.npy"), source_path("data/digits_labels.npy"),
+                                   m.graph, LossKind::kCrossEntropy);
+  EXPECT_TRUE(d.is_ok()) << d.status().message();
+  return std::move(d).value();
+}
+
+TrainConfig sgd(int64_t batch, int64_t accum, int64_t steps) {
+  TrainConfig c;
+  c.optimizer.kind = OptimizerKind::kSgd;
+  c.optimizer.lr = 0.05f;
+  c.optimizer.momentum = 0.9f;
+  c.batch_size = batch;
+  c.grad_accum = accum;
+  c.total_steps = steps;
+  c.shuffle = false;
+  return c;
+}
+
+RunResult train(const Graph& g, const Dataset& d, const TrainConfig& c, int64_t steps) {
+  std::unique_ptr<Backend> backend = make_cpu_backend();
+  auto t = Trainer::create(g, d, *backend, c);
+  EXPECT_TRUE(t.is_ok()) << t.status().message();
+  RunResult r;
+  for (int64_t s = 0; s < steps; ++s) r.losses.push_back((*t)->step().loss);
+  r.trained = g;
+  (*t)->download_parameters(r.trained);
+  return r;
+}
+
+double max_weight_difference(const Graph& a, const Graph& b) {
+  double worst = 0;
+  for (size_t p = 0; p < a.params.size(); ++p)
+    for (size_t i = 0; i < a.params[p].data.size(); ++i)
+      worst = std::max(worst, static_cast<double>(std::fabs(a.params[p].data[i] - b.params[p].data[i])));
+  return worst;
+}
+
+TEST(Trainer, GradientAccumulationIsALargerBatch) {
+  ImportedModel m = load("simple_digits");
+  const Dataset d = digits();
+  RunResult big = train(m.graph, d, sgd(64, 1, 10), 10);
+  RunResult accumulated = train(m.graph, d, sgd(32, 2, 10), 10);
+  for (size_t s = 0; s < big.losses.size(); ++s) {
+    EXPECT_NEAR(accumulated.losses[s], big.losses[s], 1e-5 * std::fabs(big.losses[s])) << "step " << s + 1;
+  }
+  // Two half-batch GEMMs sum in a different order than one: float rounding only.
+  EXPECT_LT(max_weight_difference(accumulated.trained, big.trained), 1e-5);
+}
+
+TEST(Trainer, ResumedRunEqualsTheUninterruptedRun) {
+  ImportedModel m = load("simple_digits");
+  const Dataset d = digits();
+  for (OptimizerKind kind : {OptimizerKind::kSgd, OptimizerKind::kAdamW}) {
+    TrainConfig c = sgd(64, 1, 12);
+    c.optimizer.kind = kind;
+    c.shuffle = true;
+    c.seed = 5;
+    if (kind != OptimizerKind::kSgd) c.optimizer.momentum = 0;
+    RunResult straight = train(m.graph, d, c, 12);
+
+    ScratchDir dir("ckpt");
+    std::unique_ptr<Backend> backend = make_cpu_backend();
+    Graph scratch = m.graph;
+    {
+      auto first = Trainer::create(m.graph, d, *backend, c);
+      ASSERT_TRUE(first.is_ok());
+      for (int s = 0; s < 5; ++s) (*first)->step();
+      ASSERT_TRUE((*first)->save_checkpoint(dir.path(), scratch).is_ok());
+    }
+    auto second = Trainer::create(m.graph, d, *backend, c);
+    ASSERT_TRUE(second.is_ok());
+    Graph resumed = m.graph;
+    Status loaded = (*second)->load_checkpoint(dir.path(), resumed);
+    ASSERT_TRUE(loaded.is_ok()) << loaded.message();
+    EXPECT_EQ((*second)->steps_done(), 5);
+    for (int s = 5; s < 12; ++s) {
+      StepResult r = (*second)->step();
+      EXPECT_EQ(r.step, s + 1);
+      EXPECT_EQ(r.loss, straight.losses[s]) << "step " << s + 1 << " must be bit-identical";
+    }
+    (*second)->download_parameters(resumed);
+    EXPECT_EQ(max_weight_difference(resumed, straight.trained), 0.0);
+  }
+}
+
+TEST(Trainer, ShuffleIsSeeded) {
+  BatchOrder a(100, 10, true, 1), b(100, 10, true, 1), c(100, 10, true, 2), plain(100, 10, false, 1);
+  EXPECT_EQ(a.indices(3), b.indices(3));
+  EXPECT_NE(a.indices(3), c.indices(3));
+  EXPECT_EQ(plain.indices(12), (std::vector<int64_t>{20, 21, 22, 23, 24, 25, 26, 27, 28, 29}));  // epoch 2 restarts
+  // Each epoch is a permutation of all samples.
+  std::vector<int64_t> seen;
+  for (int64_t bi = 10; bi < 20; ++bi) {
+    auto idx = a.indices(bi);
+    seen.insert(seen.end(), idx.begin(), idx.end());
+  }
+  std::sort(seen.begin(), seen.end());
+  for (int64_t i = 0; i < 100; ++i) EXPECT_EQ(seen[i], i);
+}
+
+TEST(Trainer, IncompleteLastBatchIsDropped) {
+  BatchOrder o(1797, 64, false, 0);
+  EXPECT_EQ(o.batches_per_epoch(), 28);
+  EXPECT_EQ(o.indices(28).front(), 0);  // batch 29 is epoch 2's first
+  EXPECT_EQ(o.epoch_of(28), 2);
+}
+
+TEST(Trainer, EvaluationReportsLossAndAccuracy) {
+  ImportedModel m = load("simple_digits");
+  const Dataset d = digits();
+  std::unique_ptr<Backend> backend = make_cpu_backend();
+  auto t = Trainer::create(m.graph, d, *backend, sgd(64, 1, 60));
+  ASSERT_TRUE(t.is_ok());
+  const EvalResult before = (*t)->evaluate(d);
+  for (int s = 0; s < 60; ++s) (*t)->step();
+  const EvalResult after = (*t)->evaluate(d);
+  EXPECT_EQ(after.samples, 1797);
+  EXPECT_LT(after.loss, before.loss);
+  EXPECT_GT(after.accuracy, 0.8) << "the course model learns digits in 60 steps";
+}
+
+class BadData : public ::testing::Test {
+ protected:
+  ImportedModel model_ = load("simple_digits");
+  ScratchDir dir_{"data"};
+  std::string message(const std::string& x, const std::string& y, LossKind loss = LossKind::kCrossEntropy) {
+    Result<Dataset> d = load_dataset(x, y, model_.graph, loss);
+    EXPECT_FALSE(d.is_ok());
+    return d.is_ok() ? "" : d.status().message();
+  }
+  std::string write_floats(const std::string& name, std::vector<int64_t> shape) {
+    int64_t n = 1;
+    for (int64_t s : shape) n *= s;
+    std::vector<float> v(static_cast<size_t>(n), 0.5f);
+    EXPECT_TRUE(write_npy(dir_ / name, shape, v.data()).is_ok());
+    return dir_ / name;
+  }
+  std::string write_labels(const std::string& name, std::vector<int64_t> labels) {
+    EXPECT_TRUE(write_npy(dir_ / name, {static_cast<int64_t>(labels.size())}, labels.data()).is_ok());
+    return dir_ / name;
+  }
+};
+
+TEST_F(BadData, WidthThatDoesNotMatchTheModel) {
+  std::string msg = message(write_floats("x.npy", {4, 100}), write_labels("y.npy", {0, 1, 2, 3}));
+  EXPECT_NE(msg.find("features have shape [4, 100], the model's input 'input' takes [N, 64]"), std::string::npos) << msg;
+}
+
+TEST_F(BadData, LabelsOutOfRange) {
+  std::string msg = message(write_floats("x.npy", {4, 64}), write_labels("y.npy", {0, 1, 10, 3}));
+  EXPECT_NE(msg.find("label 10 at row 2 is outside the model's 10 classes [0, 9]"), std::string::npos) << msg;
+}
+
+TEST_F(BadData, FloatLabelsForCrossEntropy) {
+  std::string msg = message(write_floats("x.npy", {4, 64}), write_floats("y.npy", {4}));
+  EXPECT_NE(msg.find("needs integer class labels"), std::string::npos) << msg;
+}
+
+TEST_F(BadData, RowCountsDiffer) {
+  std::string msg = message(write_floats("x.npy", {4, 64}), write_labels("y.npy", {0, 1, 2}));
+  EXPECT_NE(msg.find("has 3 rows but the features have 4"), std::string::npos) << msg;
+}
+
+TEST_F(BadData, WrongFeatureDtype) {
+  std::vector<int64_t> ints(4 * 64, 1);
+  ASSERT_TRUE(write_npy(dir_ / "x.npy", {4, 64}, ints.data()).is_ok());
+  std::string msg = message(dir_ / "x.npy", write_labels("y.npy", {0, 1, 2, 3}));
+  EXPECT_NE(msg.find("int64"), std::string::npos) << msg;
+}
+
+TEST_F(BadData, MseTargetsMustMatchTheOutput) {
+  std::string msg = message(write_floats("x.npy", {4, 64}), write_floats("y.npy", {4, 3}), LossKind::kMse);
+  EXPECT_NE(msg.find("targets have shape [4, 3], the model's output is [N, 10]"), std::string::npos) << msg;
+}
+
+TEST_F(BadData, FewerSamplesThanOneBatch) {
+  Result<Dataset> d = load_dataset(write_floats("x.npy", {4, 64}), write_labels("y.npy", {0, 1, 2, 3}), model_.graph,
+                                   LossKind::kCrossEntropy);
+  ASSERT_TRUE(d.is_ok());
+  std::unique_ptr<Backend> backend = make_cpu_backend();
+  auto t = Trainer::create(model_.graph, *d, *backend, sgd(8, 1, 1));
+  ASSERT_FALSE(t.is_ok());
+  EXPECT_NE(t.status().message().find("fewer than one batch of 8"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace pipeshard

@@ -1,0 +1,240 @@
+// train: train an ONNX MLP on NumPy data in one process, exactly as PyTorch would, and
+// write the trained model back as ONNX. Bad arguments and bad files: one line on
+// stderr, exit status 2, nothing written.
+#include <unistd.h>
+
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <fstream>
+#include <string>
+
+#include <CLI/CLI.hpp>
+#include <fmt/core.h>
+#include <nlohmann/json.hpp>
+
+#include "executor/backend.h"
+#include "executor/dataset.h"
+#include "executor/trainer.h"
+#include "importer/onnx_importer.h"
+#include "importer/onnx_writer.h"
+
+namespace {
+
+using namespace pipeshard;
+
+constexpr int kExitBadInput = 2;
+
+std::string printable(const std::string& s) {
+  std::string out;
+  for (unsigned char c : s) out += (c < 0x20 || c == 0x7f) ? fmt::format("\\x{:02x}", c) : std::string(1, static_cast<char>(c));
+  return out;
+}
+
+int fail(const std::string& message) {
+  std::fprintf(stderr, "train: error: %s\n", printable(message).c_str());
+  return kExitBadInput;
+}
+
+struct Args {
+  std::string model, data, labels, eval_data, eval_labels, metrics, save, checkpoint, resume;
+  std::string loss = "cross-entropy", optimizer = "sgd", schedule = "constant", betas, device = "cpu";
+  double lr = 0, momentum = 0, eps = 0, weight_decay = 0, clip = 0;
+  bool lr_given = false, momentum_given = false, eps_given = false, weight_decay_given = false;
+  bool nesterov = false, no_shuffle = false;
+  int64_t batch_size = 32, steps = 0, epochs = 0, grad_accum = 1, warmup = 0, checkpoint_every = 0;
+  uint64_t seed = 0;
+  int stages = 1, tensor_parallel = 1;
+};
+
+void define(CLI::App& app, Args& a) {
+  app.add_option("model", a.model, "ONNX model to train (as written by torch.onnx.export)")->required();
+  app.add_option("--data", a.data, "features, float32 .npy of shape [N, ...]")->required();
+  app.add_option("--labels", a.labels, "int64/int32 class ids [N] (cross-entropy) or float32 targets (mse)")->required();
+  app.add_option("--eval-data", a.eval_data, "features to evaluate on after each epoch");
+  app.add_option("--eval-labels", a.eval_labels, "labels of --eval-data");
+  app.add_option("--loss", a.loss, "cross-entropy (default) or mse")->check(CLI::IsMember({"cross-entropy", "mse"}));
+  app.add_option("--optimizer", a.optimizer, "sgd (default), adam or adamw")->check(CLI::IsMember({"sgd", "adam", "adamw"}));
+  app.add_option("--lr", a.lr, "learning rate (default 0.01 for sgd, 0.001 for adam/adamw)");
+  app.add_option("--momentum", a.momentum, "SGD momentum (default 0)");
+  app.add_flag("--nesterov", a.nesterov, "SGD with Nesterov momentum");
+  app.add_option("--betas", a.betas, "Adam/AdamW betas B1,B2 (default 0.9,0.999)");
+  app.add_option("--eps", a.eps, "Adam/AdamW epsilon (default 1e-8)");
+  app.add_option("--weight-decay", a.weight_decay, "weight decay (default 0; 0.01 for adamw)");
+  app.add_option("--lr-schedule", a.schedule, "constant (default), warmup or cosine")
+      ->check(CLI::IsMember({"constant", "warmup", "cosine"}));
+  app.add_option("--warmup-steps", a.warmup, "steps of linear warm-up (default 0)");
+  app.add_option("--clip-grad-norm", a.clip, "clip the gradient's global L2 norm to this (default off)");
+  app.add_option("--batch-size", a.batch_size, "samples per step (default 32)");
+  app.add_option("--grad-accum", a.grad_accum, "accumulate K batches per step: exactly a K-times larger batch (default 1)");
+  auto* steps = app.add_option("--steps", a.steps, "optimizer steps to run");
+  app.add_option("--epochs", a.epochs, "epochs to run (default 1)")->excludes(steps);
+  app.add_flag("--no-shuffle", a.no_shuffle, "take batches in file order");
+  app.add_option("--seed", a.seed, "seed of the shuffling and dropout (default 0)");
+  app.add_option("--metrics", a.metrics, "write one JSON object per step to this .jsonl file");
+  app.add_option("--save", a.save, "write the trained model to this ONNX file");
+  app.add_option("--checkpoint", a.checkpoint, "folder for checkpoints (optimizer state included)");
+  app.add_option("--checkpoint-every", a.checkpoint_every, "steps between checkpoints (default: once per epoch and at the end)");
+  app.add_option("--resume", a.resume, "continue the run saved in this checkpoint folder");
+  app.add_option("--device", a.device, "cpu (default) or cuda")->check(CLI::IsMember({"cpu", "cuda"}));
+  app.add_option("--stages", a.stages, "pipeline stages (needs mpirun; default 1)");
+  app.add_option("--tensor-parallel", a.tensor_parallel, "tensor-parallel shards (needs mpirun; default 1)");
+}
+
+// Turns the flags into a TrainConfig, refusing flags the chosen optimizer has no use for.
+Result<TrainConfig> make_config(const Args& a) {
+  TrainConfig c;
+  c.loss = a.loss == "mse" ? LossKind::kMse : LossKind::kCrossEntropy;
+  OptimizerConfig& o = c.optimizer;
+  o.kind = a.optimizer == "adam" ? OptimizerKind::kAdam : a.optimizer == "adamw" ? OptimizerKind::kAdamW : OptimizerKind::kSgd;
+  const bool sgd = o.kind == OptimizerKind::kSgd;
+  if (!sgd && (a.momentum_given || a.nesterov)) return Status::error("--momentum and --nesterov are SGD settings; " + a.optimizer + " has none");
+  if (sgd && (!a.betas.empty() || a.eps_given)) return Status::error("--betas and --eps are Adam/AdamW settings; sgd has none");
+  o.lr = static_cast<float>(a.lr_given ? a.lr : (sgd ? 0.01 : 0.001));
+  o.momentum = static_cast<float>(a.momentum);
+  o.nesterov = a.nesterov;
+  if (o.nesterov && o.momentum <= 0) return Status::error("--nesterov needs a positive --momentum");
+  o.weight_decay = static_cast<float>(a.weight_decay_given ? a.weight_decay : (o.kind == OptimizerKind::kAdamW ? 0.01 : 0.0));
+  if (a.eps_given) o.eps = static_cast<float>(a.eps);
+  if (a.eps_given && !(a.eps > 0)) return Status::error("--eps must be positive");
+  if (!a.betas.empty()) {
+    float b1 = 0, b2 = 0;
+    char extra = 0;
+    if (std::sscanf(a.betas.c_str(), "%f,%f%c", &b1, &b2, &extra) != 2 || !(b1 >= 0 && b1 < 1 && b2 >= 0 && b2 < 1)) {
+      return Status::error("--betas must be two numbers in [0, 1) like 0.9,0.999, got '" + a.betas + "'");
+    }
+    o.beta1 = b1;
+    o.beta2 = b2;
+  }
+  if (!(o.lr > 0) || !std::isfinite(o.lr)) return Status::error("--lr must be positive");
+  if (o.momentum < 0 || o.weight_decay < 0 || a.clip < 0) return Status::error("--momentum, --weight-decay and --clip-grad-norm cannot be negative");
+  c.schedule = a.schedule == "cosine" ? LrSchedule::kCosine : a.schedule == "warmup" ? LrSchedule::kWarmup : LrSchedule::kConstant;
+  c.warmup_steps = a.warmup;
+  if (a.warmup < 0) return Status::error("--warmup-steps cannot be negative");
+  c.batch_size = a.batch_size;
+  c.grad_accum = a.grad_accum;
+  if (a.batch_size < 1 || a.batch_size > (int64_t{1} << 24)) return Status::error("--batch-size must be between 1 and 16777216");
+  if (a.grad_accum < 1) return Status::error("--grad-accum must be at least 1");
+  if (a.steps < 0 || a.epochs < 0) return Status::error("--steps and --epochs must be positive");
+  c.shuffle = !a.no_shuffle;
+  c.seed = a.seed;
+  c.clip_grad_norm = a.clip;
+  return c;
+}
+
+bool stderr_is_terminal() { return ::isatty(STDERR_FILENO) == 1; }
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{
+      "Train an ONNX multilayer perceptron on NumPy data, step for step as PyTorch would, and write the trained\n"
+      "model back as ONNX. Example:\n"
+      "  train models/simple_digits.onnx --data data/digits_features.npy --labels data/digits_labels.npy \\\n"
+      "        --optimizer adamw --epochs 5 --save trained.onnx",
+      "train"};
+  Args a;
+  define(app, a);
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    if (e.get_exit_code() == 0) return app.exit(e);
+    return fail(std::string(e.what()) + " (see train --help)");
+  }
+  a.lr_given = app.count("--lr") > 0;
+  a.momentum_given = app.count("--momentum") > 0;
+  a.eps_given = app.count("--eps") > 0;
+  a.weight_decay_given = app.count("--weight-decay") > 0;
+  if (a.stages != 1 || a.tensor_parallel != 1) {
+    return fail("--stages and --tensor-parallel above 1 need a distributed launch (mpirun), which this build does not have yet");
+  }
+  if (a.device == "cuda") return fail("--device cuda: this build trains on the CPU only so far");
+  if (a.eval_data.empty() != a.eval_labels.empty()) return fail("--eval-data and --eval-labels go together");
+  Result<TrainConfig> config = make_config(a);
+  if (!config) return fail(config.status().message());
+
+  Result<ImportedModel> model = import_onnx_file(a.model);
+  if (!model) return fail(model.status().message());
+  Result<Dataset> data = load_dataset(a.data, a.labels, model->graph, config->loss);
+  if (!data) return fail(data.status().message());
+  std::optional<Dataset> eval;
+  if (!a.eval_data.empty()) {
+    Result<Dataset> e = load_dataset(a.eval_data, a.eval_labels, model->graph, config->loss);
+    if (!e) return fail(e.status().message());
+    eval = std::move(*e);
+  }
+  if (data->samples < config->batch_size) {
+    return fail(a.data + ": " + std::to_string(data->samples) + " samples, fewer than one batch of " + std::to_string(config->batch_size));
+  }
+  const int64_t batches_per_epoch = data->samples / config->batch_size;
+  const int64_t steps_per_epoch = std::max<int64_t>(1, batches_per_epoch / config->grad_accum);
+  config->total_steps = a.steps > 0 ? a.steps : std::max<int64_t>(a.epochs, 1) * steps_per_epoch;
+
+  std::unique_ptr<Backend> backend = make_cpu_backend();
+  Result<std::unique_ptr<Trainer>> trainer = Trainer::create(model->graph, *data, *backend, *config);
+  if (!trainer) return fail(trainer.status().message());
+  Graph scratch = model->graph;  // host copy for checkpoints and the saved model
+  if (!a.resume.empty()) {
+    if (Status s = (*trainer)->load_checkpoint(a.resume, scratch); !s) return fail(s.message());
+  }
+  std::ofstream metrics;
+  if (!a.metrics.empty()) {
+    metrics.open(a.metrics, std::ios::trunc);
+    if (!metrics) return fail("cannot write metrics file '" + a.metrics + "'");
+  }
+  const int64_t checkpoint_every = a.checkpoint_every > 0 ? a.checkpoint_every : steps_per_epoch;
+  const bool live = stderr_is_terminal();
+  const int64_t log_every = std::max<int64_t>(1, config->total_steps / 20);
+  fmt::print(stderr, "training {} ({} parameters) on {} samples: {} steps of {} samples, {}\n", a.model,
+             model->graph.total_parameter_count(), data->samples, config->total_steps,
+             config->batch_size * config->grad_accum, a.optimizer);
+  double epoch_loss = 0;
+  int64_t epoch_steps = 0, current_epoch = 0;
+  const auto started = std::chrono::steady_clock::now();
+  auto last = started;
+  while ((*trainer)->steps_done() < config->total_steps) {
+    StepResult r = (*trainer)->step();
+    const auto now = std::chrono::steady_clock::now();
+    const double seconds = std::chrono::duration<double>(now - last).count();
+    last = now;
+    const double samples_per_s = config->batch_size * config->grad_accum / std::max(seconds, 1e-9);
+    if (!std::isfinite(r.loss)) return fail(fmt::format("the loss became {} at step {}; lower --lr or clip gradients", r.loss, r.step));
+    if (metrics.is_open()) {
+      metrics << nlohmann::json{{"step", r.step}, {"epoch", r.epoch}, {"loss", r.loss}, {"lr", r.lr}, {"samples_per_s", samples_per_s}}.dump()
+              << "\n" << std::flush;
+    }
+    if (r.epoch != current_epoch) {
+      current_epoch = r.epoch;
+      epoch_loss = 0;
+      epoch_steps = 0;
+    }
+    epoch_loss += r.loss;
+    ++epoch_steps;
+    const std::string line = fmt::format("step {}/{}  epoch {}  loss {:.4f}  lr {:.3g}  {:.0f} samples/s", r.step,
+                                         config->total_steps, r.epoch, r.loss, r.lr, samples_per_s);
+    if (live) {
+      fmt::print(stderr, "\r{}\x1b[K", line);
+    } else if (r.step % log_every == 0 || r.step == config->total_steps) {
+      fmt::print(stderr, "{}\n", line);
+    }
+    const bool epoch_end = r.step % steps_per_epoch == 0;
+    if (epoch_end && eval) {
+      EvalResult e = (*trainer)->evaluate(*eval);
+      fmt::print(stderr, "{}epoch {}: train loss {:.4f}  eval loss {:.4f}{}\n", live ? "\r\x1b[K" : "", r.epoch,
+                 epoch_loss / epoch_steps, e.loss,
+                 e.accuracy >= 0 ? fmt::format("  eval accuracy {:.1f}%", 100 * e.accuracy) : "");
+    }
+    if (!a.checkpoint.empty() && (r.step % checkpoint_every == 0 || r.step == config->total_steps)) {
+      if (Status s = (*trainer)->save_checkpoint(a.checkpoint, scratch); !s) return fail(s.message());
+    }
+  }
+  if (live) fmt::print(stderr, "\n");
+  const double total = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
+  fmt::print(stderr, "done: {} steps in {:.2f} s\n", config->total_steps, total);
+  if (!a.save.empty()) {
+    (*trainer)->download_parameters(scratch);
+    if (Status s = write_trained_model(*model, scratch, a.save); !s) return fail(s.message());
+    fmt::print(stderr, "wrote {}\n", a.save);
+  }
+  return 0;
+}
