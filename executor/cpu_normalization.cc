@@ -56,8 +56,10 @@ void softmax_forward(float* y, const float* x, int64_t rows, int64_t width, bool
         sum += out[i];
       }
       if (log) {
-        const float shift = m + std::log(sum);
-        for (int64_t i = 0; i < width; ++i) out[i] = in[i] - shift;
+        // (x - max) - log(sum), not x - (max + log(sum)): near x = 1e4 a float has
+        // steps of 1e-3, and folding log(sum) into the large max loses it.
+        const float log_sum = std::log(sum);
+        for (int64_t i = 0; i < width; ++i) out[i] = (in[i] - m) - log_sum;
       } else {
         const float inv = 1.0f / sum;
         for (int64_t i = 0; i < width; ++i) out[i] *= inv;

@@ -42,9 +42,10 @@ class Program {
   void upload_parameters(const Graph& graph);
 
   // Runs forward for `batch` samples. host_inputs[k] points at the k-th model input,
-  // [batch, ...] float32 in host memory. In kTrain mode BatchNorm layers that the file
-  // marks as training use batch statistics and update their running statistics, and
-  // Dropout draws masks from `seed`; in kEval mode both use inference semantics.
+  // [batch, ...] float32 in host memory. In kTrain mode every BatchNorm uses batch
+  // statistics and updates its running statistics (PyTorch's model.train(), whatever
+  // mode the file was exported in), and Dropout draws masks from `seed`; in kEval mode
+  // both use inference semantics.
   void forward(const std::vector<const float*>& host_inputs, int64_t batch, Mode mode, uint64_t seed);
   // Model output k after forward(): backend memory, [batch, ...].
   const float* output(int k) const;

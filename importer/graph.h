@@ -96,7 +96,8 @@ struct Node {
   float beta = 1.0f;   // Linear: scale of the bias
 
   ActivationKind activation = ActivationKind::kRelu;  // kActivation
-  int axis = -1;           // Softmax/LogSoftmax, normalised to be non-negative
+  int axis = -1;           // Softmax/LogSoftmax/LayerNorm, normalised to be non-negative;
+                           // Reshape: the Flatten axis, which must resolve to 1 (1 for Reshape)
   float epsilon = 1e-5f;   // LayerNorm, BatchNorm
   float momentum = 0.9f;   // BatchNorm, ONNX convention: running = running*m + batch*(1-m)
   bool training = false;   // BatchNorm (batch statistics), Dropout (active)

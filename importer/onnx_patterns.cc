@@ -243,9 +243,15 @@ Status emit_linear(ImportContext& ctx, int at, const std::string& x, const std::
   if (!bias.empty()) {
     Result<int> b = ctx.param_id(bias, true);
     if (!b) return b.status().with_context(ctx.describe(at));
+    const auto& bdims = ctx.graph.params[*b].dims;
+    const bool row = bdims.size() == 1 || (bdims.size() == 2 && bdims[0] == 1);
     if (ctx.graph.params[*b].elements() != node.out_features) {
       return ctx.node_error(at, "bias '" + bias + "' has " + std::to_string(ctx.graph.params[*b].elements()) +
                                     " elements, the layer has " + std::to_string(node.out_features) + " outputs");
+    }
+    if (!row) {
+      return ctx.node_error(at, "bias '" + bias + "' must be a row [" + std::to_string(node.out_features) +
+                                    "] or [1, " + std::to_string(node.out_features) + "], not a column");
     }
     node.bias = *b;
   }
@@ -452,14 +458,15 @@ Status recognise_single(ImportContext& ctx, int i) {
     }
     if (!(node.ratio >= 0.0f && node.ratio < 1.0f)) return ctx.node_error(i, "ratio must be in [0, 1)");
   } else if (op == "Flatten") {
-    if (attr_int(n, "axis", 1) != 1) return ctx.node_error(i, "only Flatten with axis=1 (keep the batch) is supported");
     node.kind = OpKind::kReshape;
     node.target = {0, -1};
+    node.axis = static_cast<int>(attr_int(n, "axis", 1));  // checked against the rank in shape inference
   } else if (op == "Reshape") {
     if (n.input_size() != 2 || !ctx.constants.count(ctx.resolve(n.input(1)))) {
       return ctx.node_error(i, "the target shape must be a constant");
     }
     node.kind = OpKind::kReshape;
+    node.axis = 1;
     for (double v : ctx.constants.at(ctx.resolve(n.input(1))).values) node.target.push_back(static_cast<int64_t>(v));
     if (attr_int(n, "allowzero", 0) == 1) {
       for (int64_t v : node.target) if (v == 0) return ctx.node_error(i, "allowzero=1 with a zero dimension is not supported");

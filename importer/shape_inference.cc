@@ -98,6 +98,10 @@ Result<Shape> infer_node(Graph& g, Node& n) {
       return in;
     }
     case OpKind::kReshape: {
+      if (normalise_axis(n.axis, in.rank()) != 1) {
+        return fail("only Flatten with axis=1 (keep the batch) is supported, got axis " + std::to_string(n.axis) +
+                    " of a rank-" + std::to_string(in.rank()) + " input");
+      }
       Result<std::vector<int64_t>> t = reshape_target(n, in);
       if (!t) return t.status();
       n.target = *t;
