@@ -65,20 +65,23 @@ int Graph::find_value(const std::string& value_name) const {
   return -1;
 }
 
+const char* activation_name(ActivationKind kind) {
+  switch (kind) {
+    case ActivationKind::kRelu: return "Relu";
+    case ActivationKind::kLeakyRelu: return "LeakyRelu";
+    case ActivationKind::kSigmoid: return "Sigmoid";
+    case ActivationKind::kTanh: return "Tanh";
+    case ActivationKind::kGelu: return "Gelu";
+    case ActivationKind::kGeluTanh: return "GeluTanh";
+    case ActivationKind::kSilu: return "Silu";
+  }
+  return "Activation";
+}
+
 const char* op_kind_name(const Node& node) {
   switch (node.kind) {
     case OpKind::kLinear: return "Linear";
-    case OpKind::kActivation:
-      switch (node.activation) {
-        case ActivationKind::kRelu: return "Relu";
-        case ActivationKind::kLeakyRelu: return "LeakyRelu";
-        case ActivationKind::kSigmoid: return "Sigmoid";
-        case ActivationKind::kTanh: return "Tanh";
-        case ActivationKind::kGelu: return "Gelu";
-        case ActivationKind::kGeluTanh: return "GeluTanh";
-        case ActivationKind::kSilu: return "Silu";
-      }
-      return "Activation";
+    case OpKind::kActivation: return activation_name(node.activation);
     case OpKind::kSoftmax: return "Softmax";
     case OpKind::kLogSoftmax: return "LogSoftmax";
     case OpKind::kLayerNorm: return "LayerNorm";

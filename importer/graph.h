@@ -130,6 +130,8 @@ struct Graph {
 
 // "Linear", "Relu", "Gelu", ... : the names used in messages, plan.json and tests.
 const char* op_kind_name(const Node& node);
+// "Relu", "LeakyRelu", "Gelu", "GeluTanh", ...
+const char* activation_name(ActivationKind kind);
 
 }  // namespace pipeshard
 

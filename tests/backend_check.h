@@ -38,18 +38,7 @@ inline const ActivationKind kAllActivations[] = {ActivationKind::kRelu, Activati
                                                  ActivationKind::kGelu, ActivationKind::kGeluTanh,
                                                  ActivationKind::kSilu};
 
-inline std::string kind_name(ActivationKind k) {
-  switch (k) {
-    case ActivationKind::kRelu: return "Relu";
-    case ActivationKind::kLeakyRelu: return "LeakyRelu";
-    case ActivationKind::kSigmoid: return "Sigmoid";
-    case ActivationKind::kTanh: return "Tanh";
-    case ActivationKind::kGelu: return "Gelu";
-    case ActivationKind::kGeluTanh: return "GeluTanh";
-    case ActivationKind::kSilu: return "Silu";
-  }
-  return "?";
-}
+inline std::string kind_name(ActivationKind k) { return activation_name(k); }
 
 inline Doubles to_double(const Floats& v) { return Doubles(v.begin(), v.end()); }
 

@@ -8,6 +8,7 @@
 #include <CLI/CLI.hpp>
 #include <fmt/core.h>
 
+#include "common/cli.h"
 #include "importer/onnx_importer.h"
 #include "partitioner/plan.h"
 #include "partitioner/stage_writer.h"
@@ -16,26 +17,7 @@ namespace {
 
 using namespace pipeshard;
 
-constexpr int kExitBadInput = 2;
-
-// Names and paths come from files nobody here wrote: control characters are escaped so
-// the message stays one line.
-std::string printable(const std::string& s) {
-  std::string out;
-  for (unsigned char c : s) {
-    if (c < 0x20 || c == 0x7f) {
-      out += fmt::format("\\x{:02x}", c);
-    } else {
-      out += static_cast<char>(c);
-    }
-  }
-  return out;
-}
-
-int fail(const std::string& message) {
-  std::fprintf(stderr, "partition: error: %s\n", printable(message).c_str());
-  return kExitBadInput;
-}
+int fail(const std::string& message) { return report_bad_input("partition", message); }
 
 std::string with_commas(int64_t v) {
   std::string digits = std::to_string(v < 0 ? -v : v), out;

@@ -13,6 +13,7 @@
 #include <fmt/core.h>
 #include <nlohmann/json.hpp>
 
+#include "common/cli.h"
 #include "executor/backend.h"
 #include "executor/dataset.h"
 #include "executor/trainer.h"
@@ -23,18 +24,7 @@ namespace {
 
 using namespace pipeshard;
 
-constexpr int kExitBadInput = 2;
-
-std::string printable(const std::string& s) {
-  std::string out;
-  for (unsigned char c : s) out += (c < 0x20 || c == 0x7f) ? fmt::format("\\x{:02x}", c) : std::string(1, static_cast<char>(c));
-  return out;
-}
-
-int fail(const std::string& message) {
-  std::fprintf(stderr, "train: error: %s\n", printable(message).c_str());
-  return kExitBadInput;
-}
+int fail(const std::string& message) { return report_bad_input("train", message); }
 
 struct Args {
   std::string model, data, labels, eval_data, eval_labels, metrics, save, checkpoint, resume;

@@ -1,0 +1,38 @@
+// What the command-line tools share: how bad input is reported.
+#ifndef PIPESHARD_COMMON_CLI_H_
+#define PIPESHARD_COMMON_CLI_H_
+
+#include <cstdio>
+#include <string>
+
+namespace pipeshard {
+
+// Exit status for bad arguments and bad input files (design.md's contract).
+inline constexpr int kExitBadInput = 2;
+
+// `s` with control characters escaped as \xNN: names and paths come from files nobody
+// here wrote, and an error must stay on one line.
+inline std::string printable(const std::string& s) {
+  static const char kHex[] = "0123456789abcdef";
+  std::string out;
+  for (unsigned char c : s) {
+    if (c < 0x20 || c == 0x7f) {
+      out += "\\x";
+      out += kHex[c >> 4];
+      out += kHex[c & 15];
+    } else {
+      out += static_cast<char>(c);
+    }
+  }
+  return out;
+}
+
+// Prints "<tool>: error: <message>" as one line on stderr; returns kExitBadInput.
+inline int report_bad_input(const char* tool, const std::string& message) {
+  std::fprintf(stderr, "%s: error: %s\n", tool, printable(message).c_str());
+  return kExitBadInput;
+}
+
+}  // namespace pipeshard
+
+#endif  // PIPESHARD_COMMON_CLI_H_
