@@ -29,14 +29,21 @@ Result<std::unique_ptr<Program>> Program::create(const Graph& g, Backend& backen
     }
   }
   std::unique_ptr<Program> p(new Program(g, backend, max_batch));
-  // Parameters: trainable ones in one buffer, running statistics in another.
+  // Parameters: trainable ones in one buffer, running statistics in another, each in
+  // the order the forward pass first uses them. Backward then finishes the gradient
+  // buffer from its end towards its start, so gradient buckets can be reduced while
+  // backward continues.
   int64_t buffer_elements = 0;
   p->param_offset_.assign(g.params.size(), -1);
-  for (size_t i = 0; i < g.params.size(); ++i) {
+  auto place = [&](int i) {
+    if (p->param_offset_[i] >= 0) return;
     int64_t& total = g.params[i].trainable ? p->trainable_elements_ : buffer_elements;
     p->param_offset_[i] = total;
     total += g.params[i].elements();
-  }
+  };
+  for (const Node& n : g.nodes)
+    for (int i : g.node_params(n)) place(i);
+  for (size_t i = 0; i < g.params.size(); ++i) place(static_cast<int>(i));
   p->params_ = DeviceBuffer(backend, std::max<int64_t>(p->trainable_elements_, 1));
   p->grads_ = DeviceBuffer(backend, std::max<int64_t>(p->trainable_elements_, 1));
   p->buffers_ = DeviceBuffer(backend, std::max<int64_t>(buffer_elements, 1));
@@ -196,8 +203,11 @@ void Program::forward_node(size_t i, int64_t batch, Mode mode, uint64_t seed) {
   }
 }
 
-void Program::backward(int64_t batch) {
-  for (size_t i = graph_.nodes.size(); i-- > 0;) backward_node(i, batch);
+void Program::backward(int64_t batch, const std::function<void(size_t)>& after_node) {
+  for (size_t i = graph_.nodes.size(); i-- > 0;) {
+    backward_node(i, batch);
+    if (after_node) after_node(i);
+  }
 }
 
 void Program::backward_node(size_t i, int64_t batch) {

@@ -11,6 +11,7 @@
 #define PIPESHARD_EXECUTOR_PROGRAM_H_
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <vector>
 
@@ -54,7 +55,10 @@ class Program {
   // loss functions do), then call backward().
   float* output_gradient(int k);
   // Adds ∂loss/∂parameters into gradients(). Requires a kTrain forward of the same batch.
-  void backward(int64_t batch);
+  // `after_node(i)` runs once node i's backward is done (nodes go in reverse order):
+  // from then on no later node adds into the gradients of node i's parameters unless
+  // an earlier node shares them.
+  void backward(int64_t batch, const std::function<void(size_t)>& after_node = {});
   void zero_gradients();
 
   Backend& backend() { return backend_; }

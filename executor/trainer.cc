@@ -40,8 +40,13 @@ Trainer::Trainer(const Dataset& data, Backend& backend, const TrainConfig& confi
       order_(data.samples, config.batch_size, config.shuffle, config.seed) {}
 
 Result<std::unique_ptr<Trainer>> Trainer::create(const Graph& graph, const Dataset& data, Backend& backend,
-                                                 const TrainConfig& config) {
+                                                 const TrainConfig& config, Communicator* replicas) {
   if (config.batch_size < 1) return Status::error("--batch-size must be at least 1");
+  const int64_t d = replicas ? replicas->size() : 1;
+  if (config.batch_size % d != 0) {
+    return Status::error("--batch-size " + std::to_string(config.batch_size) + " does not divide among " +
+                         std::to_string(d) + " data-parallel replicas");
+  }
   if (config.grad_accum < 1) return Status::error("--grad-accum must be at least 1");
   if (data.samples < config.batch_size) {
     return Status::error("the data has " + std::to_string(data.samples) + " samples, fewer than one batch of " +
@@ -49,35 +54,94 @@ Result<std::unique_ptr<Trainer>> Trainer::create(const Graph& graph, const Datas
   }
   for (const Node& n : graph.nodes) {
     const Shape& s = graph.values[n.inputs[0]].shape;
-    if (n.kind == OpKind::kBatchNorm && config.batch_size * (s.per_sample_elements() / s.dims[1]) < 2) {
+    if (n.kind == OpKind::kBatchNorm && config.batch_size / d * (s.per_sample_elements() / s.dims[1]) < 2) {
       return Status::error("node '" + n.name + "' (BatchNorm) needs more than one value per channel to train; use a batch of 2 or more");
     }
   }
   std::unique_ptr<Trainer> t(new Trainer(data, backend, config));
-  Result<std::unique_ptr<Program>> program = Program::create(graph, backend, config.batch_size);
+  t->replicas_ = d > 1 ? replicas : nullptr;
+  t->local_batch_ = config.batch_size / d;
+  Result<std::unique_ptr<Program>> program = Program::create(graph, backend, std::max(t->local_batch_, config.batch_size));
   if (!program) return program.status();
   t->program_ = std::move(*program);
   t->log_probs_ = ends_in_log_softmax(graph);
   t->optimizer_ = std::make_unique<Optimizer>(backend, config.optimizer, t->program_->trainable_elements());
   t->targets_ = DeviceBuffer(backend, config.batch_size * data.targets_per_sample);
+  if (t->replicas_) t->plan_buckets(graph);
   return t;
+}
+
+// Buckets cover the gradient buffer from its end (the last layers, whose gradients
+// backward finishes first) towards its start, each about config.bucket_bytes, never
+// splitting a parameter. A bucket is complete once backward has passed the earliest
+// node using any of its parameters.
+void Trainer::plan_buckets(const Graph& graph) {
+  std::vector<size_t> first_user(graph.params.size(), graph.nodes.size());
+  for (size_t i = graph.nodes.size(); i-- > 0;)
+    for (int p : graph.node_params(graph.nodes[i])) first_user[p] = i;
+  std::vector<int> order;  // trainable parameters by descending offset
+  for (size_t p = 0; p < graph.params.size(); ++p) if (graph.params[p].trainable) order.push_back(static_cast<int>(p));
+  std::sort(order.begin(), order.end(), [&](int a, int b) { return program_->parameter_offset(a) > program_->parameter_offset(b); });
+  const int64_t per_bucket = std::max<int64_t>(1, config_.bucket_bytes / static_cast<int64_t>(sizeof(float)));
+  Bucket current;
+  bool open = false;
+  for (int p : order) {
+    const int64_t begin = program_->parameter_offset(p), end = begin + graph.params[p].elements();
+    if (!open) {
+      current = Bucket{begin, end, first_user[p]};
+      open = true;
+    } else {
+      current.begin = begin;
+      current.ready_after = std::min(current.ready_after, first_user[p]);
+    }
+    if (current.end - current.begin >= per_bucket) {
+      buckets_.push_back(current);
+      open = false;
+    }
+  }
+  if (open) buckets_.push_back(current);
+}
+
+void Trainer::on_gradients_ready(size_t node) {
+  // Every replica launches the same buckets in the same order: backward visits nodes
+  // in the same order everywhere.
+  for (const Bucket& b : buckets_) {
+    if (b.ready_after == node) {
+      in_flight_.push_back(replicas_->all_reduce_async(program_->gradients() + b.begin, b.end - b.begin, ReduceOp::kSum));
+    }
+  }
 }
 
 StepResult Trainer::step() {
   StepResult r;
   r.step = steps_done() + 1;
-  const int64_t k = config_.grad_accum, b = config_.batch_size;
+  const int64_t k = config_.grad_accum, b = local_batch_, global = config_.batch_size * k;
+  const int replica = replicas_ ? replicas_->rank() : 0;
   program_->zero_gradients();
   for (int64_t micro = 0; micro < k; ++micro) {
     const int64_t batch_index = (r.step - 1) * k + micro;
     if (micro == 0) r.epoch = order_.epoch_of(batch_index);
-    const std::vector<int64_t> rows = order_.indices(batch_index);
+    // This replica's contiguous slice of the global batch.
+    std::vector<int64_t> rows = order_.indices(batch_index);
+    rows = std::vector<int64_t>(rows.begin() + replica * b, rows.begin() + (replica + 1) * b);
     gather_rows(data_.features, data_.features_per_sample, rows, host_features_);
     gather_rows(data_.targets, data_.targets_per_sample, rows, host_targets_);
     backend_.upload(targets_.data(), host_targets_.data(), b * data_.targets_per_sample);
-    program_->forward({host_features_.data()}, b, Mode::kTrain, batch_seed(config_.seed, batch_index));
-    r.loss += apply_loss(*program_, config_.loss, log_probs_, targets_.data(), b, b * k);
-    program_->backward(b);
+    const uint64_t seed = batch_seed(config_.seed ^ (0x5851f42d4c957f2dULL * static_cast<uint64_t>(replica)), batch_index);
+    program_->forward({host_features_.data()}, b, Mode::kTrain, seed);
+    // Divided by the global sample count: the sum over replicas is the global mean.
+    r.loss += apply_loss(*program_, config_.loss, log_probs_, targets_.data(), b, global);
+    const bool last = micro == k - 1;
+    if (replicas_ && last) {
+      program_->backward(b, [this](size_t node) { on_gradients_ready(node); });
+    } else {
+      program_->backward(b);  // accumulating: no communication until the last micro-step
+    }
+  }
+  if (replicas_) {
+    for (auto& request : in_flight_) request->wait();
+    in_flight_.clear();
+    r.loss = replicas_->all_reduce_sum(r.loss);
   }
   const int64_t n = program_->trainable_elements();
   if (config_.clip_grad_norm > 0) r.grad_norm = clip_grad_norm(backend_, program_->gradients(), n, config_.clip_grad_norm);
@@ -102,6 +166,7 @@ EvalResult Trainer::evaluate(const Dataset& data) {
     backend_.upload(targets.data(), host_targets_.data(), rows * data.targets_per_sample);
     program_->forward({host_features_.data()}, rows, Mode::kEval, 0);
     e.loss += apply_loss(*program_, config_.loss, log_probs_, targets.data(), rows, data.samples);
+    // Every replica evaluates everything (eval data is small); results are identical.
     if (config_.loss == LossKind::kCrossEntropy) {
       outputs.resize(static_cast<size_t>(rows * per_out));
       backend_.download(outputs.data(), program_->output(0), rows * per_out);

@@ -10,6 +10,7 @@
 
 #include "common/status.h"
 #include "executor/backend.h"
+#include "executor/comm.h"
 #include "executor/dataset.h"
 #include "executor/loss.h"
 #include "executor/optimizer.h"
@@ -28,6 +29,7 @@ struct TrainConfig {
   bool shuffle = true;
   uint64_t seed = 0;
   double clip_grad_norm = 0;   // 0: off
+  int64_t bucket_bytes = 25 << 20;  // data parallel: gradients are all-reduced in buckets this big
 };
 
 struct StepResult {
@@ -47,8 +49,12 @@ struct EvalResult {
 class Trainer {
  public:
   // `graph` holds the initial parameters and must outlive the Trainer; `data` too.
+  // With `replicas` (the data-parallel group, may be null for one process), each
+  // replica trains on its contiguous slice of every global batch of config.batch_size
+  // samples and gradients are summed over the replicas, so every step equals the
+  // one-process step.
   static Result<std::unique_ptr<Trainer>> create(const Graph& graph, const Dataset& data, Backend& backend,
-                                                 const TrainConfig& config);
+                                                 const TrainConfig& config, Communicator* replicas = nullptr);
 
   // Runs optimizer step steps_done() + 1.
   StepResult step();
@@ -71,12 +77,25 @@ class Trainer {
 
  private:
   Trainer(const Dataset& data, Backend& backend, const TrainConfig& config);
+  void plan_buckets(const Graph& graph);
+  // Runs after node i's backward on the last micro-step: starts the all-reduce of every
+  // gradient bucket that node completes.
+  void on_gradients_ready(size_t node);
+
+  struct Bucket {
+    int64_t begin = 0, end = 0;  // [begin, end) of the gradient buffer
+    size_t ready_after = 0;      // node whose backward completes the bucket
+  };
 
   const Dataset& data_;
   Backend& backend_;
   TrainConfig config_;
   bool log_probs_ = false;
   BatchOrder order_;
+  Communicator* replicas_ = nullptr;   // data-parallel group, or null
+  int64_t local_batch_ = 0;            // samples of each micro-step on this replica
+  std::vector<Bucket> buckets_;        // in launch order (end of the buffer first)
+  std::vector<std::unique_ptr<Request>> in_flight_;
   std::unique_ptr<Program> program_;
   std::unique_ptr<Optimizer> optimizer_;
   DeviceBuffer targets_;              // [batch_size * targets_per_sample]

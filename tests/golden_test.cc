@@ -32,6 +32,7 @@
 #include <onnx/onnx_pb.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -134,7 +135,10 @@ std::string train_command(const Fixture& f, const std::vector<std::string>& args
                                     "--labels", source_path(f.labels)};
   words.insert(words.end(), args.begin(), args.end());
   // Appends, not `" " + quote(w)`: GCC 12 warns falsely (-Wrestrict, bug 105329) on the latter.
+  // PIPESHARD_TRAIN_LAUNCHER (e.g. "mpiexec -n 2") runs the same cases data-parallel:
+  // the golden fixtures must hold for any layout.
   std::string cmd;
+  if (const char* launcher = std::getenv("PIPESHARD_TRAIN_LAUNCHER")) cmd.append(launcher);
   for (const std::string& w : words) {
     if (!cmd.empty()) cmd.push_back(' ');
     cmd.append(quote(w));

@@ -15,6 +15,7 @@
 
 #include "common/cli.h"
 #include "executor/backend.h"
+#include "executor/comm.h"
 #include "executor/dataset.h"
 #include "executor/trainer.h"
 #include "importer/onnx_importer.h"
@@ -135,9 +136,16 @@ int main(int argc, char** argv) {
   a.momentum_given = app.count("--momentum") > 0;
   a.eps_given = app.count("--eps") > 0;
   a.weight_decay_given = app.count("--weight-decay") > 0;
-  if (a.stages != 1 || a.tensor_parallel != 1) {
-    return fail("--stages and --tensor-parallel above 1 need a distributed launch (mpirun), which this build does not have yet");
+  // Ranks: one process, or mpirun -np N with N = stages × replicas × shards.
+  std::unique_ptr<Communicator> world = make_world_communicator();
+  Result<ProcessLayout> layout = ProcessLayout::for_rank(world->rank(), world->size(), a.stages, a.tensor_parallel);
+  if (!layout) return fail(layout.status().message());
+  if (layout->stages > 1 || layout->shards > 1) {
+    return fail("--stages and --tensor-parallel above 1 are not implemented in train yet; data parallelism is: "
+                "mpirun -np D train ...");
   }
+  ProcessGroups groups = make_process_groups(*world, *layout);
+  const bool root = world->rank() == 0;  // writes metrics, checkpoints, the saved model and the log
   if (a.device == "cuda") return fail("--device cuda: this build trains on the CPU only so far");
   if (a.eval_data.empty() != a.eval_labels.empty()) return fail("--eval-data and --eval-labels go together");
   Result<TrainConfig> config = make_config(a);
@@ -161,23 +169,27 @@ int main(int argc, char** argv) {
   config->total_steps = a.steps > 0 ? a.steps : std::max<int64_t>(a.epochs, 1) * steps_per_epoch;
 
   std::unique_ptr<Backend> backend = make_cpu_backend();
-  Result<std::unique_ptr<Trainer>> trainer = Trainer::create(model->graph, *data, *backend, *config);
+  Result<std::unique_ptr<Trainer>> trainer = Trainer::create(model->graph, *data, *backend, *config, groups.data.get());
   if (!trainer) return fail(trainer.status().message());
   Graph scratch = model->graph;  // host copy for checkpoints and the saved model
   if (!a.resume.empty()) {
     if (Status s = (*trainer)->load_checkpoint(a.resume, scratch); !s) return fail(s.message());
   }
   std::ofstream metrics;
-  if (!a.metrics.empty()) {
+  if (!a.metrics.empty() && root) {
     metrics.open(a.metrics, std::ios::trunc);
     if (!metrics) return fail("cannot write metrics file '" + a.metrics + "'");
   }
   const int64_t checkpoint_every = a.checkpoint_every > 0 ? a.checkpoint_every : steps_per_epoch;
-  const bool live = stderr_is_terminal();
+  const bool live = root && stderr_is_terminal();
+  const bool log = root;
   const int64_t log_every = std::max<int64_t>(1, config->total_steps / 20);
-  fmt::print(stderr, "training {} ({} parameters) on {} samples: {} steps of {} samples, {}\n", a.model,
-             model->graph.total_parameter_count(), data->samples, config->total_steps,
-             config->batch_size * config->grad_accum, a.optimizer);
+  if (log) {
+    fmt::print(stderr, "training {} ({} parameters) on {} samples: {} steps of {} samples, {}{}\n", a.model,
+               model->graph.total_parameter_count(), data->samples, config->total_steps,
+               config->batch_size * config->grad_accum, a.optimizer,
+               layout->replicas > 1 ? fmt::format(", {} data-parallel replicas", layout->replicas) : "");
+  }
   double epoch_loss = 0;
   int64_t epoch_steps = 0, current_epoch = 0;
   const auto started = std::chrono::steady_clock::now();
@@ -204,24 +216,24 @@ int main(int argc, char** argv) {
                                          config->total_steps, r.epoch, r.loss, r.lr, samples_per_s);
     if (live) {
       fmt::print(stderr, "\r{}\x1b[K", line);
-    } else if (r.step % log_every == 0 || r.step == config->total_steps) {
+    } else if (log && (r.step % log_every == 0 || r.step == config->total_steps)) {
       fmt::print(stderr, "{}\n", line);
     }
     const bool epoch_end = r.step % steps_per_epoch == 0;
-    if (epoch_end && eval) {
+    if (epoch_end && eval && log) {
       EvalResult e = (*trainer)->evaluate(*eval);
       fmt::print(stderr, "{}epoch {}: train loss {:.4f}  eval loss {:.4f}{}\n", live ? "\r\x1b[K" : "", r.epoch,
                  epoch_loss / epoch_steps, e.loss,
                  e.accuracy >= 0 ? fmt::format("  eval accuracy {:.1f}%", 100 * e.accuracy) : "");
     }
-    if (!a.checkpoint.empty() && (r.step % checkpoint_every == 0 || r.step == config->total_steps)) {
+    if (root && !a.checkpoint.empty() && (r.step % checkpoint_every == 0 || r.step == config->total_steps)) {
       if (Status s = (*trainer)->save_checkpoint(a.checkpoint, scratch); !s) return fail(s.message());
     }
   }
   if (live) fmt::print(stderr, "\n");
   const double total = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
-  fmt::print(stderr, "done: {} steps in {:.2f} s\n", config->total_steps, total);
-  if (!a.save.empty()) {
+  if (log) fmt::print(stderr, "done: {} steps in {:.2f} s\n", config->total_steps, total);
+  if (!a.save.empty() && root) {
     (*trainer)->download_parameters(scratch);
     if (Status s = write_trained_model(*model, scratch, a.save); !s) return fail(s.message());
     fmt::print(stderr, "wrote {}\n", a.save);

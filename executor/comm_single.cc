@@ -1,0 +1,83 @@
+// The group of one: what a process started without mpirun talks to. Collectives leave the
+// data as it is (or copy it to the output), and point-to-point has nobody to talk to.
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <string>
+
+#include "common/status.h"
+#include "executor/comm.h"
+
+namespace pipeshard {
+namespace {
+
+class CompletedRequest final : public Request {
+ public:
+  void wait() override {}
+};
+
+void check_buffer(const float* data, int64_t n) {
+  PIPESHARD_CHECK(n >= 0, "negative element count " + std::to_string(n));
+  PIPESHARD_CHECK(data != nullptr || n == 0, "null buffer for " + std::to_string(n) + " floats");
+}
+
+void copy_floats(const float* from, float* to, int64_t n) {
+  check_buffer(from, n);
+  check_buffer(to, n);
+  if (from != to && n > 0) std::memmove(to, from, sizeof(float) * static_cast<size_t>(n));
+}
+
+[[noreturn]] void no_peers(const char* what, int peer, int tag) {
+  PIPESHARD_CHECK(false, std::string(what) + " with rank " + std::to_string(peer) + " (tag " + std::to_string(tag) +
+                             "): a single process has no peers");
+  std::abort();  // not reached
+}
+
+class SingleProcessCommunicator final : public Communicator {
+ public:
+  int rank() const override { return 0; }
+  int size() const override { return 1; }
+
+  void all_reduce(float* data, int64_t n, ReduceOp) override { check_buffer(data, n); }
+  std::unique_ptr<Request> all_reduce_async(float* data, int64_t n, ReduceOp) override {
+    check_buffer(data, n);
+    return std::make_unique<CompletedRequest>();
+  }
+  double all_reduce_sum(double value) override { return value; }
+  void all_gather(const float* send, float* recv, int64_t n) override { copy_floats(send, recv, n); }
+  void reduce_scatter(const float* send, float* recv, int64_t n, ReduceOp) override { copy_floats(send, recv, n); }
+  void broadcast(float* data, int64_t n, int root) override {
+    check_buffer(data, n);
+    PIPESHARD_CHECK(root == 0, "broadcast from rank " + std::to_string(root) + " in a group of one");
+  }
+
+  void send(const float*, int64_t, int peer, int tag) override { no_peers("send", peer, tag); }
+  void recv(float*, int64_t, int peer, int tag) override { no_peers("recv", peer, tag); }
+  std::unique_ptr<Request> send_async(const float*, int64_t, int peer, int tag) override {
+    no_peers("send_async", peer, tag);
+  }
+  std::unique_ptr<Request> recv_async(float*, int64_t, int peer, int tag) override {
+    no_peers("recv_async", peer, tag);
+  }
+  void barrier() override {}
+
+  std::unique_ptr<Communicator> split(int color, int) override {
+    PIPESHARD_CHECK(color >= 0, "split color " + std::to_string(color) + " (colors are ≥ 0)");
+    return std::make_unique<SingleProcessCommunicator>();
+  }
+
+  [[noreturn]] void abort(const std::string& message) override {
+    std::fflush(stdout);
+    std::fprintf(stderr, "%s\n", message.c_str());
+    std::exit(1);
+  }
+};
+
+}  // namespace
+
+std::unique_ptr<Communicator> make_single_process_communicator() {
+  return std::make_unique<SingleProcessCommunicator>();
+}
+
+}  // namespace pipeshard

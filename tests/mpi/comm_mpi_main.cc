@@ -1,0 +1,408 @@
+// The MPI communicator under mpiexec: every test runs on every rank, with expected values
+// that depend on the rank, so a wrong order or a missing contribution shows. Registered
+// in tests/CMakeLists.txt for -np 1, 2, 4 and 6 (label "mpi"); not a *_test.cc, because
+// those run without a launcher.
+//
+// Each test runs twice: on the world as make_world_communicator() gives it, and on a world
+// that moves at most kSmallPiece floats per MPI call, which sends every buffer of these
+// tests through the piece-by-piece path that real runs take only above INT_MAX floats.
+//
+// Only rank 0 prints GoogleTest's report; other ranks print their failures prefixed with
+// their rank. Every rank exits non-zero when a test failed on any rank.
+//
+// `--abort-mode=abort|truncate|short|exit` runs one failure instead of the tests: one rank
+// fails while the others wait in a barrier, and the job must end rather than hang.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <memory>
+#include <numeric>
+#include <ostream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "executor/comm.h"
+#include "executor/comm_mpi.h"
+
+namespace pipeshard {
+namespace {
+
+constexpr int64_t kSmallPiece = 7;  // ≥ the largest -np, which a piece must hold once per rank
+
+Communicator* g_world = nullptr;         // make_world_communicator()
+Communicator* g_small_pieces = nullptr;  // the same ranks, kSmallPiece floats per MPI call
+
+enum class Transport { kWhole, kSmallPieces };
+
+class CommTest : public ::testing::TestWithParam<Transport> {
+ protected:
+  Communicator& comm() { return GetParam() == Transport::kWhole ? *g_world : *g_small_pieces; }
+};
+
+void PrintTo(Transport transport, std::ostream* out) {
+  *out << (transport == Transport::kWhole ? "whole buffers" : "small pieces");
+}
+
+std::string transport_name(const ::testing::TestParamInfo<Transport>& info) {
+  return info.param == Transport::kWhole ? "Whole" : "SmallPieces";
+}
+
+// The world ranks of a group's members, in the group's rank order.
+std::vector<int> world_ranks_of(Communicator& group) {
+  const float mine = static_cast<float>(g_world->rank());
+  std::vector<float> all(group.size());
+  group.all_gather(&mine, all.data(), 1);
+  return std::vector<int>(all.begin(), all.end());
+}
+
+// ---- Collectives --------------------------------------------------------------------------
+
+TEST_P(CommTest, AllReduceSumAndAverage) {
+  Communicator& c = comm();
+  const int size = c.size(), rank = c.rank();
+  const int64_t n = 13;
+  std::vector<float> data(n);
+  for (int64_t i = 0; i < n; ++i) data[i] = static_cast<float>(rank * 10 + i);
+  c.all_reduce(data.data(), n, ReduceOp::kSum);
+  for (int64_t i = 0; i < n; ++i) EXPECT_EQ(data[i], 5.0f * size * (size - 1) + size * i) << "i=" << i;
+
+  // rank + 1 + i·size averages to (size + 1) / 2 + i·size, exactly.
+  for (int64_t i = 0; i < n; ++i) data[i] = static_cast<float>(rank + 1 + i * size);
+  c.all_reduce(data.data(), n, ReduceOp::kAverage);
+  for (int64_t i = 0; i < n; ++i) EXPECT_EQ(data[i], 0.5f * (size + 1) + size * i) << "i=" << i;
+
+  c.all_reduce(nullptr, 0, ReduceOp::kSum);  // nothing to do, on every rank alike
+}
+
+TEST_P(CommTest, AsyncAllReduceOverlapsOtherWork) {
+  Communicator& c = comm();
+  const int size = c.size(), rank = c.rank();
+  const int64_t n = 29;
+  std::vector<float> a(n, static_cast<float>(rank + 1)), b(n, static_cast<float>(2 * rank));
+  std::unique_ptr<Request> first = c.all_reduce_async(a.data(), n, ReduceOp::kSum);
+  std::unique_ptr<Request> second = c.all_reduce_async(b.data(), n, ReduceOp::kAverage);
+  // Work while both are in flight: arithmetic, and a blocking collective on the same group.
+  double local = 0;
+  for (int i = 1; i <= 100000; ++i) local += 1.0 / i;
+  EXPECT_DOUBLE_EQ(c.all_reduce_sum(local), size * local);
+  second->wait();  // in the other order than they started
+  first->wait();
+  first->wait();  // a second wait is harmless
+  for (int64_t i = 0; i < n; ++i) {
+    EXPECT_EQ(a[i], 0.5f * size * (size + 1));
+    EXPECT_EQ(b[i], static_cast<float>(size - 1));  // mean of 0, 2, 4, …
+  }
+
+  // A request destroyed unfinished waits for its operation.
+  std::vector<float> c_data(n, 1.0f);
+  { std::unique_ptr<Request> dropped = c.all_reduce_async(c_data.data(), n, ReduceOp::kSum); }
+  for (int64_t i = 0; i < n; ++i) EXPECT_EQ(c_data[i], static_cast<float>(size));
+}
+
+TEST_P(CommTest, AllReduceSumIsDouble) {
+  Communicator& c = comm();
+  const int size = c.size();
+  // 1 + 1e-10 has no float32 neighbour closer than 1 ± 6e-8.
+  const double sum = c.all_reduce_sum(1.0 + 1e-10 * (c.rank() + 1));
+  EXPECT_NEAR(sum, size + 1e-10 * size * (size + 1) / 2, 1e-13);
+  EXPECT_NE(sum, static_cast<double>(size));
+}
+
+TEST_P(CommTest, AllGatherConcatenatesInRankOrder) {
+  Communicator& c = comm();
+  const int size = c.size(), rank = c.rank();
+  const int64_t n = 5;
+  std::vector<float> send(n), recv(size * n, -1.0f);
+  for (int64_t j = 0; j < n; ++j) send[j] = static_cast<float>(rank * 100 + j);
+  c.all_gather(send.data(), recv.data(), n);
+  for (int r = 0; r < size; ++r) {
+    for (int64_t j = 0; j < n; ++j) EXPECT_EQ(recv[r * n + j], r * 100 + j) << "block " << r;
+  }
+
+  // In place: this rank's block already where it belongs in recv.
+  std::vector<float> in_place(size * n, -1.0f);
+  std::copy(send.begin(), send.end(), in_place.begin() + rank * n);
+  c.all_gather(in_place.data() + rank * n, in_place.data(), n);
+  EXPECT_EQ(in_place, recv);
+}
+
+TEST_P(CommTest, ReduceScatterGivesEachRankItsBlock) {
+  Communicator& c = comm();
+  const int size = c.size(), rank = c.rank();
+  const int64_t n = 6;
+  std::vector<float> send(size * n), recv(n, -1.0f);
+  for (int b = 0; b < size; ++b) {
+    for (int64_t j = 0; j < n; ++j) send[b * n + j] = static_cast<float>(rank + b * 1000 + j);
+  }
+  c.reduce_scatter(send.data(), recv.data(), n, ReduceOp::kSum);
+  const float rank_sum = 0.5f * size * (size - 1);
+  for (int64_t j = 0; j < n; ++j) EXPECT_EQ(recv[j], rank_sum + size * (rank * 1000.0f + j)) << "j=" << j;
+
+  c.reduce_scatter(send.data(), recv.data(), n, ReduceOp::kAverage);
+  for (int64_t j = 0; j < n; ++j) EXPECT_EQ(recv[j], 0.5f * (size - 1) + rank * 1000.0f + j) << "j=" << j;
+}
+
+TEST_P(CommTest, BroadcastFromEveryRoot) {
+  Communicator& c = comm();
+  const int64_t n = 11;
+  for (int root = 0; root < c.size(); ++root) {
+    std::vector<float> data(n, -1.0f);
+    if (c.rank() == root) {
+      for (int64_t j = 0; j < n; ++j) data[j] = static_cast<float>(root * 7 + j);
+    }
+    c.broadcast(data.data(), n, root);
+    for (int64_t j = 0; j < n; ++j) EXPECT_EQ(data[j], root * 7 + j) << "root " << root;
+  }
+}
+
+TEST_P(CommTest, BarrierWaitsForTheLastRank) {
+  Communicator& c = comm();
+  if (c.size() == 1) {
+    c.barrier();
+    return;
+  }
+  // The last rank arrives late; everyone else must wait for it.
+  const auto start = std::chrono::steady_clock::now();
+  if (c.rank() == c.size() - 1) std::this_thread::sleep_for(std::chrono::milliseconds(150));
+  c.barrier();
+  const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  EXPECT_GE(waited, 0.14);
+}
+
+// ---- Point to point -----------------------------------------------------------------------
+
+TEST_P(CommTest, TokenRingWithTags) {
+  Communicator& c = comm();
+  const int size = c.size(), rank = c.rank();
+  if (size == 1) GTEST_SKIP() << "a ring of blocking transfers needs two ranks";
+  const int64_t n = 17;
+  const int right = (rank + 1) % size, left = (rank + size - 1) % size;
+  // The token leaves rank 0 as 0, 1, 2, …; each rank adds its rank and passes it on. The
+  // hop is the tag.
+  std::vector<float> token(n);
+  if (rank == 0) {
+    std::iota(token.begin(), token.end(), 0.0f);
+    c.send(token.data(), n, right, 100);
+    c.recv(token.data(), n, left, 100 + size - 1);
+    for (int64_t j = 0; j < n; ++j) EXPECT_EQ(token[j], j + 0.5f * size * (size - 1)) << "j=" << j;
+  } else {
+    c.recv(token.data(), n, left, 100 + rank - 1);
+    for (int64_t j = 0; j < n; ++j) EXPECT_EQ(token[j], j + 0.5f * rank * (rank - 1)) << "j=" << j;
+    for (float& x : token) x += static_cast<float>(rank);
+    c.send(token.data(), n, right, 100 + rank);
+  }
+}
+
+TEST_P(CommTest, TagsTellTransfersApart) {
+  Communicator& c = comm();
+  const int size = c.size(), rank = c.rank();
+  const int right = (rank + 1) % size, left = (rank + size - 1) % size;
+  const int64_t n = 9;
+  std::vector<float> first(n, static_cast<float>(rank)), second(n, static_cast<float>(rank + 1000));
+  std::unique_ptr<Request> s1 = c.send_async(first.data(), n, right, 1);
+  std::unique_ptr<Request> s2 = c.send_async(second.data(), n, right, 2);
+  // Received in the other order than sent: the tags match them up.
+  std::vector<float> got2(n), got1(n);
+  c.recv(got2.data(), n, left, 2);
+  c.recv(got1.data(), n, left, 1);
+  s1->wait();
+  s2->wait();
+  EXPECT_EQ(got1, std::vector<float>(n, static_cast<float>(left)));
+  EXPECT_EQ(got2, std::vector<float>(n, static_cast<float>(left + 1000)));
+}
+
+TEST_P(CommTest, AsyncExchangeWithEveryRank) {
+  Communicator& c = comm();
+  const int size = c.size(), rank = c.rank();
+  const int64_t n = 10;
+  std::vector<std::vector<float>> to(size, std::vector<float>(n)), from(size, std::vector<float>(n, -1.0f));
+  std::vector<std::unique_ptr<Request>> requests;
+  for (int peer = 0; peer < size; ++peer) {  // self included
+    for (int64_t j = 0; j < n; ++j) to[peer][j] = static_cast<float>(rank * 1000 + peer * 10 + j);
+    requests.push_back(c.recv_async(from[peer].data(), n, peer, 7));
+  }
+  for (int peer = size - 1; peer >= 0; --peer) requests.push_back(c.send_async(to[peer].data(), n, peer, 7));
+  // Half are waited for explicitly, the rest by their destructors.
+  for (size_t i = 0; i < requests.size(); i += 2) requests[i]->wait();
+  requests.clear();
+  for (int peer = 0; peer < size; ++peer) {
+    for (int64_t j = 0; j < n; ++j) EXPECT_EQ(from[peer][j], peer * 1000 + rank * 10 + j) << "from " << peer;
+  }
+}
+
+TEST_P(CommTest, EmptyTransfers) {
+  Communicator& c = comm();
+  const int right = (c.rank() + 1) % c.size(), left = (c.rank() + c.size() - 1) % c.size();
+  std::unique_ptr<Request> r = c.recv_async(nullptr, 0, left, 3);
+  c.send_async(nullptr, 0, right, 3)->wait();
+  r->wait();
+  std::vector<float> none;
+  c.all_gather(none.data(), none.data(), 0);
+  c.broadcast(none.data(), 0, 0);
+}
+
+// ---- Groups -------------------------------------------------------------------------------
+
+TEST_P(CommTest, SplitGroupsByColorOrderedByKey) {
+  Communicator& c = comm();
+  const int size = c.size(), rank = c.rank();
+  // Colors by parity; keys reverse the order.
+  std::unique_ptr<Communicator> group = c.split(rank % 2, size - rank);
+  std::vector<int> expected;
+  for (int r = size - 1; r >= 0; --r) {
+    if (r % 2 == rank % 2) expected.push_back(r);
+  }
+  EXPECT_EQ(group->size(), static_cast<int>(expected.size()));
+  EXPECT_EQ(world_ranks_of(*group), expected);
+  EXPECT_EQ(expected[group->rank()], rank);
+  EXPECT_EQ(group->all_reduce_sum(1.0), static_cast<double>(expected.size()));
+
+  // Equal keys keep the parent's order; a group split again.
+  std::unique_ptr<Communicator> all = c.split(0, 0);
+  EXPECT_EQ(all->rank(), rank);
+  std::unique_ptr<Communicator> alone = all->split(rank, 0);
+  EXPECT_EQ(alone->size(), 1);
+  EXPECT_EQ(alone->rank(), 0);
+}
+
+TEST_P(CommTest, ProcessGroupsForEveryLayoutThatFits) {
+  Communicator& c = comm();
+  const int size = c.size(), rank = c.rank();
+  for (int stages = 1; stages <= size; ++stages) {
+    for (int shards = 1; shards <= size; ++shards) {
+      if (size % (stages * shards) != 0) continue;
+      SCOPED_TRACE("P=" + std::to_string(stages) + " T=" + std::to_string(shards));
+      Result<ProcessLayout> layout = ProcessLayout::for_rank(rank, size, stages, shards);
+      ASSERT_TRUE(layout.is_ok()) << layout.status().message();
+      const ProcessLayout& l = *layout;
+      ProcessGroups groups = make_process_groups(c, l);
+      EXPECT_EQ(groups.layout.rank_of(groups.layout.stage, groups.layout.replica, groups.layout.shard), rank);
+      EXPECT_EQ(groups.data->size(), l.replicas);
+      EXPECT_EQ(groups.tensor->size(), l.shards);
+      EXPECT_EQ(groups.pipeline->size(), l.stages);
+      EXPECT_EQ(groups.data->rank(), l.replica);
+      EXPECT_EQ(groups.tensor->rank(), l.shard);
+      EXPECT_EQ(groups.pipeline->rank(), l.stage);
+      std::vector<int> data_members, tensor_members, pipeline_members;
+      for (int d = 0; d < l.replicas; ++d) data_members.push_back(l.rank_of(l.stage, d, l.shard));
+      for (int t = 0; t < l.shards; ++t) tensor_members.push_back(l.rank_of(l.stage, l.replica, t));
+      for (int p = 0; p < l.stages; ++p) pipeline_members.push_back(l.rank_of(p, l.replica, l.shard));
+      EXPECT_EQ(world_ranks_of(*groups.data), data_members);
+      EXPECT_EQ(world_ranks_of(*groups.tensor), tensor_members);
+      EXPECT_EQ(world_ranks_of(*groups.pipeline), pipeline_members);
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Mpi, CommTest, ::testing::Values(Transport::kWhole, Transport::kSmallPieces), transport_name);
+
+// ---- A large message, whole ---------------------------------------------------------------
+
+TEST(LargeMessageTest, FourMillionFloats) {
+  Communicator& c = *g_world;
+  const int size = c.size(), rank = c.rank();
+  const int64_t n = int64_t{4} << 20;
+  std::vector<float> data(n);
+  for (int64_t i = 0; i < n; ++i) data[i] = static_cast<float>(i % 4096 + rank);
+  c.all_reduce(data.data(), n, ReduceOp::kSum);
+  int64_t wrong = 0;
+  for (int64_t i = 0; i < n; ++i) wrong += data[i] != static_cast<float>(size * (i % 4096) + size * (size - 1) / 2);
+  EXPECT_EQ(wrong, 0);
+
+  // Around the ring, asynchronously both ways at once.
+  const int right = (rank + 1) % size, left = (rank + size - 1) % size;
+  std::vector<float> out(n), in(n, -1.0f);
+  for (int64_t i = 0; i < n; ++i) out[i] = static_cast<float>(rank * 8192 + i % 8192);
+  std::unique_ptr<Request> receive = c.recv_async(in.data(), n, left, 9);
+  c.send_async(out.data(), n, right, 9)->wait();
+  receive->wait();
+  wrong = 0;
+  for (int64_t i = 0; i < n; ++i) wrong += in[i] != static_cast<float>(left * 8192 + i % 8192);
+  EXPECT_EQ(wrong, 0);
+}
+
+// ---- Runner -------------------------------------------------------------------------------
+
+// On ranks other than 0: failures only, each line marked with the rank.
+class RankFailurePrinter : public ::testing::EmptyTestEventListener {
+ public:
+  explicit RankFailurePrinter(int rank) : rank_(rank) {}
+  void OnTestPartResult(const ::testing::TestPartResult& result) override {
+    if (!result.failed()) return;
+    std::fprintf(stderr, "[rank %d] %s:%d: failure\n%s\n", rank_, result.file_name() ? result.file_name() : "?",
+                 result.line_number(), result.message());
+  }
+
+ private:
+  int rank_;
+};
+
+// One rank fails in the way `mode` names while the others wait in a barrier.
+int run_failure(Communicator& world, const std::string& mode) {
+  const int last = world.size() - 1;
+  if (world.size() < 2) {
+    std::fprintf(stderr, "comm_mpi_test: --abort-mode needs two ranks\n");
+    return 2;
+  }
+  std::vector<float> buffer(10, 1.0f);
+  world.barrier();  // every rank up and running
+  if (mode == "abort") {
+    if (world.rank() == last) world.abort("comm_mpi_test: rank " + std::to_string(last) + " gives up");
+  } else if (mode == "truncate" || mode == "short") {
+    // Rank 0 sends 10 floats; the last rank expects 5 (truncated) or 20 (short).
+    if (world.rank() == 0) world.send(buffer.data(), 10, last, 3);
+    if (world.rank() == last) {
+      buffer.resize(20);
+      world.recv(buffer.data(), mode == "truncate" ? 5 : 20, 0, 3);
+    }
+  } else if (mode == "exit") {
+    if (world.rank() == last) {
+      std::fprintf(stderr, "comm_mpi_test: rank %d exits with status 2\n", last);
+      return 2;
+    }
+  } else {
+    std::fprintf(stderr, "comm_mpi_test: unknown --abort-mode '%s'\n", mode.c_str());
+    return 2;
+  }
+  world.barrier();  // the failing rank never gets here
+  std::fprintf(stderr, "comm_mpi_test: rank %d passed the barrier (the job should have ended)\n", world.rank());
+  return 0;
+}
+
+}  // namespace
+}  // namespace pipeshard
+
+int main(int argc, char** argv) {
+  using namespace pipeshard;
+  ::testing::InitGoogleTest(&argc, argv);
+  if (!launched_by_mpi()) {
+    std::fprintf(stderr, "comm_mpi_test: run me under mpiexec (ctest -L mpi does)\n");
+    return 2;
+  }
+  std::unique_ptr<Communicator> world = make_world_communicator();
+  const std::string kModeFlag = "--abort-mode=";
+  for (int i = 1; i < argc; ++i) {
+    if (std::strncmp(argv[i], kModeFlag.c_str(), kModeFlag.size()) == 0) {
+      return run_failure(*world, argv[i] + kModeFlag.size());
+    }
+  }
+  std::unique_ptr<Communicator> small_pieces = make_mpi_world_communicator(kSmallPiece);
+  g_world = world.get();
+  g_small_pieces = small_pieces.get();
+
+  ::testing::TestEventListeners& listeners = ::testing::UnitTest::GetInstance()->listeners();
+  if (world->rank() != 0) {
+    delete listeners.Release(listeners.default_result_printer());
+    listeners.Append(new RankFailurePrinter(world->rank()));
+  }
+  const int failed_here = RUN_ALL_TESTS() != 0 ? 1 : 0;
+  const double failed_ranks = world->all_reduce_sum(failed_here);
+  if (world->rank() == 0 && failed_ranks > 0) {
+    std::fprintf(stderr, "comm_mpi_test: tests failed on %g of %d ranks\n", failed_ranks, world->size());
+  }
+  return failed_ranks > 0 ? 1 : 0;
+}

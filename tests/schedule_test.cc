@@ -1,0 +1,290 @@
+// Pipeline schedules as data (executor/schedule.h): GPipe and 1F1B for every small
+// pipeline pass the structural and deadlock checks, keep their memory bounds, print as
+// a step × stage grid; hand-broken schedules are rejected with messages that name the
+// stage and action.
+#include "executor/schedule.h"
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <sstream>
+#include <string>
+#include <vector>
+
+namespace pipeshard {
+namespace {
+
+constexpr ScheduleKind kKinds[] = {ScheduleKind::kGPipe, ScheduleKind::k1F1B};
+
+std::string names(const std::vector<Action>& actions) {
+  std::string out;
+  for (const Action& a : actions) {
+    if (!out.empty()) out += ' ';
+    out += action_name(a);
+  }
+  return out;
+}
+
+std::vector<int> micro_batches_of(const std::vector<Action>& actions, ActionKind kind) {
+  std::vector<int> out;
+  for (const Action& a : actions) {
+    if (a.kind == kind) out.push_back(a.micro_batch);
+  }
+  return out;
+}
+
+std::vector<std::string> lines_of(const std::string& text) {
+  std::vector<std::string> lines;
+  std::istringstream in(text);
+  for (std::string line; std::getline(in, line);) lines.push_back(line);
+  return lines;
+}
+
+// Index of `action` in stage s's list; fails the test when absent.
+size_t find_action(const PipelineSchedule& sc, int s, Action action) {
+  auto& list = sc.actions[s];
+  auto it = std::find(list.begin(), list.end(), action);
+  EXPECT_NE(it, list.end()) << action_name(action) << " not on stage " << s;
+  return it - list.begin();
+}
+
+std::string check_message(const PipelineSchedule& sc, SendMode mode = SendMode::kBuffered) {
+  Status st = check_pipeline_schedule(sc, mode);
+  return st.is_ok() ? "OK" : st.message();
+}
+
+// ---- every small pipeline ----
+
+TEST(Schedule, EverySmallPipelinePassesAndKeepsItsMemoryBound) {
+  for (ScheduleKind kind : kKinds) {
+    for (int p = 1; p <= 8; ++p) {
+      for (int m = 1; m <= 16; ++m) {
+        SCOPED_TRACE(std::string(schedule_kind_name(kind)) + " P=" + std::to_string(p) + " M=" + std::to_string(m));
+        PipelineSchedule sc = make_pipeline_schedule(kind, p, m);
+        ASSERT_EQ(sc.kind, kind);
+        ASSERT_EQ(sc.stages, p);
+        ASSERT_EQ(sc.micro_batches, m);
+        ASSERT_EQ(static_cast<int>(sc.actions.size()), p);
+        EXPECT_EQ(check_message(sc), "OK");
+        std::vector<int> in_order(m);
+        for (int k = 0; k < m; ++k) in_order[k] = k;
+        for (int s = 0; s < p; ++s) {
+          EXPECT_EQ(micro_batches_of(sc.actions[s], ActionKind::kForward), in_order) << "stage " << s;
+          EXPECT_EQ(micro_batches_of(sc.actions[s], ActionKind::kBackward), in_order) << "stage " << s;
+          const int expected = kind == ScheduleKind::kGPipe ? m : std::min(p - s, m);
+          EXPECT_EQ(max_in_flight(sc, s), expected) << "stage " << s;
+        }
+        EXPECT_LE(max_in_flight(sc, 0), kind == ScheduleKind::kGPipe ? m : p);
+      }
+    }
+  }
+}
+
+// Transfers around each compute, as the conventions of schedule.h say.
+TEST(Schedule, EveryComputeHasItsTransfersNextToIt) {
+  for (ScheduleKind kind : kKinds) {
+    PipelineSchedule sc = make_pipeline_schedule(kind, 4, 6);
+    for (int s = 0; s < 4; ++s) {
+      const auto& list = sc.actions[s];
+      for (size_t i = 0; i < list.size(); ++i) {
+        const int k = list[i].micro_batch;
+        if (list[i].kind == ActionKind::kForward) {
+          if (s > 0) { EXPECT_EQ(list[i - 1], (Action{ActionKind::kRecvActivation, k})); }
+          if (s < 3) { EXPECT_EQ(list[i + 1], (Action{ActionKind::kSendActivation, k})); }
+        }
+        if (list[i].kind == ActionKind::kBackward) {
+          if (s < 3) { EXPECT_EQ(list[i - 1], (Action{ActionKind::kRecvGradient, k})); }
+          if (s > 0) { EXPECT_EQ(list[i + 1], (Action{ActionKind::kSendGradient, k})); }
+        }
+      }
+    }
+  }
+}
+
+// Under rendezvous sends GPipe still runs; 1F1B deadlocks as soon as two stages and
+// two micro-batches make a stage send an activation while its successor sends a gradient.
+TEST(Schedule, RendezvousSendsDeadlock1F1BButNotGPipe) {
+  for (int p = 1; p <= 8; ++p) {
+    for (int m = 1; m <= 16; ++m) {
+      SCOPED_TRACE("P=" + std::to_string(p) + " M=" + std::to_string(m));
+      EXPECT_EQ(check_message(make_pipeline_schedule(ScheduleKind::kGPipe, p, m), SendMode::kRendezvous), "OK");
+      std::string one_f_one_b = check_message(make_pipeline_schedule(ScheduleKind::k1F1B, p, m), SendMode::kRendezvous);
+      if (p == 1 || m == 1) {
+        EXPECT_EQ(one_f_one_b, "OK");
+      } else {
+        EXPECT_EQ(one_f_one_b.rfind("deadlock (rendezvous sends) at step ", 0), 0u) << one_f_one_b;
+      }
+    }
+  }
+  EXPECT_EQ(check_message(make_pipeline_schedule(ScheduleKind::k1F1B, 2, 2), SendMode::kRendezvous),
+            "deadlock (rendezvous sends) at step 4: stage 0 waits at sA1 while stage 1 waits at sG0");
+}
+
+// ---- hand-checked cases ----
+
+TEST(Schedule, OneFOneBTwoStagesFourMicroBatches) {
+  PipelineSchedule sc = make_pipeline_schedule(ScheduleKind::k1F1B, 2, 4);
+  EXPECT_EQ(names(sc.actions[0]), "F0 sA0 F1 sA1 rG0 B0 F2 sA2 rG1 B1 F3 sA3 rG2 B2 rG3 B3");
+  EXPECT_EQ(names(sc.actions[1]), "rA0 F0 B0 sG0 rA1 F1 B1 sG1 rA2 F2 B2 sG2 rA3 F3 B3 sG3");
+}
+
+TEST(Schedule, GPipeTwoStagesThreeMicroBatches) {
+  PipelineSchedule sc = make_pipeline_schedule(ScheduleKind::kGPipe, 2, 3);
+  EXPECT_EQ(names(sc.actions[0]), "F0 sA0 F1 sA1 F2 sA2 rG0 B0 rG1 B1 rG2 B2");
+  EXPECT_EQ(names(sc.actions[1]), "rA0 F0 rA1 F1 rA2 F2 B0 sG0 B1 sG1 B2 sG2");
+}
+
+TEST(Schedule, OneStageHasNoTransfers) {
+  EXPECT_EQ(names(make_pipeline_schedule(ScheduleKind::k1F1B, 1, 3).actions[0]), "F0 B0 F1 B1 F2 B2");
+  EXPECT_EQ(names(make_pipeline_schedule(ScheduleKind::kGPipe, 1, 3).actions[0]), "F0 F1 F2 B0 B1 B2");
+}
+
+TEST(Schedule, GridOfOneFOneBFourStagesEightMicroBatches) {
+  PipelineSchedule sc = make_pipeline_schedule(ScheduleKind::k1F1B, 4, 8);
+  std::string grid = format_pipeline_schedule(sc);
+  std::vector<std::string> lines = lines_of(grid);
+  ASSERT_EQ(lines.size(), 55u) << grid;  // header + 54 steps
+  EXPECT_EQ(lines[0], "step  stage0  stage1  stage2  stage3");
+  EXPECT_EQ(lines[1], "0     F0      .       .       .");
+  EXPECT_EQ(lines[2], "1     sA0     rA0     .       .");
+  EXPECT_EQ(lines[6], "5     sA2     F1      sA0     rA0");
+  EXPECT_EQ(lines[8], "7     sA3     rA2     F1      B0");  // the last stage turns around at once
+  EXPECT_EQ(lines[14], "13    rG0     sG0     F2      .");  // the first gradient reaches stage 0
+  EXPECT_EQ(lines[54], "53    B7      .       .       .");
+  // Every action appears exactly once in its stage's column.
+  for (int s = 0; s < 4; ++s) {
+    std::vector<std::string> column;
+    for (size_t i = 1; i < lines.size(); ++i) {
+      std::istringstream cells(lines[i]);
+      std::string cell;
+      for (int c = 0; c <= s + 1; ++c) cells >> cell;
+      if (cell != ".") column.push_back(cell);
+    }
+    std::string joined;
+    for (const std::string& c : column) {
+      if (!joined.empty()) joined += ' ';
+      joined += c;
+    }
+    EXPECT_EQ(joined, names(sc.actions[s])) << "stage " << s;
+  }
+  EXPECT_EQ(*pipeline_schedule_steps(sc), 54);
+}
+
+// With every transfer taking a step, 1F1B needs no more steps than GPipe.
+TEST(Schedule, OneFOneBIsNoSlowerThanGPipe) {
+  for (int p = 1; p <= 8; ++p) {
+    for (int m = 1; m <= 16; ++m) {
+      Result<int> gpipe = pipeline_schedule_steps(make_pipeline_schedule(ScheduleKind::kGPipe, p, m));
+      Result<int> one_f_one_b = pipeline_schedule_steps(make_pipeline_schedule(ScheduleKind::k1F1B, p, m));
+      ASSERT_TRUE(gpipe.is_ok() && one_f_one_b.is_ok());
+      EXPECT_LE(*one_f_one_b, *gpipe) << "P=" << p << " M=" << m;
+    }
+  }
+}
+
+TEST(Schedule, GridEndsWithTheDeadlock) {
+  std::string grid = format_pipeline_schedule(make_pipeline_schedule(ScheduleKind::k1F1B, 2, 2), SendMode::kRendezvous);
+  EXPECT_EQ(grid,
+            "step  stage0  stage1\n"
+            "0     F0      .\n"
+            "1     sA0     rA0\n"
+            "2     F1      F0\n"
+            "3     .       B0\n"
+            "deadlock (rendezvous sends) at step 4: stage 0 waits at sA1 while stage 1 waits at sG0\n");
+}
+
+// ---- broken schedules ----
+
+// A receive hoisted ahead of the send it depends on: stage 0 waits for the gradient of
+// micro-batch 0 before sending its activation, stage 1 waits for that activation.
+TEST(ScheduleCheck, ReportsADeadlock) {
+  PipelineSchedule sc = make_pipeline_schedule(ScheduleKind::kGPipe, 2, 1);
+  std::swap(sc.actions[0][1], sc.actions[0][2]);  // F0 sA0 rG0 B0 -> F0 rG0 sA0 B0
+  EXPECT_EQ(names(sc.actions[0]), "F0 rG0 sA0 B0");
+  EXPECT_EQ(check_message(sc), "deadlock (buffered sends) at step 1: stage 0 waits at rG0 while stage 1 waits at rA0");
+}
+
+// In a long pipeline: stage 2 asks for its first gradient before it has received any
+// activation, and every stage ends up waiting.
+TEST(ScheduleCheck, ReportsADeadlockAcrossALongPipeline) {
+  PipelineSchedule sc = make_pipeline_schedule(ScheduleKind::k1F1B, 4, 8);
+  auto& stage2 = sc.actions[2];
+  const size_t recv = find_action(sc, 2, {ActionKind::kRecvGradient, 0});
+  Action moved = stage2[recv];
+  stage2.erase(stage2.begin() + recv);
+  stage2.insert(stage2.begin(), moved);
+  EXPECT_EQ(check_message(sc),
+            "deadlock (buffered sends) at step 10: stage 0 waits at rG0, stage 1 waits at rG0, "
+            "stage 2 waits at rG0 while stage 3 waits at rA0");
+}
+
+// Swapping the receives (and so the forwards) of two micro-batches on one stage breaks
+// the in-order matching of transfers on its incoming link.
+TEST(ScheduleCheck, ReportsReceivesOutOfOrderOnALink) {
+  PipelineSchedule sc = make_pipeline_schedule(ScheduleKind::kGPipe, 3, 4);
+  auto& stage1 = sc.actions[1];
+  const size_t first = find_action(sc, 1, {ActionKind::kRecvActivation, 1});
+  const size_t second = find_action(sc, 1, {ActionKind::kRecvActivation, 2});
+  std::swap_ranges(stage1.begin() + first, stage1.begin() + first + 3, stage1.begin() + second);
+  EXPECT_EQ(check_message(sc),
+            "activations stage 0 -> stage 1: send #1 is sA1 but receive #1 is rA2 (transfers on a link match in order)");
+}
+
+TEST(ScheduleCheck, ReportsAMissingSend) {
+  PipelineSchedule sc = make_pipeline_schedule(ScheduleKind::k1F1B, 4, 8);
+  sc.actions[1].erase(sc.actions[1].begin() + find_action(sc, 1, {ActionKind::kSendActivation, 3}));
+  EXPECT_EQ(check_message(sc), "stage 1: no sA3 after F3");
+  PipelineSchedule grad = make_pipeline_schedule(ScheduleKind::k1F1B, 4, 8);
+  grad.actions[3].erase(grad.actions[3].begin() + find_action(grad, 3, {ActionKind::kSendGradient, 7}));
+  EXPECT_EQ(check_message(grad), "stage 3: no sG7 after B7");
+}
+
+TEST(ScheduleCheck, ReportsAMismatchedMicroBatch) {
+  PipelineSchedule sc = make_pipeline_schedule(ScheduleKind::k1F1B, 4, 8);
+  sc.actions[2][find_action(sc, 2, {ActionKind::kRecvActivation, 3})].micro_batch = 4;
+  EXPECT_EQ(check_message(sc), "stage 2: no rA3 before F3");
+  PipelineSchedule sender = make_pipeline_schedule(ScheduleKind::k1F1B, 4, 8);
+  sender.actions[1][find_action(sender, 1, {ActionKind::kSendActivation, 3})].micro_batch = 2;
+  EXPECT_EQ(check_message(sender), "stage 1: sA2 appears 2 times");
+  PipelineSchedule out_of_range = make_pipeline_schedule(ScheduleKind::k1F1B, 4, 8);
+  const size_t i = find_action(out_of_range, 2, {ActionKind::kRecvActivation, 3});
+  out_of_range.actions[2][i].micro_batch = 8;
+  EXPECT_EQ(check_message(out_of_range),
+            "stage 2: action " + std::to_string(i) + " (rA8) has a micro-batch outside 0..7");
+}
+
+TEST(ScheduleCheck, ReportsComputeOrderAndPlacementErrors) {
+  PipelineSchedule backward_first = make_pipeline_schedule(ScheduleKind::k1F1B, 1, 2);
+  std::swap(backward_first.actions[0][0], backward_first.actions[0][1]);  // B0 F0 F1 B1
+  EXPECT_EQ(check_message(backward_first), "stage 0: B0 comes before F0");
+
+  PipelineSchedule late_receive = make_pipeline_schedule(ScheduleKind::kGPipe, 2, 2);
+  std::swap(late_receive.actions[1][0], late_receive.actions[1][1]);  // F0 rA0 ...
+  EXPECT_EQ(check_message(late_receive), "stage 1: rA0 comes after F0");
+
+  PipelineSchedule into_the_void = make_pipeline_schedule(ScheduleKind::kGPipe, 2, 2);
+  into_the_void.actions[1].push_back({ActionKind::kSendActivation, 0});
+  EXPECT_EQ(check_message(into_the_void), "stage 1: sA0, but it is the last stage");
+
+  PipelineSchedule missing_forward = make_pipeline_schedule(ScheduleKind::kGPipe, 1, 2);
+  missing_forward.actions[0].erase(missing_forward.actions[0].begin() + 1);
+  EXPECT_EQ(check_message(missing_forward), "stage 0: no F1");
+
+  PipelineSchedule short_list = make_pipeline_schedule(ScheduleKind::kGPipe, 3, 2);
+  short_list.actions.pop_back();
+  EXPECT_EQ(check_message(short_list), "the schedule has action lists for 2 stages, not 3");
+}
+
+TEST(Schedule, Names) {
+  EXPECT_EQ(action_name({ActionKind::kForward, 3}), "F3");
+  EXPECT_EQ(action_name({ActionKind::kBackward, 3}), "B3");
+  EXPECT_EQ(action_name({ActionKind::kSendActivation, 3}), "sA3");
+  EXPECT_EQ(action_name({ActionKind::kRecvActivation, 3}), "rA3");
+  EXPECT_EQ(action_name({ActionKind::kSendGradient, 3}), "sG3");
+  EXPECT_EQ(action_name({ActionKind::kRecvGradient, 3}), "rG3");
+  EXPECT_STREQ(schedule_kind_name(ScheduleKind::kGPipe), "gpipe");
+  EXPECT_STREQ(schedule_kind_name(ScheduleKind::k1F1B), "1f1b");
+}
+
+}  // namespace
+}  // namespace pipeshard
