@@ -34,6 +34,7 @@ struct Args {
   bool lr_given = false, momentum_given = false, eps_given = false, weight_decay_given = false;
   bool nesterov = false, no_shuffle = false;
   int64_t batch_size = 32, steps = 0, epochs = 0, grad_accum = 1, warmup = 0, checkpoint_every = 0;
+  int64_t check_equivalence = 0;
   uint64_t seed = 0;
   int stages = 1, tensor_parallel = 1;
 };
@@ -68,6 +69,9 @@ void define(CLI::App& app, Args& a) {
   app.add_option("--checkpoint-every", a.checkpoint_every, "steps between checkpoints (default: once per epoch and at the end)");
   app.add_option("--resume", a.resume, "continue the run saved in this checkpoint folder");
   app.add_option("--device", a.device, "cpu (default) or cuda")->check(CLI::IsMember({"cpu", "cuda"}));
+  app.add_option("--check-equivalence", a.check_equivalence,
+                 "train K steps in this layout and in one process on the same data, print the largest "
+                 "loss and weight difference, and stop");
   app.add_option("--stages", a.stages, "pipeline stages (needs mpirun; default 1)");
   app.add_option("--tensor-parallel", a.tensor_parallel, "tensor-parallel shards (needs mpirun; default 1)");
 }
@@ -114,6 +118,44 @@ Result<TrainConfig> make_config(const Args& a) {
 }
 
 bool stderr_is_terminal() { return ::isatty(STDERR_FILENO) == 1; }
+
+// --check-equivalence K: the requested layout trains K steps; rank 0 also trains the
+// same K steps alone on the whole batch, then prints the largest differences. Every
+// rank returns 0 when they agree to float rounding (1e-5 relative), 1 otherwise.
+int check_equivalence(const Graph& graph, const Dataset& data, const TrainConfig& config, Trainer& distributed,
+                      int64_t steps, Communicator& world) {
+  std::vector<double> losses;
+  for (int64_t s = 0; s < steps; ++s) losses.push_back(distributed.step().loss);
+  Graph ours = graph;
+  distributed.download_parameters(ours);
+  double loss_diff = 0, weight_diff = 0;
+  if (world.rank() == 0) {
+    std::unique_ptr<Backend> backend = make_cpu_backend();
+    auto alone = Trainer::create(graph, data, *backend, config);
+    PIPESHARD_CHECK(alone.is_ok(), alone.status().message());
+    for (int64_t s = 0; s < steps; ++s) {
+      const double want = (*alone)->step().loss;
+      loss_diff = std::max(loss_diff, std::fabs(losses[s] - want) / std::max(std::fabs(want), 1e-12));
+    }
+    Graph reference = graph;
+    (*alone)->download_parameters(reference);
+    for (size_t p = 0; p < reference.params.size(); ++p) {
+      const auto& want = reference.params[p].data;
+      float scale = 1.0f;
+      for (float v : want) scale = std::max(scale, std::fabs(v));
+      for (size_t i = 0; i < want.size(); ++i) {
+        weight_diff = std::max(weight_diff, static_cast<double>(std::fabs(ours.params[p].data[i] - want[i]) / scale));
+      }
+    }
+    fmt::print("check-equivalence: {} steps on {} process{} vs 1: largest loss difference {:.2e} (relative), "
+               "largest weight difference {:.2e} (relative to each tensor's largest value)\n",
+               steps, world.size(), world.size() == 1 ? "" : "es", loss_diff, weight_diff);
+  }
+  const bool same = world.all_reduce_sum(loss_diff <= 1e-5 && weight_diff <= 1e-5 ? 0.0 : 1.0) == 0.0;
+  if (world.rank() == 0) fmt::print("{}\n", same ? "equivalent: the layout computes the one-process training"
+                                                    : "NOT equivalent beyond float rounding (1e-5)");
+  return same ? 0 : 1;
+}
 
 }  // namespace
 
@@ -179,6 +221,9 @@ int main(int argc, char** argv) {
   if (!a.metrics.empty() && root) {
     metrics.open(a.metrics, std::ios::trunc);
     if (!metrics) return fail("cannot write metrics file '" + a.metrics + "'");
+  }
+  if (a.check_equivalence > 0) {
+    return check_equivalence(model->graph, *data, *config, **trainer, a.check_equivalence, *world);
   }
   const int64_t checkpoint_every = a.checkpoint_every > 0 ? a.checkpoint_every : steps_per_epoch;
   const bool live = root && stderr_is_terminal();
