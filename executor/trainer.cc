@@ -243,6 +243,7 @@ Status Trainer::load_checkpoint(const std::string& dir, Graph& graph) {
   std::vector<std::vector<float>> slots(static_cast<size_t>(optimizer_->slots()),
                                         std::vector<float>(static_cast<size_t>(program_->trainable_elements())));
   size_t at = 16 + len;
+  std::vector<bool> restored(graph.params.size(), false);
   for (const auto& t : header["tensors"]) {
     const std::string name = t.value("name", ""), role = t.value("role", "");
     const int64_t n = t.value("elements", int64_t{-1});
@@ -253,6 +254,7 @@ Status Trainer::load_checkpoint(const std::string& dir, Graph& graph) {
     float* dst = nullptr;
     if (role == "value") {
       dst = graph.params[it->second].data.data();
+      restored[it->second] = true;
     } else if (role.rfind("slot", 0) == 0 && graph.params[it->second].trainable) {
       const size_t s = static_cast<size_t>(std::atoi(role.c_str() + 4));
       if (s >= slots.size()) return Status::error(path + ": optimizer state does not match this optimizer");
@@ -262,6 +264,9 @@ Status Trainer::load_checkpoint(const std::string& dir, Graph& graph) {
     }
     std::memcpy(dst, bytes.data() + at, static_cast<size_t>(n) * sizeof(float));
     at += static_cast<size_t>(n) * sizeof(float);
+  }
+  for (size_t p = 0; p < restored.size(); ++p) {
+    if (!restored[p]) return Status::error(path + ": has no values for '" + graph.params[p].name + "'");
   }
   program_->upload_parameters(graph);
   optimizer_->restore(header["step"].get<int64_t>(), slots);

@@ -114,6 +114,28 @@ TEST(Trainer, ResumedRunEqualsTheUninterruptedRun) {
   }
 }
 
+TEST(Trainer, CheckpointOfAnotherModelIsRefused) {
+  const Dataset d = digits();
+  ImportedModel digits_model = load("simple_digits");
+  ScratchDir dir("other");
+  std::unique_ptr<Backend> backend = make_cpu_backend();
+  {
+    auto t = Trainer::create(digits_model.graph, d, *backend, sgd(64, 1, 2));
+    ASSERT_TRUE(t.is_ok());
+    (*t)->step();
+    Graph scratch = digits_model.graph;
+    ASSERT_TRUE((*t)->save_checkpoint(dir.path(), scratch).is_ok());
+  }
+  // Same tensors but one renamed: the checkpoint lacks a parameter of this model.
+  Graph renamed = digits_model.graph;
+  renamed.params[0].name = "not_in_the_checkpoint";
+  auto t = Trainer::create(renamed, d, *backend, sgd(64, 1, 2));
+  ASSERT_TRUE(t.is_ok());
+  Status s = (*t)->load_checkpoint(dir.path(), renamed);
+  ASSERT_FALSE(s.is_ok());
+  EXPECT_NE(s.message().find("is not in this model"), std::string::npos) << s.message();
+}
+
 TEST(Trainer, ShuffleIsSeeded) {
   BatchOrder a(100, 10, true, 1), b(100, 10, true, 1), c(100, 10, true, 2), plain(100, 10, false, 1);
   EXPECT_EQ(a.indices(3), b.indices(3));
