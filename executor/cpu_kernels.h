@@ -15,9 +15,32 @@
 
 namespace pipeshard::cpu {
 
-// Below this many units of work (about one float operation each) a loop runs on the
-// calling thread: waking the OpenMP team costs a few microseconds.
-inline constexpr int64_t kParallelMinWork = 32768;
+// Threads. The CPU backend has two thread pools that do not know each other: OpenBLAS's
+// own (pthreads) inside every sgemm, and OpenMP's for the loops below. libgomp's workers
+// spin for milliseconds after each parallel region (its default wait policy; ~8 ms of a
+// core measured on a 2-core EPYC), so a parallel loop between two sgemms left a spinning
+// OpenMP worker on the core that OpenBLAS's worker needed: 300 steps of the digits MLP
+// (64-256-128-10, batch 64) took 0.45 s against 0.05 s with either pool alone, and a step
+// of a 4×1024 MLP (batch 256) 64 ms against 31 ms. The loops here are memory-bound (a
+// second core gave no speed-up on the SGD step) or cheap next to the GEMMs around them, so
+// they run on the calling thread and OpenBLAS alone threads the sgemms. Only a loop of
+// more than kParallelMinWork units of work (about one float operation each: tens of
+// milliseconds on one core, far longer than the spin it leaves behind) uses OpenMP.
+inline constexpr int64_t kParallelMinWork = int64_t{1} << 26;
+
+// The threshold parallel_ranges applies: kParallelMinWork, unless a ScopedParallelMinWork
+// is alive. Tests lower it to run the threaded paths on small inputs.
+int64_t parallel_min_work();
+class ScopedParallelMinWork {
+ public:
+  explicit ScopedParallelMinWork(int64_t work);
+  ~ScopedParallelMinWork();
+  ScopedParallelMinWork(const ScopedParallelMinWork&) = delete;
+  ScopedParallelMinWork& operator=(const ScopedParallelMinWork&) = delete;
+
+ private:
+  int64_t previous_;
+};
 
 // Calls body(begin, end) on contiguous pieces that cover [0, n) once, one piece per
 // thread when `work` pays for the threads. Bodies must compute each index the same way
@@ -26,7 +49,7 @@ template <typename Body>
 void parallel_ranges(int64_t n, int64_t work, Body&& body) {
   if (n <= 0) return;
 #ifdef _OPENMP
-  if (work >= kParallelMinWork && n > 1 && omp_get_max_threads() > 1) {
+  if (work >= parallel_min_work() && n > 1 && omp_get_max_threads() > 1) {
 #pragma omp parallel
     {
       const int64_t threads = omp_get_num_threads(), t = omp_get_thread_num();
@@ -39,14 +62,18 @@ void parallel_ranges(int64_t n, int64_t work, Body&& body) {
   body(0, n);
 }
 
+// Work per piece of deterministic_sum. Fixed, and independent of the threading
+// threshold, so that a sum's rounding never changes with either.
+inline constexpr int64_t kSumPieceWork = 32768;
+
 // Σ chunk(begin, end) over [0, n), in double. The pieces depend on n and work_per_item
-// only (at most 64, each worth at least kParallelMinWork) and their partial sums are
-// added in order, so the result is the same for any thread count.
+// only (at most 64, each worth at least kSumPieceWork) and their partial sums are added
+// in order, so the result is the same for any thread count.
 template <typename Chunk>
 double deterministic_sum(int64_t n, int64_t work_per_item, Chunk&& chunk) {
   constexpr int64_t kMaxPieces = 64;
   if (n <= 0) return 0.0;
-  const int64_t pieces = std::clamp<int64_t>(n * work_per_item / kParallelMinWork, 1, std::min(n, kMaxPieces));
+  const int64_t pieces = std::clamp<int64_t>(n * work_per_item / kSumPieceWork, 1, std::min(n, kMaxPieces));
   double partial[kMaxPieces];
   parallel_ranges(pieces, n * work_per_item, [&](int64_t p0, int64_t p1) {
     for (int64_t p = p0; p < p1; ++p) partial[p] = chunk(n * p / pieces, n * (p + 1) / pieces);

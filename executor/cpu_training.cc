@@ -6,6 +6,7 @@
 // we do the same, so the remaining differences are FMA contraction in torch's vector
 // loops, a few float ulps per step.
 #include <cmath>
+#include <type_traits>
 
 #include "common/status.h"
 #include "executor/cpu_kernels.h"
@@ -71,14 +72,16 @@ double cross_entropy(float* dlogits, const float* logits, const float* labels, i
         continue;
       }
       // −log softmax(in)[k] = log Σ exp(in − max) − (in[k] − max)
+      // The max is order-free, so it runs on vectors (a NaN logit makes the loss and every
+      // gradient NaN either way). The exps and their in-order double sum are separate
+      // loops: the calls then overlap instead of waiting on the chain of additions.
       float m = in[0];
+#pragma omp simd reduction(max : m)
       for (int64_t i = 1; i < classes; ++i) m = std::max(m, in[i]);
       double sum = 0.0;
       if (d != nullptr) {
-        for (int64_t i = 0; i < classes; ++i) {
-          d[i] = std::exp(in[i] - m);
-          sum += d[i];
-        }
+        for (int64_t i = 0; i < classes; ++i) d[i] = std::exp(in[i] - m);
+        for (int64_t i = 0; i < classes; ++i) sum += d[i];
         const float inv_sum = static_cast<float>(1.0 / sum);
         for (int64_t i = 0; i < classes; ++i) d[i] = d[i] * inv_sum * inv_den;
         d[k] -= inv_den;
@@ -107,6 +110,23 @@ double mean_squared_error(float* dpred, const float* pred, const float* target, 
   return total / denominator;
 }
 
+// Calls fn(std::bool_constant<f>...) with each runtime flag turned into a compile-time
+// one, so that an optimizer loop has no branch left inside and compiles to vector code
+// (with the flags tested per element GCC kept the SGD loop scalar: 4.0 ms instead of
+// 1.1 ms for 4M parameters). The arithmetic per element is the same in every variant.
+template <typename Fn>
+void with_flags(Fn&& fn) {
+  fn();
+}
+template <typename Fn, typename... Rest>
+void with_flags(Fn&& fn, bool flag, Rest... rest) {
+  if (flag) {
+    with_flags([&](auto... known) { fn(std::true_type{}, known...); }, rest...);
+  } else {
+    with_flags([&](auto... known) { fn(std::false_type{}, known...); }, rest...);
+  }
+}
+
 // torch.optim.SGD, dampening 0:
 //   g = grad + wd·param;  buf = g (first step) or momentum·buf + g;
 //   g = nesterov ? g + momentum·buf : buf;  param = param − lr·g
@@ -115,18 +135,21 @@ void sgd_step(float* param, const float* grad, float* momentum_buffer, int64_t n
   PIPESHARD_CHECK(!use_momentum || momentum_buffer != nullptr, "SGD with momentum needs its buffer");
   PIPESHARD_CHECK(!s.nesterov || use_momentum, "Nesterov SGD needs momentum");
   const float wd = s.weight_decay, momentum = s.momentum, neg_lr = -s.lr;
-  parallel_ranges(n, n * 4, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      float g = grad[i];
-      if (wd != 0.0f) g = g + wd * param[i];
-      if (use_momentum) {
-        const float buf = s.first_step ? g : momentum_buffer[i] * momentum + g;
-        momentum_buffer[i] = buf;
-        g = s.nesterov ? g + momentum * buf : buf;
+  auto loop = [&](auto decay, auto with_momentum, auto first_step, auto nesterov) {
+    parallel_ranges(n, n * 4, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) {
+        float g = grad[i];
+        if constexpr (decay) g = g + wd * param[i];
+        if constexpr (with_momentum) {
+          const float buf = first_step ? g : momentum_buffer[i] * momentum + g;
+          momentum_buffer[i] = buf;
+          g = nesterov ? g + momentum * buf : buf;
+        }
+        param[i] = param[i] + neg_lr * g;
       }
-      param[i] = param[i] + neg_lr * g;
-    }
-  });
+    });
+  };
+  with_flags(loop, wd != 0.0f, use_momentum, use_momentum && s.first_step, use_momentum && s.nesterov);
 }
 
 // torch.optim.Adam / AdamW (_single_tensor_adam, amsgrad off):
@@ -138,31 +161,36 @@ void adam_step(float* param, const float* grad, float* exp_avg, float* exp_avg_s
   const double beta1 = s.beta1, beta2 = s.beta2, step = static_cast<double>(s.step);
   const float neg_step_size = static_cast<float>(-(s.lr / (1.0 - std::pow(beta1, step))));
   const float bias_correction2_sqrt = static_cast<float>(std::sqrt(1.0 - std::pow(beta2, step)));
-  const float decay = static_cast<float>(1.0 - static_cast<double>(s.lr) * s.weight_decay);
+  const float decay_factor = static_cast<float>(1.0 - static_cast<double>(s.lr) * s.weight_decay);
   const float lerp_weight = static_cast<float>(1.0 - beta1);
   const float sq_weight = static_cast<float>(1.0 - beta2);
   const float b2 = s.beta2, eps = s.eps, wd = s.weight_decay;
   const bool small_lerp = std::fabs(lerp_weight) < 0.5f;
-  parallel_ranges(n, n * 12, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      float p = param[i], g = grad[i];
-      if (wd != 0.0f) {
-        if (s.decoupled) {
-          p = p * decay;
-        } else {
-          g = g + wd * p;
+  auto loop = [&](auto decay, auto decoupled, auto lerp_from_start) {
+    // By value: with the scalars behind references GCC could not prove that the stores
+    // to param leave them alone, and did not vectorize.
+    parallel_ranges(n, n * 12, [=](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) {
+        float p = param[i], g = grad[i];
+        if constexpr (decay) {
+          if constexpr (decoupled) {
+            p = p * decay_factor;
+          } else {
+            g = g + wd * p;
+          }
         }
+        const float m0 = exp_avg[i];
+        // at::lerp: the form that is exact at the nearer end
+        const float m = lerp_from_start ? m0 + lerp_weight * (g - m0) : g - (g - m0) * (1.0f - lerp_weight);
+        const float v = exp_avg_sq[i] * b2 + sq_weight * g * g;
+        const float denom = std::sqrt(v) / bias_correction2_sqrt + eps;
+        exp_avg[i] = m;
+        exp_avg_sq[i] = v;
+        param[i] = p + neg_step_size * m / denom;
       }
-      const float m0 = exp_avg[i];
-      // at::lerp: the form that is exact at the nearer end
-      const float m = small_lerp ? m0 + lerp_weight * (g - m0) : g - (g - m0) * (1.0f - lerp_weight);
-      const float v = exp_avg_sq[i] * b2 + sq_weight * g * g;
-      const float denom = std::sqrt(v) / bias_correction2_sqrt + eps;
-      exp_avg[i] = m;
-      exp_avg_sq[i] = v;
-      param[i] = p + neg_step_size * m / denom;
-    }
-  });
+    });
+  };
+  with_flags(loop, wd != 0.0f, s.decoupled, small_lerp);
 }
 
 }  // namespace pipeshard::cpu

@@ -149,6 +149,20 @@ TEST_F(BackendTest, VectorHelpers) {
   EXPECT_NEAR(be_->sum_squares(by2.data(), 1000), want, 1e-12 * want);
 }
 
+TEST_F(BackendTest, FillWritesTheValueBitForBit) {
+  // +0 takes a memset path; -0 and other values must not.
+  for (float value : {0.0f, -0.0f, 3.0f}) {
+    DeviceBuffer b = buffer(random(1001));
+    be_->fill(b.data(), value, 1000);
+    const Floats got = host(b);
+    for (int i = 0; i < 1000; ++i) {
+      ASSERT_EQ(got[i], value);
+      ASSERT_EQ(std::signbit(got[i]), std::signbit(value)) << "element " << i;
+    }
+    EXPECT_NE(got[1000], value) << "fill wrote past its end";
+  }
+}
+
 TEST_F(BackendTest, AnyNonFinite) {
   Floats x = random(100000);
   DeviceBuffer b = buffer(x);

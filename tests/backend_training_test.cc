@@ -1,6 +1,7 @@
 // Tests of the CPU backend's training kernels (executor/backend.h): losses, optimizer
 // steps, and results that do not depend on the number of threads. Written against the
-// Backend interface only; how gradients are checked: tests/backend_check.h.
+// Backend interface (plus the CPU backend's threading threshold, which the thread-count
+// test lowers); how gradients are checked: tests/backend_check.h.
 #include "executor/backend.h"
 
 #include <gtest/gtest.h>
@@ -16,6 +17,7 @@
 #define PIPESHARD_TEST_HAVE_OMP 1
 #endif
 
+#include "executor/cpu_kernels.h"
 #include "tests/backend_check.h"
 
 namespace pipeshard {
@@ -215,7 +217,10 @@ TEST_F(BackendTest, AdamFirstStepMovesEachWeightByLr) {
 
 #ifdef PIPESHARD_TEST_HAVE_OMP
 TEST_F(BackendTest, ResultsDoNotDependOnTheThreadCount) {
-  const int64_t rows = 513, width = 1031;  // large enough for every kernel to go parallel
+  // The backend threads only loops far larger than these (cpu::kParallelMinWork); lower its
+  // threshold so that every kernel takes its threaded path here.
+  const cpu::ScopedParallelMinWork every_loop_threaded(1);
+  const int64_t rows = 513, width = 1031;
   const int64_t n = rows * width;
   const Floats x = random(n), r = random(n), w = random(width), w2 = random(width * 64);
   Floats labels(rows);
