@@ -30,6 +30,11 @@ struct LinearShape {
   float beta = 1.0f;
 };
 
+// How a backward writes a gradient buffer: add into it (the default, so fan-out needs
+// no special case), or overwrite it — for a buffer that this call alone writes, which
+// spares the caller zeroing it first (PyTorch gets the same from fresh gradients).
+enum class GradWrite { kAdd, kOverwrite };
+
 struct Activation {
   ActivationKind kind = ActivationKind::kRelu;
   float alpha = 0.01f;  // LeakyRelu's negative slope
@@ -77,8 +82,10 @@ class Backend {
                               const Activation* epilogue = nullptr, float* pre = nullptr) = 0;
   // dx [rows, in] += alpha·dy·W ; dw += alpha·dyᵀx laid out like w ; db [out] += beta·Σ_rows dy.
   // Any of dx, dw, db may be null (not needed). dy [rows, out] is not modified.
+  // `param_grads` applies to dw and db, `input_grad` to dx (kOverwrite: = instead of +=).
   virtual void linear_backward(float* dx, float* dw, float* db, const float* dy, const float* x, const float* w,
-                               const LinearShape& s) = 0;
+                               const LinearShape& s, GradWrite param_grads = GradWrite::kAdd,
+                               GradWrite input_grad = GradWrite::kAdd) = 0;
 
   // ---- elementwise ----
   // y[n] = act(x[n])

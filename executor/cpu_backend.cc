@@ -235,22 +235,32 @@ class CpuBackend final : public Backend {
   }
 
   void linear_backward(float* dx, float* dw, float* db, const float* dy, const float* x, const float* w,
-                       const LinearShape& s) override {
+                       const LinearShape& s, GradWrite param_grads, GradWrite input_grad) override {
     check_shape(s);
+    // sgemm's beta: 1 adds into the buffer, 0 overwrites it (same products, same order).
+    const float param_beta = param_grads == GradWrite::kOverwrite ? 0.0f : 1.0f;
+    const float input_beta = input_grad == GradWrite::kOverwrite ? 0.0f : 1.0f;
+    if (param_grads == GradWrite::kOverwrite) {
+      if (db != nullptr) std::fill(db, db + s.out, 0.0f);
+      if (dw != nullptr && (s.rows == 0 || s.out == 0)) std::fill(dw, dw + s.in * s.out, 0.0f);
+    }
+    if (input_grad == GradWrite::kOverwrite && dx != nullptr && (s.rows == 0 || s.out == 0)) {
+      std::fill(dx, dx + s.rows * s.in, 0.0f);
+    }
     if (s.rows == 0 || s.out == 0) return;
     const bool out_in = s.layout == WeightLayout::kOutIn;
     if (dx != nullptr && s.in > 0) {
       // dx[rows, in] += alpha · dy[rows, out] · W'ᵀ
       sgemm(CblasNoTrans, out_in ? CblasNoTrans : CblasTrans, blas_int(s.rows), blas_int(s.in), blas_int(s.out),
-            s.alpha, dy, blas_int(s.out), w, blas_int(out_in ? s.in : s.out), 1.0f, dx, blas_int(s.in));
+            s.alpha, dy, blas_int(s.out), w, blas_int(out_in ? s.in : s.out), input_beta, dx, blas_int(s.in));
     }
     if (dw != nullptr && s.in > 0) {
       if (out_in) {  // dw[out, in] += alpha · dyᵀ · x
         sgemm(CblasTrans, CblasNoTrans, blas_int(s.out), blas_int(s.in), blas_int(s.rows), s.alpha, dy,
-              blas_int(s.out), x, blas_int(s.in), 1.0f, dw, blas_int(s.in));
+              blas_int(s.out), x, blas_int(s.in), param_beta, dw, blas_int(s.in));
       } else {  // dw[in, out] += alpha · xᵀ · dy
         sgemm(CblasTrans, CblasNoTrans, blas_int(s.in), blas_int(s.out), blas_int(s.rows), s.alpha, x,
-              blas_int(s.in), dy, blas_int(s.out), 1.0f, dw, blas_int(s.out));
+              blas_int(s.in), dy, blas_int(s.out), param_beta, dw, blas_int(s.out));
       }
     }
     if (db != nullptr) bias_backward(db, dy, s.beta, s.rows, s.out);

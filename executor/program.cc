@@ -106,7 +106,45 @@ Result<std::unique_ptr<Program>> Program::create(const Graph& g, Backend& backen
         break;
     }
   }
+  p->plan_gradient_writes();
   return p;
+}
+
+// Who writes which gradient buffer first, so that buffers one Linear writes alone are
+// overwritten by it instead of zeroed and added to: that memset traffic was a fifth of
+// the non-GEMM time of a step on a 4 x 1024 MLP.
+void Program::plan_gradient_writes() {
+  const Graph& g = graph_;
+  std::vector<int> users(g.params.size(), 0);
+  for (const Node& n : g.nodes)
+    for (int q : g.node_params(n)) ++users[q];
+  owns_param_grads_.assign(g.nodes.size(), false);
+  std::vector<bool> owned(g.params.size(), false);
+  for (size_t i = 0; i < g.nodes.size(); ++i) {
+    const Node& n = g.nodes[i];
+    if (n.kind != OpKind::kLinear) continue;
+    const bool alone = users[n.weight] == 1 && (n.bias < 0 || users[n.bias] == 1);
+    if (!alone) continue;
+    owns_param_grads_[i] = true;
+    owned[n.weight] = true;
+    if (n.bias >= 0) owned[n.bias] = true;
+  }
+  for (size_t q = 0; q < g.params.size(); ++q) {
+    if (!g.params[q].trainable || owned[q]) continue;
+    const int64_t begin = param_offset_[q], end = begin + g.params[q].elements();
+    if (!zeroed_ranges_.empty() && zeroed_ranges_.back().second == begin) {
+      zeroed_ranges_.back().second = end;
+    } else {
+      zeroed_ranges_.emplace_back(begin, end);
+    }
+  }
+  overwritten_.assign(g.values.size(), false);
+  for (size_t v = 0; v < g.values.size(); ++v) {
+    const auto& readers = g.values[v].consumers;
+    overwritten_[v] = grad_storage_[v].data() != nullptr && readers.size() == 1 &&
+                      g.nodes[readers[0]].kind == OpKind::kLinear && needs_grad_[v] &&
+                      !is_model_output(g, static_cast<int>(v));
+  }
 }
 
 const float* Program::param(int p) const {
@@ -143,8 +181,12 @@ void Program::forward(const std::vector<const float*>& host_inputs, int64_t batc
   if (mode == Mode::kTrain) {
     // Backward adds into value gradients: start from zero (the loss then writes the
     // output gradients). Aliased Reshape buffers are cleared through their owner.
+    // Skipped: values nobody back-propagates into, model outputs (the loss writes them),
+    // and values whose only reader is a Linear (it overwrites their gradient).
     for (size_t v = 0; v < graph_.values.size(); ++v) {
-      if (grad_storage_[v].data()) backend_.fill(grad_storage_[v].data(), 0.0f, batch * per_sample(graph_, static_cast<int>(v)));
+      const int id = static_cast<int>(v);
+      if (!grad_storage_[v].data() || !needs_grad_[v] || overwritten_[v] || is_model_output(graph_, id)) continue;
+      backend_.fill(grad_storage_[v].data(), 0.0f, batch * per_sample(graph_, id));
     }
   }
 }
@@ -208,6 +250,7 @@ void Program::backward(int64_t batch, const std::function<void(size_t)>& after_n
     backward_node(i, batch);
     if (after_node) after_node(i);
   }
+  fresh_step_ = false;  // further backwards (accumulation) add
 }
 
 void Program::backward_node(size_t i, int64_t batch) {
@@ -220,7 +263,10 @@ void Program::backward_node(size_t i, int64_t batch) {
   switch (n.kind) {
     case OpKind::kLinear: {
       const LinearShape s{batch * rows_per_sample(graph_, x), n.in_features, n.out_features, n.layout, n.alpha, n.beta};
-      backend_.linear_backward(dx, param_grad(n.weight), param_grad(n.bias), dy, value_[x], param(n.weight), s);
+      const GradWrite params = fresh_step_ && owns_param_grads_[i] ? GradWrite::kOverwrite : GradWrite::kAdd;
+      const GradWrite input = overwritten_[x] ? GradWrite::kOverwrite : GradWrite::kAdd;
+      backend_.linear_backward(dx, param_grad(n.weight), param_grad(n.bias), dy, value_[x], param(n.weight), s, params,
+                               input);
       return;
     }
     case OpKind::kActivation:
@@ -264,7 +310,10 @@ void Program::backward_node(size_t i, int64_t batch) {
   }
 }
 
-void Program::zero_gradients() { backend_.fill(grads_.data(), 0.0f, trainable_elements_); }
+void Program::zero_gradients() {
+  for (const auto& [begin, end] : zeroed_ranges_) backend_.fill(grads_.data() + begin, 0.0f, end - begin);
+  fresh_step_ = true;
+}
 
 const float* Program::output(int k) const { return value_[graph_.outputs[k]]; }
 const Shape& Program::output_shape(int k) const { return graph_.values[graph_.outputs[k]].shape; }

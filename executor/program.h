@@ -59,12 +59,15 @@ class Program {
   // from then on no later node adds into the gradients of node i's parameters unless
   // an earlier node shares them.
   void backward(int64_t batch, const std::function<void(size_t)>& after_node = {});
+  // Zeroes the parameter gradients for a new step. Buffers that a single Linear writes
+  // are not touched: its next backward overwrites them instead of adding.
   void zero_gradients();
 
   Backend& backend() { return backend_; }
 
  private:
   Program(const Graph& graph, Backend& backend, int64_t max_batch);
+  void plan_gradient_writes();
   void forward_node(size_t i, int64_t batch, Mode mode, uint64_t seed);
   void backward_node(size_t i, int64_t batch);
   const float* param(int p) const;
@@ -82,6 +85,11 @@ class Program {
   std::vector<int> fused_activation_;      // [graph nodes]: Linear -> its activation node, or -1
   std::vector<bool> skip_forward_;         // [graph nodes]: an activation fused into its Linear
   std::vector<bool> needs_grad_;           // [graph values]: some trainable parameter is upstream
+  // Gradients that one Linear writes alone, so they need no zeroing (GradWrite::kOverwrite):
+  std::vector<bool> owns_param_grads_;     // [graph nodes]: a Linear that alone uses its weight and bias
+  std::vector<bool> overwritten_;          // [graph values]: read only by one Linear, which writes dx
+  std::vector<std::pair<int64_t, int64_t>> zeroed_ranges_;  // [offset, end) of the other parameter gradients
+  bool fresh_step_ = false;                // zero_gradients() ran and no backward since
 };
 
 }  // namespace pipeshard

@@ -266,3 +266,30 @@ TEST_F(BackendTest, ResultsDoNotDependOnTheThreadCount) {
 
 }  // namespace
 }  // namespace pipeshard
+
+namespace pipeshard {
+namespace {
+
+// GradWrite::kOverwrite: the same gradients as adding into zeroed buffers, whatever
+// the buffers held before.
+TEST(LinearBackwardOverwrite, EqualsAddingIntoZeroedBuffers) {
+  std::unique_ptr<Backend> be = make_cpu_backend();
+  for (WeightLayout layout : {WeightLayout::kOutIn, WeightLayout::kInOut}) {
+    const LinearShape s{7, 5, 33, layout, 0.5f, 2.0f};
+    std::vector<float> x(7 * 5), w(5 * 33), dy(7 * 33);
+    for (size_t i = 0; i < x.size(); ++i) x[i] = std::sin(0.7f * i);
+    for (size_t i = 0; i < w.size(); ++i) w[i] = std::cos(0.3f * i);
+    for (size_t i = 0; i < dy.size(); ++i) dy[i] = std::sin(1.1f * i + 0.2f);
+    std::vector<float> dx0(x.size(), 0.0f), dw0(w.size(), 0.0f), db0(33, 0.0f);
+    be->linear_backward(dx0.data(), dw0.data(), db0.data(), dy.data(), x.data(), w.data(), s);
+    std::vector<float> dx1(x.size(), 123.0f), dw1(w.size(), -7.0f), db1(33, 9.0f);
+    be->linear_backward(dx1.data(), dw1.data(), db1.data(), dy.data(), x.data(), w.data(), s, GradWrite::kOverwrite,
+                        GradWrite::kOverwrite);
+    EXPECT_EQ(dx1, dx0);
+    EXPECT_EQ(dw1, dw0);
+    EXPECT_EQ(db1, db0);
+  }
+}
+
+}  // namespace
+}  // namespace pipeshard
