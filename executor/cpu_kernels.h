@@ -15,6 +15,33 @@
 
 namespace pipeshard::cpu {
 
+// exp(x) for x <= 0 in plain float arithmetic that vectorises under `omp simd` (glibc's
+// expf is a scalar call): Cephes' range reduction x = n·ln2 + r, |r| <= ln2/2, a
+// degree-6 polynomial for e^r, and 2^n put together from its exponent bits. Error under
+// 2 ulp on [-87, 0] (tests/backend_training_test.cc checks it against std::exp);
+// arguments below -87.3 give 0's neighbour e^-87.3 ≈ 1.2e-38 rather than denormals.
+inline float exp_nonpositive(float x) {
+  x = x < -87.3f ? -87.3f : x;
+  const float t = x * 1.44269504088896341f + 0.5f;  // log2(e)·x, rounded by the floor below
+  int n = static_cast<int>(t);
+  n -= static_cast<float>(n) > t ? 1 : 0;           // floor for negative t
+  const float fn = static_cast<float>(n);
+  float r = x - fn * 0.693359375f;                   // ln2 in two parts, exact products
+  r = r + fn * 2.12194440e-4f;
+  const float z = r * r;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  const float e = p * z + r + 1.0f;
+  const int bits = (n + 127) << 23;                  // 2^n, n in [-126, 0]
+  float scale;
+  __builtin_memcpy(&scale, &bits, sizeof scale);
+  return e * scale;
+}
+
 // Threads. The CPU backend has two thread pools that do not know each other: OpenBLAS's
 // own (pthreads) inside every sgemm, and OpenMP's for the loops below. libgomp's workers
 // spin for milliseconds after each parallel region (its default wait policy; ~8 ms of a

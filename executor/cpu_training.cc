@@ -78,15 +78,20 @@ double cross_entropy(float* dlogits, const float* logits, const float* labels, i
       float m = in[0];
 #pragma omp simd reduction(max : m)
       for (int64_t i = 1; i < classes; ++i) m = std::max(m, in[i]);
+      // exp on vectors (exp_nonpositive: in - m <= 0) and a vectorised double sum: the
+      // order of the additions is fixed by the binary, so results stay deterministic.
       double sum = 0.0;
       if (d != nullptr) {
-        for (int64_t i = 0; i < classes; ++i) d[i] = std::exp(in[i] - m);
+#pragma omp simd
+        for (int64_t i = 0; i < classes; ++i) d[i] = exp_nonpositive(in[i] - m);
+#pragma omp simd reduction(+ : sum)
         for (int64_t i = 0; i < classes; ++i) sum += d[i];
         const float inv_sum = static_cast<float>(1.0 / sum);
         for (int64_t i = 0; i < classes; ++i) d[i] = d[i] * inv_sum * inv_den;
         d[k] -= inv_den;
       } else {
-        for (int64_t i = 0; i < classes; ++i) sum += std::exp(in[i] - m);
+#pragma omp simd reduction(+ : sum)
+        for (int64_t i = 0; i < classes; ++i) sum += exp_nonpositive(in[i] - m);
       }
       loss += std::log(sum) - (static_cast<double>(in[k]) - m);
     }
