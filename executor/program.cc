@@ -141,9 +141,16 @@ void Program::plan_gradient_writes() {
   overwritten_.assign(g.values.size(), false);
   for (size_t v = 0; v < g.values.size(); ++v) {
     const auto& readers = g.values[v].consumers;
+    const bool output = is_model_output(g, static_cast<int>(v));
     overwritten_[v] = grad_storage_[v].data() != nullptr && readers.size() == 1 &&
-                      g.nodes[readers[0]].kind == OpKind::kLinear && needs_grad_[v] &&
-                      !is_model_output(g, static_cast<int>(v));
+                      g.nodes[readers[0]].kind == OpKind::kLinear && needs_grad_[v] && !output;
+    // Cleared before each backward: value gradients something adds into. Not values
+    // nobody back-propagates into, model outputs (the loss writes them), values whose
+    // only reader is a Linear (it overwrites their gradient), nor aliased Reshape
+    // buffers (cleared through their owner, which has the storage).
+    if (grad_storage_[v].data() != nullptr && needs_grad_[v] && !overwritten_[v] && !output) {
+      cleared_values_.push_back(static_cast<int>(v));
+    }
   }
 }
 
@@ -179,15 +186,8 @@ void Program::forward(const std::vector<const float*>& host_inputs, int64_t batc
   }
   for (size_t i = 0; i < graph_.nodes.size(); ++i) forward_node(i, batch, mode, seed);
   if (mode == Mode::kTrain) {
-    // Backward adds into value gradients: start from zero (the loss then writes the
-    // output gradients). Aliased Reshape buffers are cleared through their owner.
-    // Skipped: values nobody back-propagates into, model outputs (the loss writes them),
-    // and values whose only reader is a Linear (it overwrites their gradient).
-    for (size_t v = 0; v < graph_.values.size(); ++v) {
-      const int id = static_cast<int>(v);
-      if (!grad_storage_[v].data() || !needs_grad_[v] || overwritten_[v] || is_model_output(graph_, id)) continue;
-      backend_.fill(grad_storage_[v].data(), 0.0f, batch * per_sample(graph_, id));
-    }
+    // Backward adds into value gradients: start from zero (see cleared_values_).
+    for (int v : cleared_values_) backend_.fill(grad_storage_[v].data(), 0.0f, batch * per_sample(graph_, v));
   }
 }
 

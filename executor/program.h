@@ -89,6 +89,7 @@ class Program {
   std::vector<bool> owns_param_grads_;     // [graph nodes]: a Linear that alone uses its weight and bias
   std::vector<bool> overwritten_;          // [graph values]: read only by one Linear, which writes dx
   std::vector<std::pair<int64_t, int64_t>> zeroed_ranges_;  // [offset, end) of the other parameter gradients
+  std::vector<int> cleared_values_;        // value gradients zeroed after each kTrain forward
   bool fresh_step_ = false;                // zero_gradients() ran and no backward since
 };
 

@@ -58,13 +58,6 @@ int64_t Graph::node_flops_per_sample(const Node& node) const {
   return out.per_sample_elements();
 }
 
-int Graph::find_value(const std::string& value_name) const {
-  for (size_t i = 0; i < values.size(); ++i) {
-    if (values[i].name == value_name) return static_cast<int>(i);
-  }
-  return -1;
-}
-
 const char* activation_name(ActivationKind kind) {
   switch (kind) {
     case ActivationKind::kRelu: return "Relu";

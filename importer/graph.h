@@ -124,8 +124,6 @@ struct Graph {
   int64_t total_parameter_count() const;
   // Multiply-accumulates per sample for `node` (Linear: in*out*rows; others: elements).
   int64_t node_flops_per_sample(const Node& node) const;
-  // Value id by name, or -1.
-  int find_value(const std::string& name) const;
 };
 
 // "Linear", "Relu", "Gelu", ... : the names used in messages, plan.json and tests.

@@ -19,6 +19,7 @@
 namespace pipeshard {
 namespace {
 
+using testing::model_names;
 using testing::source_path;
 
 ImportedModel load(const std::string& name) {
@@ -27,14 +28,6 @@ ImportedModel load(const std::string& name) {
   return std::move(m).value();
 }
 
-std::vector<std::string> model_names() {
-  std::vector<std::string> names;
-  for (const auto& e : std::filesystem::directory_iterator(source_path("models"))) {
-    if (e.path().extension() == ".onnx") names.push_back(e.path().stem().string());
-  }
-  std::sort(names.begin(), names.end());
-  return names;
-}
 
 std::vector<float> random_vector(int64_t n, unsigned seed, float scale = 1.0f) {
   std::mt19937 rng(seed);

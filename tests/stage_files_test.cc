@@ -26,17 +26,10 @@ namespace fs = std::filesystem;
 using testing::quote;
 using testing::run_command;
 using testing::ScratchDir;
+using testing::model_names;
 using testing::source_path;
 using testing::tool_path;
 
-std::vector<std::string> model_names() {
-  std::vector<std::string> names;
-  for (const auto& e : fs::directory_iterator(source_path("models"))) {
-    if (e.path().extension() == ".onnx") names.push_back(e.path().stem().string());
-  }
-  std::sort(names.begin(), names.end());
-  return names;
-}
 
 std::map<std::string, HostTensor> random_inputs(const Graph& g, int64_t batch, unsigned seed) {
   std::mt19937 rng(seed);

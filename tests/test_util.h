@@ -5,17 +5,29 @@
 
 #include <sys/wait.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
 #include <string>
+#include <vector>
 
 namespace pipeshard::testing {
 
 inline std::string source_path(const std::string& rel) { return std::string(PIPESHARD_SOURCE_DIR) + "/" + rel; }
 inline std::string tool_path(const std::string& tool) { return std::string(PIPESHARD_BIN_DIR) + "/" + tool; }
+
+// The names (without .onnx) of every model in models/, sorted.
+inline std::vector<std::string> model_names() {
+  std::vector<std::string> names;
+  for (const auto& e : std::filesystem::directory_iterator(source_path("models"))) {
+    if (e.path().extension() == ".onnx") names.push_back(e.path().stem().string());
+  }
+  std::sort(names.begin(), names.end());
+  return names;
+}
 
 // A fresh, empty folder under the system temp dir, removed by the destructor.
 class ScratchDir {
