@@ -69,6 +69,15 @@ class Backend {
   virtual void axpy(float* y, float a, const float* x, int64_t n) = 0;
   // x[n] *= a
   virtual void scale(float* x, float a, int64_t n) = 0;
+  // dst[r, 0:width] = src[r, 0:width] (or += when `add`) for r < rows, with rows
+  // `dst_stride` and `src_stride` elements apart: moves a column block of a matrix
+  // (tensor-parallel gathers and their backward).
+  virtual void copy_rows(float* dst, int64_t dst_stride, const float* src, int64_t src_stride, int64_t rows,
+                         int64_t width, bool add) = 0;
+  // y[rows, width] += b[width]
+  virtual void add_bias(float* y, const float* b, int64_t rows, int64_t width) = 0;
+  // db[width] += Σ_rows dy[rows, width]
+  virtual void bias_backward(float* db, const float* dy, int64_t rows, int64_t width) = 0;
   // sum of x[i]^2 in double precision (gradient clipping)
   virtual double sum_squares(const float* x, int64_t n) = 0;
   // 1 when any x[i] is NaN or infinite

@@ -194,6 +194,29 @@ class CpuBackend final : public Backend {
       for (int64_t i = begin; i < end; ++i) y[i] += a * x[i];
     });
   }
+  void copy_rows(float* dst, int64_t dst_stride, const float* src, int64_t src_stride, int64_t rows, int64_t width,
+                 bool add) override {
+    cpu::parallel_ranges(rows, rows * width, [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r) {
+        float* d = dst + r * dst_stride;
+        const float* x = src + r * src_stride;
+        if (add) {
+          for (int64_t j = 0; j < width; ++j) d[j] += x[j];
+        } else {
+          std::memcpy(d, x, sizeof(float) * width);
+        }
+      }
+    });
+  }
+  void add_bias(float* y, const float* b, int64_t rows, int64_t width) override {
+    cpu::parallel_ranges(rows, rows * width, [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r)
+        for (int64_t j = 0; j < width; ++j) y[r * width + j] += b[j];
+    });
+  }
+  void bias_backward(float* db, const float* dy, int64_t rows, int64_t width) override {
+    bias_backward(db, dy, 1.0f, rows, width);  // linear_backward's own sum, in its order
+  }
   void scale(float* x, float a, int64_t n) override {
     cpu::parallel_ranges(n, n, [&](int64_t begin, int64_t end) {
       for (int64_t i = begin; i < end; ++i) x[i] *= a;

@@ -2,6 +2,8 @@
 
 #include <algorithm>
 
+#include "executor/comm.h"
+
 namespace pipeshard {
 namespace {
 
@@ -16,19 +18,27 @@ Activation activation_of(const Node& n) { return Activation{n.activation, n.alph
 
 }  // namespace
 
-Program::Program(const Graph& graph, Backend& backend, int64_t max_batch)
-    : graph_(graph), backend_(backend), max_batch_(max_batch) {}
+Program::Program(const Graph& graph, Backend& backend, int64_t max_batch, const ProgramOptions& options)
+    : graph_(graph), backend_(backend), max_batch_(max_batch), slots_(options.slots), tensor_(options.tensor),
+      model_node_ids_(options.model_node_ids) {}
 
 Program::~Program() = default;
 
-Result<std::unique_ptr<Program>> Program::create(const Graph& g, Backend& backend, int64_t max_batch) {
+Result<std::unique_ptr<Program>> Program::create(const Graph& g, Backend& backend, int64_t max_batch,
+                                                 const ProgramOptions& options) {
   if (max_batch < 1) return Status::error("the batch size must be at least 1");
-  for (const Node& n : g.nodes) {
-    if (n.kind == OpKind::kAllReduce || n.kind == OpKind::kAllGather) {
-      return Status::error("node '" + n.name + "' is a tensor-parallel collective; train the unsharded model");
-    }
+  if (options.slots < 1) return Status::error("a program needs at least one micro-batch slot");
+  if (!options.input_needs_grad.empty() && options.input_needs_grad.size() != g.inputs.size()) {
+    return Status::error("input_needs_grad has " + std::to_string(options.input_needs_grad.size()) +
+                         " entries for " + std::to_string(g.inputs.size()) + " inputs");
   }
-  std::unique_ptr<Program> p(new Program(g, backend, max_batch));
+  if (!options.model_node_ids.empty() && options.model_node_ids.size() != g.nodes.size()) {
+    return Status::error("model_node_ids must name every node");
+  }
+  std::unique_ptr<Program> p(new Program(g, backend, max_batch, options));
+  if (p->model_node_ids_.empty()) {
+    for (size_t i = 0; i < g.nodes.size(); ++i) p->model_node_ids_.push_back(i);
+  }
   // Parameters: trainable ones in one buffer, running statistics in another, each in
   // the order the forward pass first uses them. Backward then finishes the gradient
   // buffer from its end towards its start, so gradient buckets can be reduced while
@@ -57,13 +67,16 @@ Result<std::unique_ptr<Program>> Program::create(const Graph& g, Backend& backen
   p->grad_.assign(nv, nullptr);
   p->needs_grad_.assign(nv, false);
   auto allocate = [&](int v) {
-    const int64_t n = max_batch * per_sample(g, v);
+    const int64_t n = options.slots * max_batch * per_sample(g, v);
     p->value_storage_[v] = DeviceBuffer(backend, n);
     p->grad_storage_[v] = DeviceBuffer(backend, n);
     p->value_[v] = p->value_storage_[v].data();
     p->grad_[v] = p->grad_storage_[v].data();
   };
-  for (int v : g.inputs) allocate(v);
+  for (size_t k = 0; k < g.inputs.size(); ++k) {
+    allocate(g.inputs[k]);
+    p->needs_grad_[g.inputs[k]] = !options.input_needs_grad.empty() && options.input_needs_grad[k];
+  }
   const size_t nn = g.nodes.size();
   p->saved_a_.resize(nn);
   p->saved_b_.resize(nn);
@@ -81,18 +94,18 @@ Result<std::unique_ptr<Program>> Program::create(const Graph& g, Backend& backen
     bool upstream = !g.node_params(n).empty();
     for (int in : n.inputs) upstream = upstream || p->needs_grad_[in];
     p->needs_grad_[y] = upstream;
-    const int64_t rows = max_batch * rows_per_sample(g, x);
+    const int64_t rows = options.slots * max_batch * rows_per_sample(g, x);
     switch (n.kind) {
       case OpKind::kLayerNorm:
         p->saved_a_[i] = DeviceBuffer(backend, rows);  // mean
         p->saved_b_[i] = DeviceBuffer(backend, rows);  // rstd
         break;
       case OpKind::kBatchNorm:
-        p->saved_a_[i] = DeviceBuffer(backend, g.values[x].shape.dims[1]);
-        p->saved_b_[i] = DeviceBuffer(backend, g.values[x].shape.dims[1]);
+        p->saved_a_[i] = DeviceBuffer(backend, options.slots * g.values[x].shape.dims[1]);
+        p->saved_b_[i] = DeviceBuffer(backend, options.slots * g.values[x].shape.dims[1]);
         break;
       case OpKind::kDropout:
-        p->saved_a_[i] = DeviceBuffer(backend, max_batch * per_sample(g, x));  // mask
+        p->saved_a_[i] = DeviceBuffer(backend, options.slots * max_batch * per_sample(g, x));  // mask
         break;
       case OpKind::kLinear: {
         const auto& readers = g.values[y].consumers;
@@ -106,8 +119,52 @@ Result<std::unique_ptr<Program>> Program::create(const Graph& g, Backend& backen
         break;
     }
   }
+  PIPESHARD_RETURN_IF_ERROR(p->plan_tensor_parallel());
   p->plan_gradient_writes();
   return p;
+}
+
+// Which values hold one shard's slice of their features, walking back from the
+// collectives: AllReduce's input is a row-parallel Linear's partial output, whose input
+// is sharded; AllGather's input is sharded; elementwise nodes keep their output's state;
+// and a Linear with a sharded output is column-parallel, reading a whole (replicated)
+// input whose gradient it only partly computes.
+Status Program::plan_tensor_parallel() {
+  const Graph& g = graph_;
+  sharded_.assign(g.values.size(), false);
+  partial_input_grad_.assign(g.nodes.size(), false);
+  scratch_.resize(g.nodes.size());
+  std::vector<bool> partial(g.values.size(), false);
+  for (size_t i = g.nodes.size(); i-- > 0;) {
+    const Node& n = g.nodes[i];
+    const int x = n.inputs[0], y = n.outputs[0];
+    if (n.kind == OpKind::kAllReduce || n.kind == OpKind::kAllGather) {
+      if (tensor_ == nullptr || tensor_->size() != n.shards) {
+        return Status::error("node '" + n.name + "' (" + op_kind_name(n) + ") needs a tensor-parallel group of " +
+                             std::to_string(n.shards) + " ranks" +
+                             (tensor_ ? ", this one has " + std::to_string(tensor_->size()) : std::string()));
+      }
+      (n.kind == OpKind::kAllReduce ? partial : sharded_)[x] = true;
+      if (n.kind == OpKind::kAllGather) {
+        scratch_[i] = DeviceBuffer(backend_, n.shards * max_batch_ * per_sample(g, x));
+      }
+      continue;
+    }
+    if (partial[y]) {
+      if (n.kind != OpKind::kLinear) return Status::error("node '" + n.name + "' feeds an AllReduce but is no Linear");
+      sharded_[x] = true;
+    } else if (sharded_[y]) {
+      if (n.kind == OpKind::kLinear) {
+        partial_input_grad_[i] = true;
+        scratch_[i] = DeviceBuffer(backend_, max_batch_ * per_sample(g, x));
+      } else if (n.kind == OpKind::kActivation || n.kind == OpKind::kDropout) {
+        sharded_[x] = true;
+      } else {
+        return Status::error("node '" + n.name + "' (" + op_kind_name(n) + ") cannot run on a feature shard");
+      }
+    }
+  }
+  return Status::ok();
 }
 
 // Who writes which gradient buffer first, so that buffers one Linear writes alone are
@@ -177,21 +234,52 @@ void Program::download_parameters(Graph& g) const {
   }
 }
 
-void Program::forward(const std::vector<const float*>& host_inputs, int64_t batch, Mode mode, uint64_t seed) {
+void Program::select_slot(int slot) {
+  PIPESHARD_CHECK(slot >= 0 && slot < slots_, "slot " + std::to_string(slot));
+  slot_ = slot;
+}
+
+void Program::forward(const std::vector<const float*>& host_inputs, int64_t batch, Mode mode, uint64_t seed,
+                      int64_t first_sample) {
   PIPESHARD_CHECK(batch >= 1 && batch <= max_batch_, "batch " + std::to_string(batch));
   PIPESHARD_CHECK(host_inputs.size() == graph_.inputs.size());
   for (size_t k = 0; k < host_inputs.size(); ++k) {
     const int v = graph_.inputs[k];
-    backend_.upload(value_[v], host_inputs[k], batch * per_sample(graph_, v));
+    backend_.upload(val(v), host_inputs[k], batch * per_sample(graph_, v));
   }
-  for (size_t i = 0; i < graph_.nodes.size(); ++i) forward_node(i, batch, mode, seed);
+  forward_resident(batch, mode, seed, first_sample);
+}
+
+void Program::forward_resident(int64_t batch, Mode mode, uint64_t seed, int64_t first_sample) {
+  PIPESHARD_CHECK(batch >= 1 && batch <= max_batch_, "batch " + std::to_string(batch));
+  for (size_t i = 0; i < graph_.nodes.size(); ++i) forward_node(i, batch, mode, seed, first_sample);
   if (mode == Mode::kTrain) {
     // Backward adds into value gradients: start from zero (see cleared_values_).
-    for (int v : cleared_values_) backend_.fill(grad_storage_[v].data(), 0.0f, batch * per_sample(graph_, v));
+    for (int v : cleared_values_) backend_.fill(grad(v), 0.0f, batch * per_sample(graph_, v));
   }
 }
 
-void Program::forward_node(size_t i, int64_t batch, Mode mode, uint64_t seed) {
+// Element (sample s, feature j) of the whole model's tensor draws from counter
+// (node << 40) + s·features + j, whichever piece of the tensor this program holds.
+void Program::dropout_forward(size_t i, int64_t batch, uint64_t seed, int64_t first_sample) {
+  const Node& n = graph_.nodes[i];
+  const int x = n.inputs[0], y = n.outputs[0];
+  const uint64_t stream = model_node_ids_[i] << 40;
+  float* mask = saved_a_[i].data() + slot_ * max_batch_ * per_sample(graph_, x);
+  if (!sharded_[x]) {
+    backend_.dropout_forward(val(y), mask, val(x), batch * per_sample(graph_, x), n.ratio, seed,
+                             stream + static_cast<uint64_t>(first_sample * per_sample(graph_, x)));
+    return;
+  }
+  const int64_t width = graph_.values[x].shape.features(), full = width * tensor_->size();
+  const int64_t rows = batch * rows_per_sample(graph_, x), row0 = first_sample * rows_per_sample(graph_, x);
+  for (int64_t r = 0; r < rows; ++r) {
+    backend_.dropout_forward(val(y) + r * width, mask + r * width, val(x) + r * width, width, n.ratio, seed,
+                             stream + static_cast<uint64_t>((row0 + r) * full + tensor_->rank() * width));
+  }
+}
+
+void Program::forward_node(size_t i, int64_t batch, Mode mode, uint64_t seed, int64_t first_sample) {
   const Node& n = graph_.nodes[i];
   if (skip_forward_[i]) return;
   const int x = n.inputs[0], y = n.outputs[0];
@@ -203,45 +291,58 @@ void Program::forward_node(size_t i, int64_t batch, Mode mode, uint64_t seed) {
       if (fused_activation_[i] >= 0) {
         const Node& act = graph_.nodes[fused_activation_[i]];
         const Activation a = activation_of(act);
-        backend_.linear_forward(value_[act.outputs[0]], value_[x], param(n.weight), param(n.bias), s, &a, value_[y]);
+        backend_.linear_forward(val(act.outputs[0]), val(x), param(n.weight), param(n.bias), s, &a, val(y));
       } else {
-        backend_.linear_forward(value_[y], value_[x], param(n.weight), param(n.bias), s);
+        backend_.linear_forward(val(y), val(x), param(n.weight), param(n.bias), s);
       }
       return;
     }
-    case OpKind::kActivation: backend_.activation_forward(value_[y], value_[x], count, activation_of(n)); return;
+    case OpKind::kActivation: backend_.activation_forward(val(y), val(x), count, activation_of(n)); return;
     case OpKind::kSoftmax:
     case OpKind::kLogSoftmax: {
       const int64_t width = graph_.values[x].shape.features();
-      backend_.softmax_forward(value_[y], value_[x], count / width, width, n.kind == OpKind::kLogSoftmax);
+      backend_.softmax_forward(val(y), val(x), count / width, width, n.kind == OpKind::kLogSoftmax);
       return;
     }
     case OpKind::kLayerNorm: {
       const int64_t width = graph_.values[x].shape.features();
-      backend_.layernorm_forward(value_[y], saved_a_[i].data(), saved_b_[i].data(), value_[x], param(n.weight),
-                                 param(n.bias), count / width, width, n.epsilon);
+      const int64_t rows = count / width;
+      backend_.layernorm_forward(val(y), saved_a_[i].data() + slot_ * rows, saved_b_[i].data() + slot_ * rows, val(x),
+                                 param(n.weight), param(n.bias), rows, width, n.epsilon);
       return;
     }
     case OpKind::kBatchNorm: {
       const int64_t channels = graph_.values[x].shape.dims[1];
       // PyTorch's model.train(): batch statistics whatever mode the file was exported in.
-      backend_.batchnorm_forward(value_[y], saved_a_[i].data(), saved_b_[i].data(), const_cast<float*>(param(n.running_mean)),
-                                 const_cast<float*>(param(n.running_var)), value_[x], param(n.weight), param(n.bias),
+      backend_.batchnorm_forward(val(y), saved_a_[i].data() + slot_ * channels, saved_b_[i].data() + slot_ * channels,
+                                 const_cast<float*>(param(n.running_mean)),
+                                 const_cast<float*>(param(n.running_var)), val(x), param(n.weight), param(n.bias),
                                  batch, channels, count / (batch * channels), n.epsilon, n.momentum, train);
       return;
     }
     case OpKind::kDropout:
       if (train && n.ratio > 0.0f) {
-        backend_.dropout_forward(value_[y], saved_a_[i].data(), value_[x], count, n.ratio, seed,
-                                 static_cast<uint64_t>(i) << 40);
+        dropout_forward(i, batch, seed, first_sample);
       } else {
-        backend_.copy(value_[y], value_[x], count);
+        backend_.copy(val(y), val(x), count);
       }
       return;
     case OpKind::kReshape: return;  // aliased
-    case OpKind::kAdd: backend_.add_forward(value_[y], value_[x], value_[n.inputs[1]], count); return;
-    case OpKind::kAllReduce:
-    case OpKind::kAllGather: PIPESHARD_CHECK(false, "collectives are refused at create()");
+    case OpKind::kAdd: backend_.add_forward(val(y), val(x), val(n.inputs[1]), count); return;
+    case OpKind::kAllReduce: {  // y = Σ_shards x (+ bias)
+      backend_.copy(val(y), val(x), count);
+      tensor_->all_reduce(val(y), count, ReduceOp::kSum);
+      const int64_t width = graph_.values[y].shape.features();
+      if (n.bias >= 0) backend_.add_bias(val(y), param(n.bias), count / width, width);
+      return;
+    }
+    case OpKind::kAllGather: {  // y [rows, shards·w] = shard blocks side by side
+      const int64_t width = graph_.values[x].shape.features(), rows = count / width, t = tensor_->size();
+      float* gathered = scratch_[i].data();  // [shards][rows, w]
+      tensor_->all_gather(val(x), gathered, count);
+      for (int64_t s = 0; s < t; ++s) backend_.copy_rows(val(y) + s * width, t * width, gathered + s * count, width, rows, width, false);
+      return;
+    }
   }
 }
 
@@ -258,43 +359,55 @@ void Program::backward_node(size_t i, int64_t batch) {
   const int x = n.inputs[0], y = n.outputs[0];
   if (!needs_grad_[y]) return;
   const int64_t count = batch * per_sample(graph_, x);
-  float* dx = needs_grad_[x] ? grad_[x] : nullptr;
-  const float* dy = grad_[y];
+  float* dx = needs_grad_[x] ? grad(x) : nullptr;
+  const float* dy = grad(y);
   switch (n.kind) {
     case OpKind::kLinear: {
       const LinearShape s{batch * rows_per_sample(graph_, x), n.in_features, n.out_features, n.layout, n.alpha, n.beta};
       const GradWrite params = fresh_step_ && owns_param_grads_[i] ? GradWrite::kOverwrite : GradWrite::kAdd;
       const GradWrite input = overwritten_[x] ? GradWrite::kOverwrite : GradWrite::kAdd;
-      backend_.linear_backward(dx, param_grad(n.weight), param_grad(n.bias), dy, value_[x], param(n.weight), s, params,
-                               input);
+      if (!partial_input_grad_[i] || dx == nullptr) {
+        backend_.linear_backward(dx, param_grad(n.weight), param_grad(n.bias), dy, val(x), param(n.weight), s, params,
+                                 input);
+        return;
+      }
+      // Column-parallel: this shard's dx is a partial sum (Megatron's f in backward).
+      float* partial = input == GradWrite::kOverwrite ? dx : scratch_[i].data();
+      backend_.linear_backward(partial, param_grad(n.weight), param_grad(n.bias), dy, val(x), param(n.weight), s,
+                               params, GradWrite::kOverwrite);
+      tensor_->all_reduce(partial, count, ReduceOp::kSum);
+      if (partial != dx) backend_.axpy(dx, 1.0f, partial, count);
       return;
     }
     case OpKind::kActivation:
-      if (dx) backend_.activation_backward(dx, dy, value_[x], value_[y], count, activation_of(n));
+      if (dx) backend_.activation_backward(dx, dy, val(x), val(y), count, activation_of(n));
       return;
     case OpKind::kSoftmax:
     case OpKind::kLogSoftmax: {
       const int64_t width = graph_.values[x].shape.features();
-      if (dx) backend_.softmax_backward(dx, dy, value_[y], count / width, width, n.kind == OpKind::kLogSoftmax);
+      if (dx) backend_.softmax_backward(dx, dy, val(y), count / width, width, n.kind == OpKind::kLogSoftmax);
       return;
     }
     case OpKind::kLayerNorm: {
       const int64_t width = graph_.values[x].shape.features();
-      backend_.layernorm_backward(grad_[x], param_grad(n.weight), param_grad(n.bias), dy, value_[x], param(n.weight),
-                                  saved_a_[i].data(), saved_b_[i].data(), count / width, width);
+      const int64_t rows = count / width;
+      backend_.layernorm_backward(grad(x), param_grad(n.weight), param_grad(n.bias), dy,
+                                  val(x), param(n.weight), saved_a_[i].data() + slot_ * rows,
+                                  saved_b_[i].data() + slot_ * rows, rows, width);
       return;
     }
     case OpKind::kBatchNorm: {
       const int64_t channels = graph_.values[x].shape.dims[1];
-      backend_.batchnorm_backward(grad_[x], param_grad(n.weight), param_grad(n.bias), dy, value_[x], param(n.weight),
-                                  saved_a_[i].data(), saved_b_[i].data(), batch, channels,
+      backend_.batchnorm_backward(grad(x), param_grad(n.weight), param_grad(n.bias), dy,
+                                  val(x), param(n.weight), saved_a_[i].data() + slot_ * channels,
+                                  saved_b_[i].data() + slot_ * channels, batch, channels,
                                   count / (batch * channels), true);
       return;
     }
     case OpKind::kDropout:
       if (!dx) return;
       if (n.ratio > 0.0f) {
-        backend_.dropout_backward(dx, dy, saved_a_[i].data(), count);
+        backend_.dropout_backward(dx, dy, saved_a_[i].data() + slot_ * max_batch_ * per_sample(graph_, x), count);
       } else {
         backend_.axpy(dx, 1.0f, dy, count);
       }
@@ -302,11 +415,20 @@ void Program::backward_node(size_t i, int64_t batch) {
     case OpKind::kReshape: return;  // the gradient buffer is shared with the input
     case OpKind::kAdd:
       for (int in : n.inputs) {
-        if (needs_grad_[in]) backend_.axpy(grad_[in], 1.0f, dy, count);
+        if (needs_grad_[in]) backend_.axpy(grad(in), 1.0f, dy, count);
       }
       return;
-    case OpKind::kAllReduce:
-    case OpKind::kAllGather: return;
+    case OpKind::kAllReduce: {  // every shard's x contributed to y: dx = dy (Megatron's g in backward)
+      const int64_t width = graph_.values[y].shape.features();
+      if (dx) backend_.axpy(dx, 1.0f, dy, count);
+      if (float* db = param_grad(n.bias)) backend_.bias_backward(db, dy, count / width, width);
+      return;
+    }
+    case OpKind::kAllGather: {  // dx = this shard's block of dy
+      const int64_t width = graph_.values[x].shape.features(), t = tensor_->size();
+      if (dx) backend_.copy_rows(dx, width, dy + tensor_->rank() * width, t * width, count / width, width, true);
+      return;
+    }
   }
 }
 
@@ -315,8 +437,10 @@ void Program::zero_gradients() {
   fresh_step_ = true;
 }
 
-const float* Program::output(int k) const { return value_[graph_.outputs[k]]; }
+float* Program::input(int k) { return val(graph_.inputs[k]); }
+float* Program::input_gradient(int k) { return grad(graph_.inputs[k]); }
+const float* Program::output(int k) const { return val(graph_.outputs[k]); }
 const Shape& Program::output_shape(int k) const { return graph_.values[graph_.outputs[k]].shape; }
-float* Program::output_gradient(int k) { return grad_[graph_.outputs[k]]; }
+float* Program::output_gradient(int k) { return grad(graph_.outputs[k]); }
 
 }  // namespace pipeshard

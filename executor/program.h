@@ -7,6 +7,17 @@
 //
 // A Linear whose only reader is an activation runs as one fused GEMM + bias +
 // activation pass; Reshape aliases its input's buffers and costs nothing.
+//
+// The same Program runs one pipeline stage or one tensor-parallel shard of a model
+// (the Graph imported from a stage file, see partitioner/stage_writer.h):
+// - Activation buffers have `slots` micro-batch slots, so a schedule can keep several
+//   micro-batches in flight; select_slot() picks the one forward and backward work on.
+// - Stage inputs that come from an earlier stage can ask for their gradient.
+// - AllReduce and AllGather nodes run on a tensor-parallel communicator, and so does
+//   Megatron's backward all-reduce: the input gradient of a column-parallel Linear (one
+//   whose output is sharded) is a partial sum over the shards, summed before use.
+// - Dropout draws the mask element (sample, feature) of the WHOLE model would draw, so a
+//   micro-batch, a data-parallel slice or a feature shard sees the one-process mask.
 #ifndef PIPESHARD_EXECUTOR_PROGRAM_H_
 #define PIPESHARD_EXECUTOR_PROGRAM_H_
 
@@ -21,13 +32,30 @@
 
 namespace pipeshard {
 
+class Communicator;
+
 enum class Mode { kTrain, kEval };
+
+struct ProgramOptions {
+  // Micro-batches whose activations live at once, each in its own slot of max_batch rows.
+  int slots = 1;
+  // [graph inputs] inputs whose gradient backward must produce (a pipeline stage's
+  // inputs computed by an earlier stage); empty: none.
+  std::vector<bool> input_needs_grad;
+  // The tensor-parallel group that AllReduce/AllGather nodes reduce over; required when
+  // the graph has them, and then its size must be their `shards`.
+  Communicator* tensor = nullptr;
+  // [graph nodes] the index of each node in the whole model, which keys its dropout
+  // masks; empty: the node's own index (the Graph is the whole model).
+  std::vector<uint64_t> model_node_ids;
+};
 
 class Program {
  public:
   // Builds the program for all of `graph` with room for batches of up to `max_batch`
   // samples, and uploads the graph's parameters. `graph` must outlive the Program.
-  static Result<std::unique_ptr<Program>> create(const Graph& graph, Backend& backend, int64_t max_batch);
+  static Result<std::unique_ptr<Program>> create(const Graph& graph, Backend& backend, int64_t max_batch,
+                                                 const ProgramOptions& options = {});
   ~Program();
 
   // Trainable parameter elements: the size of parameters() and gradients().
@@ -42,18 +70,37 @@ class Program {
   void download_parameters(Graph& graph) const;
   void upload_parameters(const Graph& graph);
 
+  // Selects the micro-batch slot (0 .. slots − 1) that the calls below work on.
+  void select_slot(int slot);
+  int slots() const { return slots_; }
+  int slot() const { return slot_; }
+
   // Runs forward for `batch` samples. host_inputs[k] points at the k-th model input,
   // [batch, ...] float32 in host memory. In kTrain mode every BatchNorm uses batch
   // statistics and updates its running statistics (PyTorch's model.train(), whatever
   // mode the file was exported in), and Dropout draws masks from `seed`; in kEval mode
-  // both use inference semantics.
-  void forward(const std::vector<const float*>& host_inputs, int64_t batch, Mode mode, uint64_t seed);
+  // both use inference semantics. `first_sample`: where this batch starts in the
+  // batch whose masks `seed` draws (micro-batches and data-parallel slices).
+  void forward(const std::vector<const float*>& host_inputs, int64_t batch, Mode mode, uint64_t seed,
+               int64_t first_sample = 0);
+  // The same with inputs already in input(k) (received from an earlier stage).
+  void forward_resident(int64_t batch, Mode mode, uint64_t seed, int64_t first_sample = 0);
+  // Input k and its gradient (after backward, when it needs one), [batch, ...].
+  float* input(int k);
+  float* input_gradient(int k);
   // Model output k after forward(): backend memory, [batch, ...].
   const float* output(int k) const;
   const Shape& output_shape(int k) const;
   // Gradient buffer of model output k, [batch, ...]: write ∂loss/∂output here (the
-  // loss functions do), then call backward().
+  // loss functions do, a pipeline stage receives it), then call backward().
   float* output_gradient(int k);
+  // Any value's activation and gradient buffer in the selected slot, [batch, ...]
+  // (pipeline stages send and receive the values crossing a cut from here).
+  float* value(int v) { return val(v); }
+  float* gradient(int v) { return grad(v); }
+  // Whether backward produces a gradient for value v (some trainable parameter, or an
+  // input that needs a gradient, is upstream of it).
+  bool needs_gradient(int v) const { return needs_grad_[v]; }
   // Adds ∂loss/∂parameters into gradients(). Requires a kTrain forward of the same batch.
   // `after_node(i)` runs once node i's backward is done (nodes go in reverse order):
   // from then on no later node adds into the gradients of node i's parameters unless
@@ -66,16 +113,24 @@ class Program {
   Backend& backend() { return backend_; }
 
  private:
-  Program(const Graph& graph, Backend& backend, int64_t max_batch);
+  Program(const Graph& graph, Backend& backend, int64_t max_batch, const ProgramOptions& options);
+  Status plan_tensor_parallel();
   void plan_gradient_writes();
-  void forward_node(size_t i, int64_t batch, Mode mode, uint64_t seed);
+  void forward_node(size_t i, int64_t batch, Mode mode, uint64_t seed, int64_t first_sample);
+  void dropout_forward(size_t i, int64_t batch, uint64_t seed, int64_t first_sample);
   void backward_node(size_t i, int64_t batch);
   const float* param(int p) const;
   float* param_grad(int p);  // null for non-trainable parameters
+  // Value v's activation and gradient in the selected slot.
+  float* val(int v) const { return value_[v] + slot_ * max_batch_ * graph_.values[v].shape.per_sample_elements(); }
+  float* grad(int v) const { return grad_[v] + slot_ * max_batch_ * graph_.values[v].shape.per_sample_elements(); }
 
   const Graph& graph_;
   Backend& backend_;
   int64_t max_batch_;
+  int slots_ = 1, slot_ = 0;
+  Communicator* tensor_ = nullptr;
+  std::vector<uint64_t> model_node_ids_;   // [graph nodes]
   int64_t trainable_elements_ = 0;
   DeviceBuffer params_, grads_, buffers_;  // trainable, their gradients, running stats
   std::vector<int64_t> param_offset_;      // [graph params]; into params_ or buffers_
@@ -85,6 +140,11 @@ class Program {
   std::vector<int> fused_activation_;      // [graph nodes]: Linear -> its activation node, or -1
   std::vector<bool> skip_forward_;         // [graph nodes]: an activation fused into its Linear
   std::vector<bool> needs_grad_;           // [graph values]: some trainable parameter is upstream
+  // Tensor parallelism: values holding this shard's slice of the features, and the
+  // column-parallel Linears whose input gradient is a partial sum over the shards.
+  std::vector<bool> sharded_;              // [graph values]
+  std::vector<bool> partial_input_grad_;   // [graph nodes]
+  std::vector<DeviceBuffer> scratch_;      // [graph nodes]: AllGather's and partial dx's staging
   // Gradients that one Linear writes alone, so they need no zeroing (GradWrite::kOverwrite):
   std::vector<bool> owns_param_grads_;     // [graph nodes]: a Linear that alone uses its weight and bias
   std::vector<bool> overwritten_;          // [graph values]: read only by one Linear, which writes dx

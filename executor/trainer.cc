@@ -1,9 +1,11 @@
 #include "executor/trainer.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <unordered_map>
 
 #include <nlohmann/json.hpp>
 
@@ -35,39 +37,104 @@ const char* optimizer_name(OptimizerKind k) {
 
 }  // namespace
 
-Trainer::Trainer(const Dataset& data, Backend& backend, const TrainConfig& config)
-    : data_(data), backend_(backend), config_(config),
+Trainer::Trainer(const Dataset& data, Backend& backend, const TrainConfig& config, RankModel rank)
+    : data_(data), backend_(backend), config_(config), rank_(std::move(rank)),
       order_(data.samples, config.batch_size, config.shuffle, config.seed) {}
 
+Trainer::~Trainer() = default;
+
 Result<std::unique_ptr<Trainer>> Trainer::create(const Graph& graph, const Dataset& data, Backend& backend,
-                                                 const TrainConfig& config, Communicator* replicas) {
+                                                 const TrainConfig& config, const Parallel& parallel) {
   if (config.batch_size < 1) return Status::error("--batch-size must be at least 1");
-  const int64_t d = replicas ? replicas->size() : 1;
+  const ProcessLayout layout = parallel.groups ? parallel.groups->layout : ProcessLayout{};
+  const int64_t d = layout.replicas, m = config.micro_batches;
   if (config.batch_size % d != 0) {
     return Status::error("--batch-size " + std::to_string(config.batch_size) + " does not divide among " +
                          std::to_string(d) + " data-parallel replicas");
+  }
+  const int64_t local_batch = config.batch_size / d;
+  if (m < 1) return Status::error("--micro-batches must be at least 1");
+  if (local_batch % m != 0) {
+    return Status::error("--micro-batches " + std::to_string(m) + " does not divide the " + std::to_string(local_batch) +
+                         " samples each replica gets per step (--batch-size " + std::to_string(config.batch_size) +
+                         (d > 1 ? " over " + std::to_string(d) + " replicas)" : ")"));
   }
   if (config.grad_accum < 1) return Status::error("--grad-accum must be at least 1");
   if (data.samples < config.batch_size) {
     return Status::error("the data has " + std::to_string(data.samples) + " samples, fewer than one batch of " +
                          std::to_string(config.batch_size));
   }
+  const int64_t micro = local_batch / m;
   for (const Node& n : graph.nodes) {
+    if (n.kind != OpKind::kBatchNorm) continue;
     const Shape& s = graph.values[n.inputs[0]].shape;
-    if (n.kind == OpKind::kBatchNorm && config.batch_size / d * (s.per_sample_elements() / s.dims[1]) < 2) {
+    const int64_t stat_batch = config.sync_batchnorm ? config.batch_size : micro;
+    if (m > 1) {
+      return Status::error("node '" + n.name + "' (BatchNorm) would normalise each of the " + std::to_string(m) +
+                           " micro-batches alone, unlike one process; use --micro-batches 1");
+    }
+    if (stat_batch * (s.per_sample_elements() / s.dims[1]) < 2) {
       return Status::error("node '" + n.name + "' (BatchNorm) needs more than one value per channel to train; use a batch of 2 or more");
     }
   }
-  std::unique_ptr<Trainer> t(new Trainer(data, backend, config));
-  t->replicas_ = d > 1 ? replicas : nullptr;
-  t->local_batch_ = config.batch_size / d;
-  Result<std::unique_ptr<Program>> program = Program::create(graph, backend, std::max(t->local_batch_, config.batch_size));
+  if (config.sync_batchnorm) return Status::error("--sync-batchnorm is not available in this build yet");
+
+  RankModel rank = layout.stages == 1 && layout.shards == 1 ? RankModel::whole(graph, layout) : RankModel();
+  if (layout.stages > 1 || layout.shards > 1) {
+    PIPESHARD_CHECK(parallel.model != nullptr && &parallel.model->graph == &graph,
+                    "cutting stages needs the ImportedModel the graph belongs to");
+    PartitionOptions options;
+    options.balance = config.balance;
+    options.batch_size = local_batch;
+    options.micro_batches = static_cast<int>(m);
+    options.schedule = config.pipeline_schedule;
+    Result<RankModel> cut = RankModel::create(*parallel.model, layout, options);
+    if (!cut) return cut.status();
+    rank = std::move(*cut);
+  }
+  std::unique_ptr<Trainer> t(new Trainer(data, backend, config, std::move(rank)));
+  t->world_ = parallel.world;
+  if (parallel.groups) {
+    t->replicas_ = layout.replicas > 1 ? parallel.groups->data.get() : nullptr;
+    t->tensor_ = layout.shards > 1 ? parallel.groups->tensor.get() : nullptr;
+    t->pipeline_ = layout.stages > 1 ? parallel.groups->pipeline.get() : nullptr;
+  }
+  t->local_batch_ = local_batch;
+  t->micro_ = micro;
+  t->schedule_ = make_pipeline_schedule(config.pipeline_schedule, layout.stages, static_cast<int>(m));
+  const int slots = max_in_flight(t->schedule_, layout.stage);
+  const Graph& g = t->rank_.graph();
+  ProgramOptions options;
+  options.slots = slots;
+  options.input_needs_grad = t->rank_.input_needs_grad();
+  options.tensor = t->tensor_;
+  options.model_node_ids = t->rank_.model_node_ids();
+  // Evaluation runs the whole model through this program when it is the whole model.
+  const int64_t max_batch = t->rank_.is_whole() ? std::max(micro, config.batch_size) : micro;
+  Result<std::unique_ptr<Program>> program = Program::create(g, backend, max_batch, options);
   if (!program) return program.status();
   t->program_ = std::move(*program);
-  t->log_probs_ = ends_in_log_softmax(graph);
+  t->sends_.resize(static_cast<size_t>(slots));
+  const bool last_stage = layout.stage == layout.stages - 1;
+  t->log_probs_ = last_stage && ends_in_log_softmax(g);
   t->optimizer_ = std::make_unique<Optimizer>(backend, config.optimizer, t->program_->trainable_elements());
-  t->targets_ = DeviceBuffer(backend, config.batch_size * data.targets_per_sample);
-  if (t->replicas_) t->plan_buckets(graph);
+  t->targets_ = DeviceBuffer(backend, std::max(local_batch, config.batch_size) * data.targets_per_sample);
+  for (const auto* side : {&t->rank_.incoming(), &t->rank_.outgoing()}) {
+    for (const LinkValue& l : *side) {
+      if (l.local >= 0 || t->carried_.count(l.name)) continue;
+      Carried& c = t->carried_[l.name];
+      c.value = DeviceBuffer(backend, slots * micro * l.per_sample);
+      c.grad = DeviceBuffer(backend, slots * micro * l.per_sample);
+    }
+  }
+  for (const LinkValue& l : t->rank_.outgoing()) {
+    // Read here and passed on: the later stages' gradient is staged, then added.
+    if (l.local >= 0 && g.values[l.local].producer < 0 && !t->carried_.count(l.name)) {
+      Carried& c = t->carried_[l.name];
+      c.grad = DeviceBuffer(backend, slots * micro * l.per_sample);
+    }
+  }
+  if (t->replicas_) t->plan_buckets();
   return t;
 }
 
@@ -75,7 +142,8 @@ Result<std::unique_ptr<Trainer>> Trainer::create(const Graph& graph, const Datas
 // backward finishes first) towards its start, each about config.bucket_bytes, never
 // splitting a parameter. A bucket is complete once backward has passed the earliest
 // node using any of its parameters.
-void Trainer::plan_buckets(const Graph& graph) {
+void Trainer::plan_buckets() {
+  const Graph& graph = rank_.graph();
   std::vector<size_t> first_user(graph.params.size(), graph.nodes.size());
   for (size_t i = graph.nodes.size(); i-- > 0;)
     for (int p : graph.node_params(graph.nodes[i])) first_user[p] = i;
@@ -112,68 +180,217 @@ void Trainer::on_gradients_ready(size_t node) {
   }
 }
 
+void Trainer::wait_slot(int slot) {
+  for (auto& request : sends_[slot]) request->wait();
+  sends_[slot].clear();
+}
+
+float* Trainer::link_value(const LinkValue& l) {
+  if (l.local >= 0) return program_->value(l.local);
+  return carried_.at(l.name).value.data() + program_->slot() * micro_ * l.per_sample;
+}
+
+// `received`: the gradient arriving from the next stage (for values this stage reads
+// and passes on, it is staged apart and added after backward); otherwise the gradient
+// this stage sends back.
+float* Trainer::link_gradient(const LinkValue& l, bool received) {
+  auto it = carried_.find(l.name);
+  const bool staged = it != carried_.end() && (l.local < 0 || received);
+  if (!staged) return program_->gradient(l.local);
+  return it->second.grad.data() + program_->slot() * micro_ * l.per_sample;
+}
+
+double Trainer::run_schedule(bool last_micro_step, uint64_t seed, int64_t first_sample) {
+  constexpr int kActivationTag = 1, kGradientTag = 2;
+  const ProcessLayout& layout = rank_.layout();
+  const int stage = layout.stage, m = schedule_.micro_batches;
+  const bool first = stage == 0, last = stage == layout.stages - 1;
+  const int64_t global = config_.batch_size * config_.grad_accum;
+  double loss = 0;
+  for (const Action& a : schedule_.actions[stage]) {
+    const int k = a.micro_batch, slot = k % program_->slots();
+    program_->select_slot(slot);
+    switch (a.kind) {
+      case ActionKind::kRecvActivation:
+        wait_slot(slot);
+        for (const LinkValue& l : rank_.incoming()) pipeline_->recv(link_value(l), micro_ * l.per_sample, stage - 1, kActivationTag);
+        break;
+      case ActionKind::kForward: {
+        wait_slot(slot);
+        if (first) {
+          program_->forward({host_features_.data() + k * micro_ * data_.features_per_sample}, micro_, Mode::kTrain, seed,
+                            first_sample + k * micro_);
+        } else {
+          program_->forward_resident(micro_, Mode::kTrain, seed, first_sample + k * micro_);
+        }
+        if (last) {
+          // Divided by the global sample count: the sum over micro-batches and replicas is the global mean.
+          loss += apply_loss(*program_, config_.loss, log_probs_, targets_.data() + k * micro_ * data_.targets_per_sample,
+                             micro_, global);
+        }
+        break;
+      }
+      case ActionKind::kSendActivation:
+        for (const LinkValue& l : rank_.outgoing()) {
+          sends_[slot].push_back(pipeline_->send_async(link_value(l), micro_ * l.per_sample, stage + 1, kActivationTag));
+        }
+        break;
+      case ActionKind::kRecvGradient:
+        for (const LinkValue& l : rank_.outgoing()) {
+          if (l.needs_grad) pipeline_->recv(link_gradient(l, true), micro_ * l.per_sample, stage + 1, kGradientTag);
+        }
+        break;
+      case ActionKind::kBackward:
+        // Backwards run in micro-batch order: the last one completes the gradients.
+        if (replicas_ && last_micro_step && k == m - 1) {
+          program_->backward(micro_, [this](size_t node) { on_gradients_ready(node); });
+        } else {
+          program_->backward(micro_);  // accumulating: no communication until the last micro-step
+        }
+        for (const LinkValue& l : rank_.outgoing()) {
+          if (l.needs_grad && l.local >= 0 && carried_.count(l.name)) {
+            backend_.axpy(program_->gradient(l.local), 1.0f, link_gradient(l, true), micro_ * l.per_sample);
+          }
+        }
+        break;
+      case ActionKind::kSendGradient:
+        for (const LinkValue& l : rank_.incoming()) {
+          if (!l.needs_grad) continue;
+          sends_[slot].push_back(pipeline_->send_async(link_gradient(l, false), micro_ * l.per_sample, stage - 1, kGradientTag));
+        }
+        break;
+    }
+  }
+  for (int s = 0; s < program_->slots(); ++s) wait_slot(s);
+  return loss;
+}
+
 StepResult Trainer::step() {
   StepResult r;
   r.step = steps_done() + 1;
-  const int64_t k = config_.grad_accum, b = local_batch_, global = config_.batch_size * k;
-  const int replica = replicas_ ? replicas_->rank() : 0;
+  const ProcessLayout& layout = rank_.layout();
+  const int64_t k = config_.grad_accum, b = local_batch_;
+  const bool first = layout.stage == 0, last = layout.stage == layout.stages - 1;
   program_->zero_gradients();
   for (int64_t micro = 0; micro < k; ++micro) {
     const int64_t batch_index = (r.step - 1) * k + micro;
     if (micro == 0) r.epoch = order_.epoch_of(batch_index);
     // This replica's contiguous slice of the global batch.
     std::vector<int64_t> rows = order_.indices(batch_index);
-    rows = std::vector<int64_t>(rows.begin() + replica * b, rows.begin() + (replica + 1) * b);
-    gather_rows(data_.features, data_.features_per_sample, rows, host_features_);
-    gather_rows(data_.targets, data_.targets_per_sample, rows, host_targets_);
-    backend_.upload(targets_.data(), host_targets_.data(), b * data_.targets_per_sample);
-    const uint64_t seed = batch_seed(config_.seed ^ (0x5851f42d4c957f2dULL * static_cast<uint64_t>(replica)), batch_index);
-    program_->forward({host_features_.data()}, b, Mode::kTrain, seed);
-    // Divided by the global sample count: the sum over replicas is the global mean.
-    r.loss += apply_loss(*program_, config_.loss, log_probs_, targets_.data(), b, global);
-    const bool last = micro == k - 1;
-    if (replicas_ && last) {
-      program_->backward(b, [this](size_t node) { on_gradients_ready(node); });
-    } else {
-      program_->backward(b);  // accumulating: no communication until the last micro-step
+    rows = std::vector<int64_t>(rows.begin() + layout.replica * b, rows.begin() + (layout.replica + 1) * b);
+    if (first) gather_rows(data_.features, data_.features_per_sample, rows, host_features_);
+    if (last) {
+      gather_rows(data_.targets, data_.targets_per_sample, rows, host_targets_);
+      backend_.upload(targets_.data(), host_targets_.data(), b * data_.targets_per_sample);
     }
+    // One seed per batch for every rank; masks depend on the sample's place in the batch.
+    const uint64_t seed = batch_seed(config_.seed, batch_index);
+    r.loss += run_schedule(micro == k - 1, seed, layout.replica * b);
   }
   if (replicas_) {
     for (auto& request : in_flight_) request->wait();
     in_flight_.clear();
-    r.loss = replicas_->all_reduce_sum(r.loss);
   }
-  const int64_t n = program_->trainable_elements();
-  if (config_.clip_grad_norm > 0) r.grad_norm = clip_grad_norm(backend_, program_->gradients(), n, config_.clip_grad_norm);
+  if (pipeline_) r.loss = pipeline_->all_reduce_sum(r.loss);  // the last stage has it
+  if (replicas_) r.loss = replicas_->all_reduce_sum(r.loss);
+  if (config_.clip_grad_norm > 0) r.grad_norm = clip_gradients();
   r.lr = config_.optimizer.lr * lr_factor(config_.schedule, r.step, config_.warmup_steps, config_.total_steps);
   optimizer_->step(program_->parameters(), program_->gradients(), static_cast<float>(r.lr));
   return r;
 }
 
+// torch's clip_grad_norm_ over the whole model: each stage adds its parameters' squares,
+// a parameter split over the shards counts every slice, a replicated one counts once.
+double Trainer::clip_gradients() {
+  float* grads = program_->gradients();
+  const int64_t n = program_->trainable_elements();
+  if (rank_.is_whole()) return clip_grad_norm(backend_, grads, n, config_.clip_grad_norm);
+  const Graph& g = rank_.graph();
+  double squares = 0;
+  for (size_t q = 0; q < g.params.size(); ++q) {
+    const int64_t at = program_->parameter_offset(static_cast<int>(q));
+    if (at < 0 || (rank_.layout().shard != 0 && rank_.shard_axis(static_cast<int>(q)) < 0)) continue;
+    squares += backend_.sum_squares(grads + at, g.params[q].elements());
+  }
+  if (tensor_) squares = tensor_->all_reduce_sum(squares);
+  if (pipeline_) squares = pipeline_->all_reduce_sum(squares);
+  const double norm = std::sqrt(squares);
+  const double coef = config_.clip_grad_norm / (norm + 1e-6);
+  if (coef < 1.0) backend_.scale(grads, static_cast<float>(coef), n);
+  return norm;
+}
+
+std::vector<std::vector<float>> Trainer::local_values() const {
+  Graph copy = rank_.graph();
+  program_->download_parameters(copy);
+  std::vector<std::vector<float>> out;
+  for (Parameter& p : copy.params) out.push_back(std::move(p.data));
+  return out;
+}
+
+std::vector<std::vector<float>> Trainer::local_slot(int s) const {
+  const Graph& g = rank_.graph();
+  const std::vector<float> slot = optimizer_->state()[s];
+  std::vector<std::vector<float>> out(g.params.size());
+  for (size_t q = 0; q < g.params.size(); ++q) {
+    const int64_t at = program_->parameter_offset(static_cast<int>(q));
+    if (at >= 0) out[q].assign(slot.begin() + at, slot.begin() + at + g.params[q].elements());
+  }
+  return out;
+}
+
+void Trainer::download_parameters(Graph& graph) {
+  if (rank_.is_whole()) {
+    program_->download_parameters(graph);
+    return;
+  }
+  std::vector<std::vector<float>> whole;
+  rank_.gather(local_values(), whole, *world_, tensor_, false);
+  for (size_t p = 0; p < whole.size(); ++p) {
+    if (!whole[p].empty()) graph.params[p].data = std::move(whole[p]);
+  }
+}
+
 EvalResult Trainer::evaluate(const Dataset& data) {
   EvalResult e;
+  Program* program = program_.get();
+  if (!rank_.is_whole()) {
+    if (!eval_graph_) eval_graph_ = std::make_unique<Graph>(rank_.full());
+    download_parameters(*eval_graph_);
+    if (world_->rank() != 0) return e;
+    if (!eval_program_) {
+      Result<std::unique_ptr<Program>> p = Program::create(*eval_graph_, backend_, config_.batch_size);
+      PIPESHARD_CHECK(p.is_ok(), p.status().message());
+      eval_program_ = std::move(*p);
+    }
+    eval_program_->upload_parameters(*eval_graph_);
+    program = eval_program_.get();
+  } else if (world_ && world_->rank() != 0) {
+    return e;  // every replica holds the same model: rank 0 evaluates it
+  }
+  program->select_slot(0);
   const int64_t b = config_.batch_size;
-  const int64_t per_out = program_->output_shape(0).per_sample_elements();
-  std::vector<float> outputs;
+  const int64_t per_out = program->output_shape(0).per_sample_elements();
+  const bool log_probs = ends_in_log_softmax(rank_.full());
+  std::vector<float> outputs, features, targets_host;
   DeviceBuffer targets(backend_, b * data.targets_per_sample);
   int64_t correct = 0;
   for (int64_t first = 0; first < data.samples; first += b) {
     const int64_t rows = std::min(b, data.samples - first);
     std::vector<int64_t> idx(static_cast<size_t>(rows));
     for (int64_t i = 0; i < rows; ++i) idx[i] = first + i;
-    gather_rows(data.features, data.features_per_sample, idx, host_features_);
-    gather_rows(data.targets, data.targets_per_sample, idx, host_targets_);
-    backend_.upload(targets.data(), host_targets_.data(), rows * data.targets_per_sample);
-    program_->forward({host_features_.data()}, rows, Mode::kEval, 0);
-    e.loss += apply_loss(*program_, config_.loss, log_probs_, targets.data(), rows, data.samples);
-    // Every replica evaluates everything (eval data is small); results are identical.
+    gather_rows(data.features, data.features_per_sample, idx, features);
+    gather_rows(data.targets, data.targets_per_sample, idx, targets_host);
+    backend_.upload(targets.data(), targets_host.data(), rows * data.targets_per_sample);
+    program->forward({features.data()}, rows, Mode::kEval, 0);
+    e.loss += apply_loss(*program, config_.loss, log_probs, targets.data(), rows, data.samples);
     if (config_.loss == LossKind::kCrossEntropy) {
       outputs.resize(static_cast<size_t>(rows * per_out));
-      backend_.download(outputs.data(), program_->output(0), rows * per_out);
+      backend_.download(outputs.data(), program->output(0), rows * per_out);
       for (int64_t r = 0; r < rows; ++r) {
         const float* o = &outputs[r * per_out];
         const int64_t best = std::max_element(o, o + per_out) - o;
-        correct += best == static_cast<int64_t>(host_targets_[r]);
+        correct += best == static_cast<int64_t>(targets_host[r]);
       }
     }
   }
@@ -183,28 +400,40 @@ EvalResult Trainer::evaluate(const Dataset& data) {
 }
 
 // Layout: 8-byte magic, 8-byte little-endian header length, a JSON header, then the
-// float32 arrays it lists, in its order.
-Status Trainer::save_checkpoint(const std::string& dir, Graph& scratch) const {
-  program_->download_parameters(scratch);
+// float32 arrays it lists, in its order. Every tensor is the whole model's, under its
+// initializer name: no layout is recorded, so any layout can resume it.
+Status Trainer::save_checkpoint(const std::string& dir) {
+  const Graph& full = rank_.full();
+  std::vector<std::vector<float>> values;
+  if (world_ == nullptr) {
+    values = local_values();  // one process: local is whole
+  } else {
+    rank_.gather(local_values(), values, *world_, tensor_, false);
+  }
+  std::vector<std::vector<std::vector<float>>> slots(static_cast<size_t>(optimizer_->slots()));
+  for (int s = 0; s < optimizer_->slots(); ++s) {
+    if (world_ == nullptr) {
+      slots[s] = local_slot(s);
+    } else {
+      rank_.gather(local_slot(s), slots[s], *world_, tensor_, true);
+    }
+  }
+  if (world_ && world_->rank() != 0) return Status::ok();
   nlohmann::json header;
   header["format"] = 1;
   header["step"] = steps_done();
   header["optimizer"] = optimizer_name(config_.optimizer.kind);
   header["tensors"] = nlohmann::json::array();
   std::string body;
-  auto add = [&](const std::string& name, const std::string& role, const float* data, int64_t n) {
-    header["tensors"].push_back({{"name", name}, {"role", role}, {"elements", n}});
-    body.append(reinterpret_cast<const char*>(data), static_cast<size_t>(n) * sizeof(float));
+  auto add = [&](const std::string& name, const std::string& role, const std::vector<float>& data) {
+    header["tensors"].push_back({{"name", name}, {"role", role}, {"elements", data.size()}});
+    body.append(reinterpret_cast<const char*>(data.data()), data.size() * sizeof(float));
   };
-  for (const Parameter& p : scratch.params) add(p.name, "value", p.data.data(), p.elements());
-  // Optimizer slots are stored per parameter too, so a checkpoint does not depend on
-  // how parameters are laid out in memory (a later resharding reads them by name).
-  const auto slots = optimizer_->state();
+  // Parameters no node uses keep their file values.
+  for (size_t p = 0; p < full.params.size(); ++p) add(full.params[p].name, "value", values[p].empty() ? full.params[p].data : values[p]);
   for (size_t s = 0; s < slots.size(); ++s) {
-    for (size_t i = 0; i < scratch.params.size(); ++i) {
-      const int64_t at = program_->parameter_offset(static_cast<int>(i));
-      if (!scratch.params[i].trainable) continue;
-      add(scratch.params[i].name, "slot" + std::to_string(s), slots[s].data() + at, scratch.params[i].elements());
+    for (size_t p = 0; p < full.params.size(); ++p) {
+      if (full.params[p].trainable && !slots[s][p].empty()) add(full.params[p].name, "slot" + std::to_string(s), slots[s][p]);
     }
   }
   const std::string head = header.dump();
@@ -219,7 +448,7 @@ Status Trainer::save_checkpoint(const std::string& dir, Graph& scratch) const {
   return write_file_atomically((std::filesystem::path(dir) / kCheckpointFile).string(), file);
 }
 
-Status Trainer::load_checkpoint(const std::string& dir, Graph& graph) {
+Status Trainer::load_checkpoint(const std::string& dir) {
   const std::string path = (std::filesystem::path(dir) / kCheckpointFile).string();
   std::ifstream in(path, std::ios::binary);
   if (!in) return Status::error(path + ": no checkpoint here");
@@ -231,44 +460,68 @@ Status Trainer::load_checkpoint(const std::string& dir, Graph& graph) {
   std::memcpy(&len, bytes.data() + 8, 8);
   if (len > bytes.size() - 16) return Status::error(path + ": truncated checkpoint header");
   nlohmann::json header = nlohmann::json::parse(bytes.substr(16, len), nullptr, false);
-  if (header.is_discarded() || !header.contains("tensors") || !header.contains("step")) {
+  if (header.is_discarded() || !header.contains("tensors") || !header["tensors"].is_array() || !header.contains("step") ||
+      !header["step"].is_number_integer() || header["step"].get<int64_t>() < 0) {
     return Status::error(path + ": corrupt checkpoint header");
   }
   if (header.value("optimizer", "") != optimizer_name(config_.optimizer.kind)) {
     return Status::error(path + ": written with optimizer '" + header.value("optimizer", "?") + "', this run uses '" +
                          optimizer_name(config_.optimizer.kind) + "'");
   }
+  // Whole-model tensors by name and role.
+  const Graph& full = rank_.full();
   std::unordered_map<std::string, int> by_name;
-  for (size_t i = 0; i < graph.params.size(); ++i) by_name[graph.params[i].name] = static_cast<int>(i);
-  std::vector<std::vector<float>> slots(static_cast<size_t>(optimizer_->slots()),
-                                        std::vector<float>(static_cast<size_t>(program_->trainable_elements())));
+  for (size_t i = 0; i < full.params.size(); ++i) by_name[full.params[i].name] = static_cast<int>(i);
+  const int slot_count = optimizer_->slots();
+  std::vector<std::vector<std::vector<float>>> tensors(static_cast<size_t>(slot_count + 1),
+                                                       std::vector<std::vector<float>>(full.params.size()));
   size_t at = 16 + len;
-  std::vector<bool> restored(graph.params.size(), false);
   for (const auto& t : header["tensors"]) {
+    if (!t.is_object()) return Status::error(path + ": corrupt checkpoint header");
     const std::string name = t.value("name", ""), role = t.value("role", "");
     const int64_t n = t.value("elements", int64_t{-1});
     auto it = by_name.find(name);
     if (it == by_name.end()) return Status::error(path + ": tensor '" + name + "' is not in this model");
-    if (n != graph.params[it->second].elements()) return Status::error(path + ": tensor '" + name + "' has the wrong size");
-    if (n * sizeof(float) > bytes.size() - at) return Status::error(path + ": truncated checkpoint");
-    float* dst = nullptr;
+    if (n != full.params[it->second].elements()) return Status::error(path + ": tensor '" + name + "' has the wrong size");
+    if (static_cast<uint64_t>(n) * sizeof(float) > bytes.size() - at) return Status::error(path + ": truncated checkpoint");
+    int index = -1;  // 0: value, 1 + s: optimizer slot s
     if (role == "value") {
-      dst = graph.params[it->second].data.data();
-      restored[it->second] = true;
-    } else if (role.rfind("slot", 0) == 0 && graph.params[it->second].trainable) {
-      const size_t s = static_cast<size_t>(std::atoi(role.c_str() + 4));
-      if (s >= slots.size()) return Status::error(path + ": optimizer state does not match this optimizer");
-      dst = slots[s].data() + program_->parameter_offset(it->second);
+      index = 0;
+    } else if (role.rfind("slot", 0) == 0 && full.params[it->second].trainable) {
+      const int s = std::atoi(role.c_str() + 4);
+      if (role != "slot" + std::to_string(s) || s < 0 || s >= slot_count) {
+        return Status::error(path + ": optimizer state does not match this optimizer");
+      }
+      index = 1 + s;
     } else {
       return Status::error(path + ": unknown tensor role '" + role + "'");
     }
-    std::memcpy(dst, bytes.data() + at, static_cast<size_t>(n) * sizeof(float));
+    std::vector<float>& dst = tensors[index][it->second];
+    dst.resize(static_cast<size_t>(n));
+    std::memcpy(dst.data(), bytes.data() + at, static_cast<size_t>(n) * sizeof(float));
     at += static_cast<size_t>(n) * sizeof(float);
   }
-  for (size_t p = 0; p < restored.size(); ++p) {
-    if (!restored[p]) return Status::error(path + ": has no values for '" + graph.params[p].name + "'");
+  // This rank's slices.
+  const Graph& g = rank_.graph();
+  Graph local = g;
+  std::vector<std::vector<float>> slots(static_cast<size_t>(slot_count),
+                                        std::vector<float>(static_cast<size_t>(program_->trainable_elements())));
+  for (size_t q = 0; q < g.params.size(); ++q) {
+    const int p = rank_.full_param(static_cast<int>(q));
+    if (tensors[0][p].empty()) return Status::error(path + ": has no values for '" + full.params[p].name + "'");
+    local.params[q].data = rank_.slice(static_cast<int>(q), tensors[0][p]);
+    const int64_t offset = program_->parameter_offset(static_cast<int>(q));
+    if (offset < 0) continue;
+    for (int s = 0; s < slot_count; ++s) {
+      if (tensors[1 + s][p].empty()) {
+        if (header["step"].get<int64_t>() == 0) continue;
+        return Status::error(path + ": has no optimizer state for '" + full.params[p].name + "'");
+      }
+      const std::vector<float> mine = rank_.slice(static_cast<int>(q), tensors[1 + s][p]);
+      std::copy(mine.begin(), mine.end(), slots[s].begin() + offset);
+    }
   }
-  program_->upload_parameters(graph);
+  program_->upload_parameters(local);
   optimizer_->restore(header["step"].get<int64_t>(), slots);
   return Status::ok();
 }

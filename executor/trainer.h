@@ -1,12 +1,21 @@
-// The training loop of one process: batches in design.md's order, forward, loss,
-// backward, gradient accumulation, clipping, learning-rate schedule, optimizer step;
-// evaluation; checkpoints that resume onto exactly the same trajectory.
+// The training loop: batches in design.md's order, forward, loss, backward, gradient
+// accumulation, clipping, learning-rate schedule, optimizer step; evaluation;
+// checkpoints that resume onto exactly the same trajectory.
+//
+// One Trainer runs on every rank of a P × D × T job (design.md, "Processes and
+// ranks"): it trains the rank's part of the model (executor/rank_model.h) by running
+// its stage's pipeline schedule (executor/schedule.h) over the micro-batches of its
+// replica's slice of each batch, and the step equals the one-process step up to float
+// rounding: gradients are summed over the replicas, partial sums over the shards, and
+// the loss and the clipping norm over the stages.
 #ifndef PIPESHARD_EXECUTOR_TRAINER_H_
 #define PIPESHARD_EXECUTOR_TRAINER_H_
 
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "common/status.h"
 #include "executor/backend.h"
@@ -15,6 +24,8 @@
 #include "executor/loss.h"
 #include "executor/optimizer.h"
 #include "executor/program.h"
+#include "executor/rank_model.h"
+#include "executor/schedule.h"
 
 namespace pipeshard {
 
@@ -30,6 +41,19 @@ struct TrainConfig {
   uint64_t seed = 0;
   double clip_grad_norm = 0;   // 0: off
   int64_t bucket_bytes = 25 << 20;  // data parallel: gradients are all-reduced in buckets this big
+  int micro_batches = 1;       // pipeline micro-batches per replica batch (M)
+  ScheduleKind pipeline_schedule = ScheduleKind::k1F1B;
+  BalanceBy balance = BalanceBy::kParams;  // how stages are cut
+  bool sync_batchnorm = false;  // BatchNorm statistics over all replicas, not each replica's slice
+};
+
+// Where a Trainer sits in a multi-process job. All null: one process.
+struct Parallel {
+  Communicator* world = nullptr;
+  ProcessGroups* groups = nullptr;
+  // The file the Graph came from: stage files are cut from it when there are several
+  // stages or shards.
+  const ImportedModel* model = nullptr;
 };
 
 struct StepResult {
@@ -49,58 +73,85 @@ struct EvalResult {
 class Trainer {
  public:
   // `graph` holds the initial parameters and must outlive the Trainer; `data` too.
-  // With `replicas` (the data-parallel group, may be null for one process), each
-  // replica trains on its contiguous slice of every global batch of config.batch_size
-  // samples and gradients are summed over the replicas, so every step equals the
-  // one-process step.
+  // With `parallel`, this rank trains its part: its replica's contiguous slice of every
+  // global batch of config.batch_size samples, its stage, its shard.
   static Result<std::unique_ptr<Trainer>> create(const Graph& graph, const Dataset& data, Backend& backend,
-                                                 const TrainConfig& config, Communicator* replicas = nullptr);
+                                                 const TrainConfig& config, const Parallel& parallel = {});
+  ~Trainer();
 
-  // Runs optimizer step steps_done() + 1.
+  // Runs optimizer step steps_done() + 1 (collective: every rank calls it).
   StepResult step();
   int64_t steps_done() const { return optimizer_->steps_taken(); }
   int64_t batches_per_epoch() const { return order_.batches_per_epoch(); }
+  const PipelineSchedule& schedule() const { return schedule_; }
 
-  // Loss (and accuracy for cross-entropy) over all of `data`, in eval mode.
+  // Loss (and accuracy for cross-entropy) over all of `data`, in eval mode. Collective;
+  // the result is on world rank 0 (elsewhere samples == 0).
   EvalResult evaluate(const Dataset& data);
 
-  // Copies the trained parameters and running statistics into `graph.params`.
-  void download_parameters(Graph& graph) const { program_->download_parameters(graph); }
+  // Copies the trained parameters and running statistics into `graph.params` (the whole
+  // model's). Collective; `graph` is filled on world rank 0.
+  void download_parameters(Graph& graph);
 
-  // Writes DIR/checkpoint.pipeshard atomically: parameters and running statistics by
-  // initializer name, optimizer state, the step count. Interrupted writes leave the
+  // Writes DIR/checkpoint.pipeshard atomically: whole-model parameters and running
+  // statistics by initializer name, optimizer state likewise, the step count; nothing
+  // in it depends on the layout. Collective; rank 0 writes. Interrupted writes leave the
   // previous checkpoint intact.
-  Status save_checkpoint(const std::string& dir, Graph& scratch) const;
-  // Restores a checkpoint written for the same model and optimizer; the run then
-  // continues exactly as if it had never stopped.
-  Status load_checkpoint(const std::string& dir, Graph& graph);
+  Status save_checkpoint(const std::string& dir);
+  // Restores a checkpoint written for the same model and optimizer under any layout;
+  // the run then continues exactly as if it had never stopped. Every rank reads it.
+  Status load_checkpoint(const std::string& dir);
 
  private:
-  Trainer(const Dataset& data, Backend& backend, const TrainConfig& config);
-  void plan_buckets(const Graph& graph);
-  // Runs after node i's backward on the last micro-step: starts the all-reduce of every
+  Trainer(const Dataset& data, Backend& backend, const TrainConfig& config, RankModel rank);
+  void plan_buckets();
+  // Runs after node i's backward on the last micro-batch: starts the all-reduce of every
   // gradient bucket that node completes.
   void on_gradients_ready(size_t node);
+  // The stage's schedule over one replica batch (one micro-step of grad_accum).
+  double run_schedule(bool last_micro_step, uint64_t seed, int64_t first_sample);
+  void wait_slot(int slot);
+  // Where link value `l` lives in the selected slot: the program's buffer or a carried one.
+  float* link_value(const LinkValue& l);
+  float* link_gradient(const LinkValue& l, bool received);
+  double clip_gradients();
+  // Host copies of this rank's parameters (values) or of optimizer slot s.
+  std::vector<std::vector<float>> local_values() const;
+  std::vector<std::vector<float>> local_slot(int s) const;
 
   struct Bucket {
     int64_t begin = 0, end = 0;  // [begin, end) of the gradient buffer
     size_t ready_after = 0;      // node whose backward completes the bucket
   };
+  struct Carried {               // a value this stage passes on without reading it
+    DeviceBuffer value, grad;    // [slots][micro-batch rows, per_sample]
+  };
 
   const Dataset& data_;
   Backend& backend_;
   TrainConfig config_;
+  RankModel rank_;
+  Communicator* world_ = nullptr;
+  Communicator* replicas_ = nullptr;   // data-parallel group (null: one replica)
+  Communicator* tensor_ = nullptr;     // tensor-parallel group (null: one shard)
+  Communicator* pipeline_ = nullptr;   // the stages (null: one stage)
   bool log_probs_ = false;
   BatchOrder order_;
-  Communicator* replicas_ = nullptr;   // data-parallel group, or null
   int64_t local_batch_ = 0;            // samples of each micro-step on this replica
+  int64_t micro_ = 0;                  // samples of each pipeline micro-batch
+  PipelineSchedule schedule_;
   std::vector<Bucket> buckets_;        // in launch order (end of the buffer first)
   std::vector<std::unique_ptr<Request>> in_flight_;
+  std::vector<std::vector<std::unique_ptr<Request>>> sends_;  // [slots]: sends reading the slot
+  std::map<std::string, Carried> carried_;
   std::unique_ptr<Program> program_;
   std::unique_ptr<Optimizer> optimizer_;
-  DeviceBuffer targets_;              // [batch_size * targets_per_sample]
-  std::vector<float> host_features_;  // [batch_size * features_per_sample]
-  std::vector<float> host_targets_;   // [batch_size * targets_per_sample]
+  DeviceBuffer targets_;              // [local_batch * targets_per_sample]
+  std::vector<float> host_features_;  // [local_batch * features_per_sample]
+  std::vector<float> host_targets_;   // [local_batch * targets_per_sample]
+  // Evaluation of a cut model: the whole model, assembled on rank 0.
+  std::unique_ptr<Graph> eval_graph_;
+  std::unique_ptr<Program> eval_program_;
 };
 
 }  // namespace pipeshard

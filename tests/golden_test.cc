@@ -130,24 +130,32 @@ std::vector<std::string> with_flag_value(std::vector<std::string> args, const st
   return args;
 }
 
-std::string train_command(const Fixture& f, const std::vector<std::string>& args) {
+// The golden fixtures must hold for any layout: PIPESHARD_TRAIN_LAUNCHER (e.g.
+// "mpiexec -n 4") and PIPESHARD_TRAIN_ARGS (e.g. "--stages 2 --tensor-parallel 2") run
+// the same cases in another layout; a resumed run (`resumed`) takes
+// PIPESHARD_RESUME_LAUNCHER and PIPESHARD_RESUME_ARGS instead when they are set, so a
+// checkpoint written under one layout is resumed under another.
+std::string train_command(const Fixture& f, const std::vector<std::string>& args, bool resumed) {
+  auto env = [&](const char* name, const char* resume_name) -> std::string {
+    const char* v = resumed && std::getenv(resume_name) ? std::getenv(resume_name) : std::getenv(name);
+    return v ? v : "";
+  };
   std::vector<std::string> words = {tool_path("train"), source_path(f.model), "--data", source_path(f.data),
                                     "--labels", source_path(f.labels)};
   words.insert(words.end(), args.begin(), args.end());
   // Appends, not `" " + quote(w)`: GCC 12 warns falsely (-Wrestrict, bug 105329) on the latter.
-  // PIPESHARD_TRAIN_LAUNCHER (e.g. "mpiexec -n 2") runs the same cases data-parallel:
-  // the golden fixtures must hold for any layout.
-  std::string cmd;
-  if (const char* launcher = std::getenv("PIPESHARD_TRAIN_LAUNCHER")) cmd.append(launcher);
+  std::string cmd = env("PIPESHARD_TRAIN_LAUNCHER", "PIPESHARD_RESUME_LAUNCHER");
   for (const std::string& w : words) {
     if (!cmd.empty()) cmd.push_back(' ');
     cmd.append(quote(w));
   }
+  const std::string extra = env("PIPESHARD_TRAIN_ARGS", "PIPESHARD_RESUME_ARGS");
+  if (!extra.empty()) cmd.append(" " + extra);  // flags only: no quoting needed
   return cmd;
 }
 
-void run_train(const Fixture& f, const std::vector<std::string>& args) {
-  const std::string cmd = train_command(f, args);
+void run_train(const Fixture& f, const std::vector<std::string>& args, bool resumed = false) {
+  const std::string cmd = train_command(f, args, resumed);
   const testing::CommandResult r = run_command(cmd);
   ASSERT_EQ(r.exit_code, 0) << cmd << "\nstderr:\n" << r.err;
 }
@@ -320,7 +328,7 @@ TEST_P(GoldenTrainingTest, MatchesPyTorch) {
     first_step = f.resume_from_step + 1;
   }
   args.insert(args.end(), {"--metrics", dir / "metrics.jsonl", "--save", dir / "trained.onnx"});
-  ASSERT_NO_FATAL_FAILURE(run_train(f, args));
+  ASSERT_NO_FATAL_FAILURE(run_train(f, args, first_step > 1));
   std::vector<StepMetrics> steps;
   ASSERT_NO_FATAL_FAILURE(read_metrics(dir / "metrics.jsonl", steps));
   {

@@ -1,4 +1,5 @@
-// train: train an ONNX MLP on NumPy data in one process, exactly as PyTorch would, and
+// train: train an ONNX MLP on NumPy data, in one process or across `mpirun -np N`
+// processes (data, pipeline and tensor parallel), exactly as PyTorch would in one, and
 // write the trained model back as ONNX. Bad arguments and bad files: one line on
 // stderr, exit status 2, nothing written.
 #include <unistd.h>
@@ -30,6 +31,9 @@ int fail(const std::string& message) { return report_bad_input("train", message)
 struct Args {
   std::string model, data, labels, eval_data, eval_labels, metrics, save, checkpoint, resume;
   std::string loss = "cross-entropy", optimizer = "sgd", schedule = "constant", betas, device = "cpu";
+  std::string pipeline_schedule = "1f1b", balance = "params";
+  int micro_batches = 1;
+  bool sync_batchnorm = false;
   double lr = 0, momentum = 0, eps = 0, weight_decay = 0, clip = 0;
   bool lr_given = false, momentum_given = false, eps_given = false, weight_decay_given = false;
   bool nesterov = false, no_shuffle = false;
@@ -72,8 +76,15 @@ void define(CLI::App& app, Args& a) {
   app.add_option("--check-equivalence", a.check_equivalence,
                  "train K steps in this layout and in one process on the same data, print the largest "
                  "loss and weight difference, and stop");
-  app.add_option("--stages", a.stages, "pipeline stages (needs mpirun; default 1)");
-  app.add_option("--tensor-parallel", a.tensor_parallel, "tensor-parallel shards (needs mpirun; default 1)");
+  app.add_option("--stages", a.stages, "pipeline stages P (mpirun -np P·T·D; default 1)");
+  app.add_option("--tensor-parallel", a.tensor_parallel, "tensor-parallel shards T (mpirun -np P·T·D; default 1)");
+  app.add_option("--micro-batches", a.micro_batches, "pipeline micro-batches M per replica batch (default 1)");
+  app.add_option("--schedule", a.pipeline_schedule, "pipeline schedule: 1f1b (default) or gpipe")
+      ->check(CLI::IsMember({"1f1b", "gpipe"}));
+  app.add_option("--balance", a.balance, "cut stages balancing params (default), flops or memory")
+      ->check(CLI::IsMember({"params", "flops", "memory"}));
+  app.add_flag("--sync-batchnorm", a.sync_batchnorm,
+               "BatchNorm statistics over the global batch of all replicas (default: each replica's slice)");
 }
 
 // Turns the flags into a TrainConfig, refusing flags the chosen optimizer has no use for.
@@ -114,6 +125,11 @@ Result<TrainConfig> make_config(const Args& a) {
   c.shuffle = !a.no_shuffle;
   c.seed = a.seed;
   c.clip_grad_norm = a.clip;
+  c.micro_batches = a.micro_batches;
+  c.pipeline_schedule = a.pipeline_schedule == "gpipe" ? ScheduleKind::kGPipe : ScheduleKind::k1F1B;
+  c.balance = a.balance == "flops" ? BalanceBy::kFlops : a.balance == "memory" ? BalanceBy::kMemory : BalanceBy::kParams;
+  c.sync_batchnorm = a.sync_batchnorm;
+  if (a.micro_batches < 1) return Status::error("--micro-batches must be at least 1");
   return c;
 }
 
@@ -131,7 +147,10 @@ int check_equivalence(const Graph& graph, const Dataset& data, const TrainConfig
   double loss_diff = 0, weight_diff = 0;
   if (world.rank() == 0) {
     std::unique_ptr<Backend> backend = make_cpu_backend();
-    auto alone = Trainer::create(graph, data, *backend, config);
+    TrainConfig one = config;  // the whole batch at once, as one process would train it
+    one.micro_batches = 1;
+    one.sync_batchnorm = false;
+    auto alone = Trainer::create(graph, data, *backend, one);
     PIPESHARD_CHECK(alone.is_ok(), alone.status().message());
     for (int64_t s = 0; s < steps; ++s) {
       const double want = (*alone)->step().loss;
@@ -182,10 +201,6 @@ int main(int argc, char** argv) {
   std::unique_ptr<Communicator> world = make_world_communicator();
   Result<ProcessLayout> layout = ProcessLayout::for_rank(world->rank(), world->size(), a.stages, a.tensor_parallel);
   if (!layout) return fail(layout.status().message());
-  if (layout->stages > 1 || layout->shards > 1) {
-    return fail("--stages and --tensor-parallel above 1 are not implemented in train yet; data parallelism is: "
-                "mpirun -np D train ...");
-  }
   ProcessGroups groups = make_process_groups(*world, *layout);
   const bool root = world->rank() == 0;  // writes metrics, checkpoints, the saved model and the log
   if (a.device == "cuda") return fail("--device cuda: this build trains on the CPU only so far");
@@ -211,11 +226,12 @@ int main(int argc, char** argv) {
   config->total_steps = a.steps > 0 ? a.steps : std::max<int64_t>(a.epochs, 1) * steps_per_epoch;
 
   std::unique_ptr<Backend> backend = make_cpu_backend();
-  Result<std::unique_ptr<Trainer>> trainer = Trainer::create(model->graph, *data, *backend, *config, groups.data.get());
+  const Parallel parallel{world.get(), &groups, &*model};
+  Result<std::unique_ptr<Trainer>> trainer = Trainer::create(model->graph, *data, *backend, *config, parallel);
   if (!trainer) return fail(trainer.status().message());
-  Graph scratch = model->graph;  // host copy for checkpoints and the saved model
+  Graph scratch = model->graph;  // host copy for the saved model
   if (!a.resume.empty()) {
-    if (Status s = (*trainer)->load_checkpoint(a.resume, scratch); !s) return fail(s.message());
+    if (Status s = (*trainer)->load_checkpoint(a.resume); !s) return fail(s.message());
   }
   std::ofstream metrics;
   if (!a.metrics.empty() && root) {
@@ -230,10 +246,16 @@ int main(int argc, char** argv) {
   const bool log = root;
   const int64_t log_every = std::max<int64_t>(1, config->total_steps / 20);
   if (log) {
+    std::string how;
+    if (layout->replicas > 1) how += fmt::format(", {} data-parallel replicas", layout->replicas);
+    if (layout->stages > 1) {
+      how += fmt::format(", {} pipeline stages ({}, {} micro-batches)", layout->stages, a.pipeline_schedule,
+                         config->micro_batches);
+    }
+    if (layout->shards > 1) how += fmt::format(", {} tensor-parallel shards", layout->shards);
     fmt::print(stderr, "training {} ({} parameters) on {} samples: {} steps of {} samples, {}{}\n", a.model,
                model->graph.total_parameter_count(), data->samples, config->total_steps,
-               config->batch_size * config->grad_accum, a.optimizer,
-               layout->replicas > 1 ? fmt::format(", {} data-parallel replicas", layout->replicas) : "");
+               config->batch_size * config->grad_accum, a.optimizer, how);
   }
   double epoch_loss = 0;
   int64_t epoch_steps = 0, current_epoch = 0;
@@ -265,23 +287,25 @@ int main(int argc, char** argv) {
       fmt::print(stderr, "{}\n", line);
     }
     const bool epoch_end = r.step % steps_per_epoch == 0;
-    if (epoch_end && eval && log) {
-      EvalResult e = (*trainer)->evaluate(*eval);
-      fmt::print(stderr, "{}epoch {}: train loss {:.4f}  eval loss {:.4f}{}\n", live ? "\r\x1b[K" : "", r.epoch,
+    if (epoch_end && eval) {
+      EvalResult e = (*trainer)->evaluate(*eval);  // every rank takes part; rank 0 reports
+      if (log) fmt::print(stderr, "{}epoch {}: train loss {:.4f}  eval loss {:.4f}{}\n", live ? "\r\x1b[K" : "", r.epoch,
                  epoch_loss / epoch_steps, e.loss,
                  e.accuracy >= 0 ? fmt::format("  eval accuracy {:.1f}%", 100 * e.accuracy) : "");
     }
-    if (root && !a.checkpoint.empty() && (r.step % checkpoint_every == 0 || r.step == config->total_steps)) {
-      if (Status s = (*trainer)->save_checkpoint(a.checkpoint, scratch); !s) return fail(s.message());
+    if (!a.checkpoint.empty() && (r.step % checkpoint_every == 0 || r.step == config->total_steps)) {
+      if (Status s = (*trainer)->save_checkpoint(a.checkpoint); !s) return fail(s.message());
     }
   }
   if (live) fmt::print(stderr, "\n");
   const double total = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
   if (log) fmt::print(stderr, "done: {} steps in {:.2f} s\n", config->total_steps, total);
-  if (!a.save.empty() && root) {
-    (*trainer)->download_parameters(scratch);
-    if (Status s = write_trained_model(*model, scratch, a.save); !s) return fail(s.message());
-    fmt::print(stderr, "wrote {}\n", a.save);
+  if (!a.save.empty()) {
+    (*trainer)->download_parameters(scratch);  // gathers every stage and shard on rank 0
+    if (root) {
+      if (Status s = write_trained_model(*model, scratch, a.save); !s) return fail(s.message());
+      fmt::print(stderr, "wrote {}\n", a.save);
+    }
   }
   return 0;
 }
