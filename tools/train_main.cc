@@ -34,6 +34,7 @@ struct Args {
   std::string pipeline_schedule = "1f1b", balance = "params";
   int micro_batches = 1;
   bool sync_batchnorm = false;
+  double bucket_mb = 25;
   double lr = 0, momentum = 0, eps = 0, weight_decay = 0, clip = 0;
   bool lr_given = false, momentum_given = false, eps_given = false, weight_decay_given = false;
   bool nesterov = false, no_shuffle = false;
@@ -83,6 +84,9 @@ void define(CLI::App& app, Args& a) {
       ->check(CLI::IsMember({"1f1b", "gpipe"}));
   app.add_option("--balance", a.balance, "cut stages balancing params (default), flops or memory")
       ->check(CLI::IsMember({"params", "flops", "memory"}));
+  app.add_option("--bucket-mb", a.bucket_mb,
+                 "data parallel: all-reduce gradients in buckets of this many MB while backward runs (default 25, "
+                 "as PyTorch DDP; a size above the model's gradients gives one all-reduce after backward)");
   app.add_flag("--sync-batchnorm", a.sync_batchnorm,
                "BatchNorm statistics over the global batch of all replicas (default: each replica's slice)");
 }
@@ -129,6 +133,8 @@ Result<TrainConfig> make_config(const Args& a) {
   c.pipeline_schedule = a.pipeline_schedule == "gpipe" ? ScheduleKind::kGPipe : ScheduleKind::k1F1B;
   c.balance = a.balance == "flops" ? BalanceBy::kFlops : a.balance == "memory" ? BalanceBy::kMemory : BalanceBy::kParams;
   c.sync_batchnorm = a.sync_batchnorm;
+  if (!(a.bucket_mb > 0) || a.bucket_mb > 1e6) return Status::error("--bucket-mb must be a positive size in MB");
+  c.bucket_bytes = static_cast<int64_t>(a.bucket_mb * (1 << 20));
   if (a.micro_batches < 1) return Status::error("--micro-batches must be at least 1");
   return c;
 }
