@@ -23,6 +23,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "common/status.h"
 
@@ -49,6 +50,9 @@ class Communicator {
   virtual std::unique_ptr<Request> all_reduce_async(float* data, int64_t n, ReduceOp op) = 0;
   // Sum of `value` over ranks, in double precision (losses, norms, counts).
   virtual double all_reduce_sum(double value) = 0;
+  // On `root`: every rank's `text`, in rank order (elsewhere: empty). Host memory; for
+  // small things such as trace events, not tensors.
+  virtual std::vector<std::string> gather_text(const std::string& text, int root) = 0;
   // recv[size * n] = concatenation of every rank's send[n], in rank order.
   virtual void all_gather(const float* send, float* recv, int64_t n) = 0;
   // recv[n] = op over ranks of block `rank()` of send[size * n].

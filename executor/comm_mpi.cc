@@ -210,6 +210,25 @@ class MpiCommunicator final : public Communicator {
     return value;
   }
 
+  std::vector<std::string> gather_text(const std::string& text, int root) override {
+    PIPESHARD_CHECK(text.size() <= static_cast<size_t>(kMaxMpiCount), "text of " + std::to_string(text.size()) + " bytes");
+    int length = static_cast<int>(text.size());
+    std::vector<int> lengths(rank_ == root ? size_ : 0), offsets(lengths.size());
+    PIPESHARD_MPI_CALL(MPI_Gather(&length, 1, MPI_INT, lengths.data(), 1, MPI_INT, root, comm_));
+    int64_t total = 0;
+    for (size_t r = 0; r < lengths.size(); ++r) {
+      offsets[r] = static_cast<int>(total);
+      total += lengths[r];
+    }
+    PIPESHARD_CHECK(total <= kMaxMpiCount, "gathering " + std::to_string(total) + " bytes");
+    std::string all(static_cast<size_t>(total), '\0');
+    PIPESHARD_MPI_CALL(MPI_Gatherv(text.data(), length, MPI_CHAR, all.data(), lengths.data(), offsets.data(), MPI_CHAR,
+                                   root, comm_));
+    std::vector<std::string> out;
+    for (size_t r = 0; r < lengths.size(); ++r) out.push_back(all.substr(offsets[r], lengths[r]));
+    return out;
+  }
+
   void all_gather(const float* send, float* recv, int64_t n) override {
     check_buffer(send, n);
     check_buffer(recv, n);

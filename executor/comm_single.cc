@@ -45,6 +45,10 @@ class SingleProcessCommunicator final : public Communicator {
     return std::make_unique<CompletedRequest>();
   }
   double all_reduce_sum(double value) override { return value; }
+  std::vector<std::string> gather_text(const std::string& text, int root) override {
+    PIPESHARD_CHECK(root == 0, "gather to rank " + std::to_string(root) + " in a group of one");
+    return {text};
+  }
   void all_gather(const float* send, float* recv, int64_t n) override { copy_floats(send, recv, n); }
   void reduce_scatter(const float* send, float* recv, int64_t n, ReduceOp) override { copy_floats(send, recv, n); }
   void broadcast(float* data, int64_t n, int root) override {

@@ -112,6 +112,22 @@ TEST_P(CommTest, AllReduceSumIsDouble) {
   EXPECT_NE(sum, static_cast<double>(size));
 }
 
+TEST_P(CommTest, GatherTextToEveryRoot) {
+  Communicator& c = comm();
+  const int size = c.size(), rank = c.rank();
+  const std::string mine = std::string(static_cast<size_t>(rank), 'x') + "rank " + std::to_string(rank);
+  for (int root = 0; root < size; ++root) {
+    const std::vector<std::string> all = c.gather_text(mine, root);
+    if (rank != root) {
+      EXPECT_TRUE(all.empty());
+      continue;
+    }
+    ASSERT_EQ(all.size(), static_cast<size_t>(size));
+    for (int r = 0; r < size; ++r) EXPECT_EQ(all[r], std::string(static_cast<size_t>(r), 'x') + "rank " + std::to_string(r));
+  }
+  EXPECT_EQ(c.gather_text("", 0).size(), rank == 0 ? static_cast<size_t>(size) : 0u);
+}
+
 TEST_P(CommTest, AllGatherConcatenatesInRankOrder) {
   Communicator& c = comm();
   const int size = c.size(), rank = c.rank();
