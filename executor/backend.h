@@ -142,8 +142,9 @@ class Backend {
                                  int64_t inner, float eps, float momentum, bool training,
                                  const ChannelReducer* reduce = nullptr) = 0;
   // dx [batch, channels, inner] += ∂L/∂x; dw, db [channels] += Σ dy·x̂ and Σ dy (either
-  // may be null); dy as y. mean, rstd [channels] are what forward saved. training: the
-  // gradient also flows through the batch statistics.
+  // may be null); dy as y. mean, rstd [channels] are what forward saved (forward with the
+  // same `reduce`, when backward has one). training: the gradient also flows through the
+  // batch statistics.
   virtual void batchnorm_backward(float* dx, float* dw, float* db, const float* dy, const float* x,
                                   const float* w, const float* mean, const float* rstd, int64_t batch,
                                   int64_t channels, int64_t inner, bool training,
