@@ -14,6 +14,7 @@
 #define PIPESHARD_EXECUTOR_BACKEND_H_
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 
 #include "importer/graph.h"
@@ -34,6 +35,11 @@ struct LinearShape {
 // no special case), or overwrite it — for a buffer that this call alone writes, which
 // spares the caller zeroing it first (PyTorch gets the same from fresh gradients).
 enum class GradWrite { kAdd, kOverwrite };
+
+// Sums per-channel partial statistics over the processes that share a BatchNorm
+// (the data-parallel replicas under --sync-batchnorm), in place. Every process calls
+// it the same number of times with the same n.
+using ChannelReducer = std::function<void(double* data, int64_t n)>;
 
 struct Activation {
   ActivationKind kind = ActivationKind::kRelu;
@@ -125,12 +131,33 @@ class Backend {
   // 1/sqrt(running_var + eps), which backward needs), and update running_mean/var as ONNX does:
   //   running = momentum * running + (1 - momentum) * batch, with the UNBIASED variance
   // (PyTorch's rule; ONNX momentum = 1 - torch momentum). Otherwise use the running stats.
+  //
+  // `reduce` (synchronized BatchNorm; training only, inference ignores it): the batch is
+  // the union of the slices x of every process that `reduce` sums over, and the results
+  // are those of one process on that whole batch, up to rounding. Null: this process's
+  // batch alone. It is handed partial sums as doubles in the backend's memory:
+  // - forward calls it twice: with [channels + 1] = Σx per channel and this process's
+  //   count batch·inner last, then with [channels] = Σ(x − mean)² about the global mean.
+  //   Every process then holds the same mean, rstd and running statistics.
+  // - backward calls it once, and only when dx is wanted (not null): with
+  //   [2·channels + 1] = Σdy per channel, Σdy·x̂ per channel, and the local count again
+  //   (so that backward needs nothing from forward but mean and rstd). dw and db receive
+  //   THIS process's Σdy·x̂ and Σdy: the data-parallel gradient all-reduce sums them, as
+  //   PyTorch's SyncBatchNorm under DDP does. dx uses the global sums and count.
+  // A training batch needs more than one value per channel: locally without `reduce`,
+  // over all processes with it (a process may then hold batch·inner == 1).
   virtual void batchnorm_forward(float* y, float* mean, float* rstd, float* running_mean, float* running_var,
                                  const float* x, const float* w, const float* b, int64_t batch, int64_t channels,
-                                 int64_t inner, float eps, float momentum, bool training) = 0;
+                                 int64_t inner, float eps, float momentum, bool training,
+                                 const ChannelReducer* reduce = nullptr) = 0;
+  // dx [batch, channels, inner] += ∂L/∂x; dw, db [channels] += Σ dy·x̂ and Σ dy (either
+  // may be null); dy as y. mean, rstd [channels] are what forward saved (forward with the
+  // same `reduce`, when backward has one). training: the gradient also flows through the
+  // batch statistics.
   virtual void batchnorm_backward(float* dx, float* dw, float* db, const float* dy, const float* x,
                                   const float* w, const float* mean, const float* rstd, int64_t batch,
-                                  int64_t channels, int64_t inner, bool training) = 0;
+                                  int64_t channels, int64_t inner, bool training,
+                                  const ChannelReducer* reduce = nullptr) = 0;
 
   // ---- Dropout: y[n] = x[n] * mask[n], mask[n] in {0, 1/(1-ratio)} drawn from (seed, offset) ----
   virtual void dropout_forward(float* y, float* mask, const float* x, int64_t n, float ratio, uint64_t seed,

@@ -2,11 +2,11 @@
 //
 // One interface, two implementations: MPI on host memory (executor/comm_mpi.cc) and,
 // with the CUDA issue, NCCL on device memory. Buffers live in the memory the
-// communicator works on; float32 throughout. Operations are collective over the
-// group unless they name a peer: every rank of the group must call them in the same
-// order with the same sizes (the pipeline schedules are checked for this before they
-// run). Failures of the transport are fatal and abort the whole job, so no rank is
-// left waiting for a dead peer.
+// communicator works on and hold float32, but for the double-precision sums. Operations
+// are collective over the group unless they name a peer: every rank of the group must
+// call them in the same order with the same sizes (the pipeline schedules are checked
+// for this before they run). Failures of the transport are fatal and abort the whole
+// job, so no rank is left waiting for a dead peer.
 //
 // - Results of an async operation are valid only after wait(); kAverage is a float sum
 //   divided by size() in float.
@@ -53,6 +53,9 @@ class Communicator {
   // On `root`: every rank's `text`, in rank order (elsewhere: empty). Host memory; for
   // small things such as trace events, not tensors.
   virtual std::vector<std::string> gather_text(const std::string& text, int root) = 0;
+  // data[n] = Σ over ranks of data[n], element-wise and in double precision, in place
+  // (per-channel statistics of synchronized BatchNorm). A group of one leaves data as it is.
+  virtual void all_reduce_sum(double* data, int64_t n) = 0;
   // recv[size * n] = concatenation of every rank's send[n], in rank order.
   virtual void all_gather(const float* send, float* recv, int64_t n) = 0;
   // recv[n] = op over ranks of block `rank()` of send[size * n].

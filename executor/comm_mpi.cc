@@ -229,6 +229,13 @@ class MpiCommunicator final : public Communicator {
     return out;
   }
 
+  void all_reduce_sum(double* data, int64_t n) override {
+    check_buffer(data, n);
+    for_each_piece(n, max_count_, [&](int64_t offset, int count) {
+      PIPESHARD_MPI_CALL(MPI_Allreduce(MPI_IN_PLACE, data + offset, count, MPI_DOUBLE, MPI_SUM, comm_));
+    });
+  }
+
   void all_gather(const float* send, float* recv, int64_t n) override {
     check_buffer(send, n);
     check_buffer(recv, n);
@@ -331,9 +338,11 @@ class MpiCommunicator final : public Communicator {
   }
 
  private:
-  void check_buffer(const float* data, int64_t n) const {
+  template <typename T>
+  void check_buffer(const T* data, int64_t n) const {
     PIPESHARD_MPI_CHECK(n >= 0, "negative element count " + std::to_string(n));
-    PIPESHARD_MPI_CHECK(data != nullptr || n == 0, "null buffer for " + std::to_string(n) + " floats");
+    PIPESHARD_MPI_CHECK(data != nullptr || n == 0,
+                        "null buffer for " + std::to_string(n) + (sizeof(T) == 8 ? " doubles" : " floats"));
   }
   void check_transfer(const float* data, int64_t n, int peer, int tag) const {
     check_buffer(data, n);
@@ -343,7 +352,7 @@ class MpiCommunicator final : public Communicator {
 
   MPI_Comm comm_;
   Ownership ownership_;
-  int64_t max_count_;  // floats per MPI call
+  int64_t max_count_;  // elements (floats, or doubles for all_reduce_sum) per MPI call
   int rank_ = 0, size_ = 0;
   int max_tag_ = 32767;
 };

@@ -17,9 +17,11 @@ class CompletedRequest final : public Request {
   void wait() override {}
 };
 
-void check_buffer(const float* data, int64_t n) {
+template <typename T>
+void check_buffer(const T* data, int64_t n) {
   PIPESHARD_CHECK(n >= 0, "negative element count " + std::to_string(n));
-  PIPESHARD_CHECK(data != nullptr || n == 0, "null buffer for " + std::to_string(n) + " floats");
+  PIPESHARD_CHECK(data != nullptr || n == 0,
+                  "null buffer for " + std::to_string(n) + (sizeof(T) == 8 ? " doubles" : " floats"));
 }
 
 void copy_floats(const float* from, float* to, int64_t n) {
@@ -49,6 +51,7 @@ class SingleProcessCommunicator final : public Communicator {
     PIPESHARD_CHECK(root == 0, "gather to rank " + std::to_string(root) + " in a group of one");
     return {text};
   }
+  void all_reduce_sum(double* data, int64_t n) override { check_buffer(data, n); }
   void all_gather(const float* send, float* recv, int64_t n) override { copy_floats(send, recv, n); }
   void reduce_scatter(const float* send, float* recv, int64_t n, ReduceOp) override { copy_floats(send, recv, n); }
   void broadcast(float* data, int64_t n, int root) override {

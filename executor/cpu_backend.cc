@@ -321,14 +321,15 @@ class CpuBackend final : public Backend {
   }
   void batchnorm_forward(float* y, float* mean, float* rstd, float* running_mean, float* running_var,
                          const float* x, const float* w, const float* b, int64_t batch, int64_t channels,
-                         int64_t inner, float eps, float momentum, bool training) override {
+                         int64_t inner, float eps, float momentum, bool training,
+                         const ChannelReducer* reduce) override {
     cpu::batchnorm_forward(y, mean, rstd, running_mean, running_var, x, w, b, batch, channels, inner, eps,
-                           momentum, training);
+                           momentum, training, reduce);
   }
   void batchnorm_backward(float* dx, float* dw, float* db, const float* dy, const float* x, const float* w,
                           const float* mean, const float* rstd, int64_t batch, int64_t channels, int64_t inner,
-                          bool training) override {
-    cpu::batchnorm_backward(dx, dw, db, dy, x, w, mean, rstd, batch, channels, inner, training);
+                          bool training, const ChannelReducer* reduce) override {
+    cpu::batchnorm_backward(dx, dw, db, dy, x, w, mean, rstd, batch, channels, inner, training, reduce);
   }
 
   // ---- dropout, losses, optimizers ----

@@ -128,10 +128,10 @@ void layernorm_backward(float* dx, float* dw, float* db, const float* dy, const 
                         const float* mean, const float* rstd, int64_t rows, int64_t width);
 void batchnorm_forward(float* y, float* mean, float* rstd, float* running_mean, float* running_var,
                        const float* x, const float* w, const float* b, int64_t batch, int64_t channels,
-                       int64_t inner, float eps, float momentum, bool training);
+                       int64_t inner, float eps, float momentum, bool training, const ChannelReducer* reduce);
 void batchnorm_backward(float* dx, float* dw, float* db, const float* dy, const float* x, const float* w,
                         const float* mean, const float* rstd, int64_t batch, int64_t channels, int64_t inner,
-                        bool training);
+                        bool training, const ChannelReducer* reduce);
 
 // ---- dropout, losses, optimizers (cpu_training.cc) ----
 void dropout_forward(float* y, float* mask, const float* x, int64_t n, float ratio, uint64_t seed,

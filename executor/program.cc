@@ -20,7 +20,7 @@ Activation activation_of(const Node& n) { return Activation{n.activation, n.alph
 
 Program::Program(const Graph& graph, Backend& backend, int64_t max_batch, const ProgramOptions& options)
     : graph_(graph), backend_(backend), max_batch_(max_batch), slots_(options.slots), tensor_(options.tensor),
-      model_node_ids_(options.model_node_ids) {}
+      model_node_ids_(options.model_node_ids), batchnorm_reducer_(options.batchnorm_reducer) {}
 
 Program::~Program() = default;
 
@@ -317,7 +317,8 @@ void Program::forward_node(size_t i, int64_t batch, Mode mode, uint64_t seed, in
       backend_.batchnorm_forward(val(y), saved_a_[i].data() + slot_ * channels, saved_b_[i].data() + slot_ * channels,
                                  const_cast<float*>(param(n.running_mean)),
                                  const_cast<float*>(param(n.running_var)), val(x), param(n.weight), param(n.bias),
-                                 batch, channels, count / (batch * channels), n.epsilon, n.momentum, train);
+                                 batch, channels, count / (batch * channels), n.epsilon, n.momentum, train,
+                                 batchnorm_reducer_ ? &batchnorm_reducer_ : nullptr);
       return;
     }
     case OpKind::kDropout:
@@ -401,7 +402,7 @@ void Program::backward_node(size_t i, int64_t batch) {
       backend_.batchnorm_backward(grad(x), param_grad(n.weight), param_grad(n.bias), dy,
                                   val(x), param(n.weight), saved_a_[i].data() + slot_ * channels,
                                   saved_b_[i].data() + slot_ * channels, batch, channels,
-                                  count / (batch * channels), true);
+                                  count / (batch * channels), true, batchnorm_reducer_ ? &batchnorm_reducer_ : nullptr);
       return;
     }
     case OpKind::kDropout:

@@ -48,6 +48,9 @@ struct ProgramOptions {
   // [graph nodes] the index of each node in the whole model, which keys its dropout
   // masks; empty: the node's own index (the Graph is the whole model).
   std::vector<uint64_t> model_node_ids;
+  // Training BatchNorm statistics over several processes (--sync-batchnorm): sums the
+  // per-channel partial statistics over the data-parallel replicas. Null: this batch's.
+  ChannelReducer batchnorm_reducer;
 };
 
 class Program {
@@ -131,6 +134,7 @@ class Program {
   int slots_ = 1, slot_ = 0;
   Communicator* tensor_ = nullptr;
   std::vector<uint64_t> model_node_ids_;   // [graph nodes]
+  ChannelReducer batchnorm_reducer_;       // empty: per-process statistics
   int64_t trainable_elements_ = 0;
   DeviceBuffer params_, grads_, buffers_;  // trainable, their gradients, running stats
   std::vector<int64_t> param_offset_;      // [graph params]; into params_ or buffers_

@@ -77,7 +77,6 @@ Result<std::unique_ptr<Trainer>> Trainer::create(const Graph& graph, const Datas
       return Status::error("node '" + n.name + "' (BatchNorm) needs more than one value per channel to train; use a batch of 2 or more");
     }
   }
-  if (config.sync_batchnorm) return Status::error("--sync-batchnorm is not available in this build yet");
 
   RankModel rank = layout.stages == 1 && layout.shards == 1 ? RankModel::whole(graph, layout) : RankModel();
   if (layout.stages > 1 || layout.shards > 1) {
@@ -109,6 +108,10 @@ Result<std::unique_ptr<Trainer>> Trainer::create(const Graph& graph, const Datas
   options.input_needs_grad = t->rank_.input_needs_grad();
   options.tensor = t->tensor_;
   options.model_node_ids = t->rank_.model_node_ids();
+  if (config.sync_batchnorm && t->replicas_) {
+    Communicator* replicas = t->replicas_;
+    options.batchnorm_reducer = [replicas](double* data, int64_t n) { replicas->all_reduce_sum(data, n); };
+  }
   // Evaluation runs the whole model through this program when it is the whole model.
   const int64_t max_batch = t->rank_.is_whole() ? std::max(micro, config.batch_size) : micro;
   Result<std::unique_ptr<Program>> program = Program::create(g, backend, max_batch, options);

@@ -122,6 +122,10 @@ TEST(SingleProcessCommunicatorTest, CollectivesKeepOrCopyTheData) {
   comm->all_reduce_async(data.data(), 3, ReduceOp::kAverage)->wait();
   EXPECT_EQ(data, original);
   EXPECT_EQ(comm->all_reduce_sum(2.5), 2.5);
+  std::vector<double> sums = {1.0 + 1e-12, -3.0, 0.125};
+  const std::vector<double> original_sums = sums;
+  comm->all_reduce_sum(sums.data(), 3);
+  EXPECT_EQ(sums, original_sums);
 
   std::vector<float> out(3, 0.0f);
   comm->all_gather(data.data(), out.data(), 3);

@@ -16,6 +16,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <memory>
@@ -126,6 +127,22 @@ TEST_P(CommTest, GatherTextToEveryRoot) {
     for (int r = 0; r < size; ++r) EXPECT_EQ(all[r], std::string(static_cast<size_t>(r), 'x') + "rank " + std::to_string(r));
   }
   EXPECT_EQ(c.gather_text("", 0).size(), rank == 0 ? static_cast<size_t>(size) : 0u);
+}
+
+TEST_P(CommTest, AllReduceSumOfDoubleArraysIsElementWiseAndExact) {
+  Communicator& c = comm();
+  const int size = c.size(), rank = c.rank();
+  // i + (rank + 1)·2^-30 needs 38 bits of mantissa: exact in double, rounded in float. 19
+  // elements go through several pieces of kSmallPiece.
+  const int64_t n = 19;
+  const double tiny = std::ldexp(1.0, -30);
+  std::vector<double> data(n);
+  for (int64_t i = 0; i < n; ++i) data[i] = static_cast<double>(i) + (rank + 1) * tiny;
+  c.all_reduce_sum(data.data(), n);
+  for (int64_t i = 0; i < n; ++i) {
+    EXPECT_EQ(data[i], static_cast<double>(size * i) + 0.5 * size * (size + 1) * tiny) << "i=" << i;
+  }
+  c.all_reduce_sum(static_cast<double*>(nullptr), 0);  // nothing to do, on every rank alike
 }
 
 TEST_P(CommTest, AllGatherConcatenatesInRankOrder) {
