@@ -210,9 +210,11 @@ double Trainer::run_schedule(bool last_micro_step, uint64_t seed, int64_t first_
   const bool first = stage == 0, last = stage == layout.stages - 1;
   const int64_t global = config_.batch_size * config_.grad_accum;
   double loss = 0;
+  const double schedule_begin = tracer_.now_us();
   for (const Action& a : schedule_.actions[stage]) {
     const int k = a.micro_batch, slot = k % program_->slots();
     program_->select_slot(slot);
+    const double begin = tracer_.now_us();
     switch (a.kind) {
       case ActionKind::kRecvActivation:
         wait_slot(slot);
@@ -263,14 +265,24 @@ double Trainer::run_schedule(bool last_micro_step, uint64_t seed, int64_t first_
         }
         break;
     }
+    static constexpr const char* kNames[] = {"forward", "backward", "send activation", "recv activation",
+                                             "send gradient", "recv gradient"};
+    static constexpr const char* kCategories[] = {"compute", "compute", "send", "recv", "send", "recv"};
+    const int kind = static_cast<int>(a.kind);
+    if (a.kind == ActionKind::kForward || a.kind == ActionKind::kBackward) tracer_.add_busy(tracer_.now_us() - begin);
+    tracer_.add(kNames[kind], kCategories[kind], begin, tracing_step_, k);
   }
+  const double drain = tracer_.now_us();
   for (int s = 0; s < program_->slots(); ++s) wait_slot(s);
+  if (pipeline_) tracer_.add("wait for sends", "send", drain, tracing_step_, -1);
+  tracer_.add_schedule(tracer_.now_us() - schedule_begin);
   return loss;
 }
 
 StepResult Trainer::step() {
   StepResult r;
   r.step = steps_done() + 1;
+  tracing_step_ = r.step;
   const ProcessLayout& layout = rank_.layout();
   const int64_t k = config_.grad_accum, b = local_batch_;
   const bool first = layout.stage == 0, last = layout.stage == layout.stages - 1;
@@ -290,16 +302,49 @@ StepResult Trainer::step() {
     const uint64_t seed = batch_seed(config_.seed, batch_index);
     r.loss += run_schedule(micro == k - 1, seed, layout.replica * b);
   }
+  double begin = tracer_.now_us();
   if (replicas_) {
     for (auto& request : in_flight_) request->wait();
     in_flight_.clear();
+    tracer_.add("all-reduce gradients (wait)", "all-reduce", begin, r.step, -1);
   }
   if (pipeline_) r.loss = pipeline_->all_reduce_sum(r.loss);  // the last stage has it
   if (replicas_) r.loss = replicas_->all_reduce_sum(r.loss);
-  if (config_.clip_grad_norm > 0) r.grad_norm = clip_gradients();
+  begin = tracer_.now_us();
+  if (config_.clip_grad_norm > 0) {
+    r.grad_norm = clip_gradients();
+    tracer_.add("clip gradients", "optimizer", begin, r.step, -1);
+  }
   r.lr = config_.optimizer.lr * lr_factor(config_.schedule, r.step, config_.warmup_steps, config_.total_steps);
+  begin = tracer_.now_us();
   optimizer_->step(program_->parameters(), program_->gradients(), static_cast<float>(r.lr));
+  tracer_.add("optimizer step", "optimizer", begin, r.step, -1);
   return r;
+}
+
+void Trainer::start_trace(bool record) {
+  if (world_) world_->barrier();
+  tracer_.start(record);
+}
+
+Status Trainer::write_trace(const std::string& path) {
+  const ProcessLayout& l = rank_.layout();
+  const int rank = world_ ? world_->rank() : 0;
+  const std::string label = "rank " + std::to_string(rank) + ": stage " + std::to_string(l.stage) + ", replica " +
+                            std::to_string(l.replica) + ", shard " + std::to_string(l.shard);
+  const std::string mine = tracer_.events_json(rank, label);
+  const std::vector<std::string> all = world_ ? world_->gather_text(mine, 0) : std::vector<std::string>{mine};
+  if (rank != 0) return Status::ok();
+  return write_file_atomically(path, chrome_trace_json(all));
+}
+
+Trainer::Bubble Trainer::pipeline_bubble() {
+  Bubble b;
+  const double idle = tracer_.schedule_us() > 0 ? 1.0 - tracer_.busy_us() / tracer_.schedule_us() : 0.0;
+  b.measured = world_ ? world_->all_reduce_sum(idle) / world_->size() : idle;
+  const double p = rank_.layout().stages, m = schedule_.micro_batches;
+  b.theoretical = (p - 1) / (m + p - 1);
+  return b;
 }
 
 // torch's clip_grad_norm_ over the whole model: each stage adds its parameters' squares,

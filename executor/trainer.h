@@ -26,6 +26,7 @@
 #include "executor/program.h"
 #include "executor/rank_model.h"
 #include "executor/schedule.h"
+#include "executor/trace.h"
 
 namespace pipeshard {
 
@@ -93,6 +94,20 @@ class Trainer {
   // model's). Collective; `graph` is filled on world rank 0.
   void download_parameters(Graph& graph);
 
+  // Starts the clock of the timeline (after a barrier, so that all ranks share it) and,
+  // when `record`, keeps events for write_trace(). Collective.
+  void start_trace(bool record);
+  // Writes every rank's events as one Chrome trace (open in Perfetto or
+  // chrome://tracing) to `path` on rank 0. Collective.
+  Status write_trace(const std::string& path);
+  // The pipeline bubble: the fraction of the schedule's time stages spent not
+  // computing, measured (mean over ranks) and in theory, (P − 1)/(M + P − 1).
+  // Collective; meaningful with more than one stage.
+  struct Bubble {
+    double measured = 0, theoretical = 0;
+  };
+  Bubble pipeline_bubble();
+
   // Writes DIR/checkpoint.pipeshard atomically: whole-model parameters and running
   // statistics by initializer name, optimizer state likewise, the step count; nothing
   // in it depends on the layout. Collective; rank 0 writes. Interrupted writes leave the
@@ -149,6 +164,8 @@ class Trainer {
   DeviceBuffer targets_;              // [local_batch * targets_per_sample]
   std::vector<float> host_features_;  // [local_batch * features_per_sample]
   std::vector<float> host_targets_;   // [local_batch * targets_per_sample]
+  Tracer tracer_;
+  int64_t tracing_step_ = 0;          // the step events belong to
   // Evaluation of a cut model: the whole model, assembled on rank 0.
   std::unique_ptr<Graph> eval_graph_;
   std::unique_ptr<Program> eval_program_;

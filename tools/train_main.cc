@@ -29,7 +29,7 @@ using namespace pipeshard;
 int fail(const std::string& message) { return report_bad_input("train", message); }
 
 struct Args {
-  std::string model, data, labels, eval_data, eval_labels, metrics, save, checkpoint, resume;
+  std::string model, data, labels, eval_data, eval_labels, metrics, save, checkpoint, resume, trace;
   std::string loss = "cross-entropy", optimizer = "sgd", schedule = "constant", betas, device = "cpu";
   std::string pipeline_schedule = "1f1b", balance = "params";
   int micro_batches = 1;
@@ -84,6 +84,9 @@ void define(CLI::App& app, Args& a) {
       ->check(CLI::IsMember({"1f1b", "gpipe"}));
   app.add_option("--balance", a.balance, "cut stages balancing params (default), flops or memory")
       ->check(CLI::IsMember({"params", "flops", "memory"}));
+  app.add_option("--trace", a.trace,
+                 "write a Chrome/Perfetto timeline of every rank (forward, backward, send, recv, all-reduce, "
+                 "optimizer per micro-batch) to this .json file");
   app.add_option("--bucket-mb", a.bucket_mb,
                  "data parallel: all-reduce gradients in buckets of this many MB while backward runs (default 25, "
                  "as PyTorch DDP; a size above the model's gradients gives one all-reduce after backward)");
@@ -247,6 +250,7 @@ int main(int argc, char** argv) {
   if (a.check_equivalence > 0) {
     return check_equivalence(model->graph, *data, *config, **trainer, a.check_equivalence, *world);
   }
+  (*trainer)->start_trace(!a.trace.empty());
   const int64_t checkpoint_every = a.checkpoint_every > 0 ? a.checkpoint_every : steps_per_epoch;
   const bool live = root && stderr_is_terminal();
   const bool log = root;
@@ -306,6 +310,18 @@ int main(int argc, char** argv) {
   if (live) fmt::print(stderr, "\n");
   const double total = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
   if (log) fmt::print(stderr, "done: {} steps in {:.2f} s\n", config->total_steps, total);
+  if (layout->stages > 1) {
+    const Trainer::Bubble b = (*trainer)->pipeline_bubble();
+    if (log) {
+      fmt::print(stderr, "pipeline bubble: stages idle {:.1f}% of the schedule's time (measured, transfers included); "
+                 "theory (P-1)/(M+P-1) = {:.1f}% for P={}, M={}\n", 100 * b.measured, 100 * b.theoretical,
+                 layout->stages, config->micro_batches);
+    }
+  }
+  if (!a.trace.empty()) {
+    if (Status s = (*trainer)->write_trace(a.trace); !s) return fail(s.message());
+    if (root) fmt::print(stderr, "wrote {} (open it in https://ui.perfetto.dev or chrome://tracing)\n", a.trace);
+  }
   if (!a.save.empty()) {
     (*trainer)->download_parameters(scratch);  // gathers every stage and shard on rank 0
     if (root) {

@@ -1,0 +1,447 @@
+#!/usr/bin/python3
+"""Time pipeshard's data and pipeline parallelism (mpirun -np 2 train) against one process and PyTorch DDP.
+
+How to run, from the repository root after building (cmake --build build --target train):
+    /usr/bin/python3 bench/distributed.py [--rounds 3] [--steps 40] [--build-dir build]
+                                          [--sections dp,buckets,ddp,pipeline]
+
+Model B of cpu_vs_pytorch.py (4 x (Linear(1024, 1024) + ReLU), batch 256, SGD lr 0.01 momentum
+0.9), exported by its own export(), the same weights and batches everywhere. Sections:
+  dp        mpirun -np 2 train (1 thread per rank) against train in one process with 2 threads,
+            and against one process with 1 thread (the scaling efficiency)
+  buckets   the 2-rank run with gradient buckets of 25 MiB (the default: one bucket on model B's
+            16 MiB of gradients), 4 MiB (one per layer, launched while backward runs) and
+            100000 MiB (one all-reduce after backward)
+  ddp       the peer: PyTorch DistributedDataParallel on gloo, 2 processes x 1 thread, each rank
+            128 samples (its half of 256), the same OpenBLAS file as train
+  pipeline  mpirun -np 2 train --stages 2 --micro-batches M (1f1b, and gpipe for some M) against
+            one process with 1 thread, next to the ideal P*M/(M+P-1)
+Every configuration the chosen sections need runs once per round, in one order on even rounds
+and the reverse on odd ones, so that ours and the peer alternate. Step times are medians over
+all rounds of every step after the first --warmup of each run: ours from train's --metrics
+(batch / samples_per_s of rank 0), DDP's from the wall time of one loop iteration on rank 0.
+Formulas: bench/README.md.
+
+It is a benchmark: it exits 0 whatever the figures (PASS/MISS is printed for the target), and
+2 only when it cannot run (no build, no mpirun, no torch, or a run that fails).
+"""
+import argparse
+import glob
+import json
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import cpu_vs_pytorch as cvp  # noqa: E402  (model B, its export, the BLAS probe)
+
+MODEL = "B"
+SPEC = cvp.MODELS[MODEL]
+P = 2  # ranks in every multi-process run: data-parallel replicas or pipeline stages
+TARGET_DP_RATIO = 0.6  # T(2 ranks x 1 thread) / T(1 rank x 2 threads)
+DEFAULT_BUCKET_MB, SMALL_BUCKET_MB, ONE_SHOT_BUCKET_MB = 25, 4, 100000
+CHILD_TIMEOUT_S = 600
+
+
+@dataclass(frozen=True)
+class Config:
+    """One way of running a training: ours (train, possibly under mpirun) or the DDP peer."""
+    key: str
+    label: str
+    ranks: int
+    threads: int
+    flags: tuple = ()  # extra train flags
+    peer: bool = False  # PyTorch DDP instead of train
+
+
+ONE_2T = Config("1x2", "1 rank x 2 threads", 1, 2)
+ONE_1T = Config("1x1", "1 rank x 1 thread", 1, 1)
+DP = Config("dp", f"2 ranks x 1 thread, --bucket-mb {DEFAULT_BUCKET_MB} (default)", P, 1)
+DP_SMALL = Config("dp-small", f"2 ranks x 1 thread, --bucket-mb {SMALL_BUCKET_MB}", P, 1,
+                  ("--bucket-mb", str(SMALL_BUCKET_MB)))
+DP_ONE_SHOT = Config("dp-one-shot", f"2 ranks x 1 thread, --bucket-mb {ONE_SHOT_BUCKET_MB}", P, 1,
+                     ("--bucket-mb", str(ONE_SHOT_BUCKET_MB)))
+DDP = Config("ddp", "PyTorch DDP gloo, 2 ranks x 1 thread", P, 1, peer=True)
+
+
+def pipeline_config(m, schedule):
+    return Config(f"pp-{schedule}-{m}", f"2 stages x 1 thread, M={m}, {schedule}", P, 1,
+                  ("--stages", str(P), "--micro-batches", str(m), "--schedule", schedule))
+
+
+def configs_for(sections, micro_batches, gpipe_micro_batches):
+    """The configurations the sections need, each once, in run order."""
+    wanted = []
+    if "dp" in sections:
+        wanted += [ONE_2T, ONE_1T, DP]
+    if "buckets" in sections:
+        wanted += [ONE_1T, DP, DP_SMALL, DP_ONE_SHOT]
+    if "ddp" in sections:
+        wanted += [ONE_1T, DP, DDP]  # ONE_1T: the reference loss
+    if "pipeline" in sections:
+        wanted += [ONE_1T, ONE_2T] + [pipeline_config(m, "1f1b") for m in micro_batches]
+        wanted += [pipeline_config(m, "gpipe") for m in gpipe_micro_batches]
+    return list(dict.fromkeys(wanted))
+
+
+def gradient_bucket_count(bucket_mib):
+    """train's plan_buckets on model B: from the end of the gradient buffer (laid out in the order
+    the forward pass uses the parameters: weight, bias, layer by layer) backwards, a bucket closes
+    once it holds at least bucket_mib MiB; a parameter is never split."""
+    per_bucket = bucket_mib * (1 << 20) / 4
+    sizes = [n for fan_in, fan_out in reversed(SPEC["layers"]) for n in (fan_out, fan_in * fan_out)]
+    buckets, open_elements = 0, 0
+    for n in sizes:
+        open_elements += n
+        if open_elements >= per_bucket:
+            buckets, open_elements = buckets + 1, 0
+    return buckets + (open_elements > 0)
+
+
+def gradient_bytes():
+    return 4 * sum(fan_in * fan_out + fan_out for fan_in, fan_out in SPEC["layers"])
+
+
+# --------------------------------------------------------------------------- DDP child
+def ddp_worker(job):
+    """One DDP rank in this process; prints one JSON line."""
+    import numpy as np
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch.nn.parallel import DistributedDataParallel
+    rank, world = job["rank"], job["world"]
+    if job["bind"] == "core":  # as mpirun --bind-to core places train's ranks
+        os.sched_setaffinity(0, {rank % os.cpu_count()})
+    torch.set_num_threads(job["threads"])
+    dist.init_process_group("gloo", init_method="file://" + job["rendezvous"], rank=rank, world_size=world)
+    model = cvp.build_module(SPEC)
+    model.load_state_dict(torch.load(job["weights"]))
+    model.train()
+    ddp = DistributedDataParallel(model)  # bucket_cap_mb=25, as train's default
+    x_all = torch.from_numpy(np.load(job["data"]))
+    y_all = torch.from_numpy(np.load(job["labels"]))
+    batch, batches = SPEC["batch"], x_all.shape[0] // SPEC["batch"]
+    local = batch // world  # rank r takes the r-th contiguous slice of every batch, as train does
+    opt = torch.optim.SGD(ddp.parameters(), lr=cvp.LR, momentum=cvp.MOMENTUM)
+    step_s, losses = [], []
+    last = time.perf_counter()
+    for step in range(job["steps"]):
+        begin = (step % batches) * batch + rank * local
+        xb, yb = x_all[begin:begin + local], y_all[begin:begin + local]
+        opt.zero_grad(set_to_none=True)
+        loss = F.cross_entropy(ddp(xb), yb)  # local mean; DDP averages the gradients
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+        now = time.perf_counter()
+        step_s.append(now - last)
+        last = now
+    print(json.dumps({"rank": rank, "step_s": step_s, "losses": losses, "blas": cvp.blas_libraries(os.getpid()),
+                      "threads": torch.get_num_threads(), "torch": torch.__version__}))
+    dist.destroy_process_group()
+
+
+# --------------------------------------------------------------------------- parent
+@dataclass
+class RunResult:
+    step_s: list  # after warm-up
+    first_loss: float  # of the global batch
+    last_loss: float
+    blas: list
+    torch_version: str = None  # the peer's
+
+
+def descendants(pid):
+    found = []
+    for child in cvp.children_of(pid):
+        found += [child] + descendants(child)
+    return found
+
+
+def start(argv, env, log_path):
+    with open(log_path, "w") as log:  # own session: a hung run is ended as a group
+        return subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def wait_all(procs, what, log_paths):
+    """Waits for every process; on a failure or timeout ends the others and exits 2."""
+    deadline = time.monotonic() + CHILD_TIMEOUT_S
+    while any(p.poll() is None for p in procs):
+        failed = [p for p in procs if p.returncode not in (None, 0)]
+        if failed or time.monotonic() > deadline:
+            for p in procs:
+                if p.poll() is None:
+                    os.killpg(p.pid, signal.SIGKILL)
+                    p.wait()
+            break
+        time.sleep(0.01)
+    if any(p.returncode != 0 for p in procs):
+        tails = "\n".join(f"--- {path}\n" + open(path).read()[-2000:] for path in log_paths)
+        print(f"distributed: {what} failed (status {[p.returncode for p in procs]}):\n{tails}", file=sys.stderr)
+        sys.exit(2)
+
+
+def run_ours(config, args, paths, env, folder, tag):
+    metrics = os.path.join(folder, f"{tag}.jsonl")
+    argv = [args.train, paths["onnx"], "--data", paths["data"], "--labels", paths["labels"],
+            "--batch-size", str(SPEC["batch"]), "--steps", str(args.steps), "--lr", str(cvp.LR),
+            "--momentum", str(cvp.MOMENTUM), "--no-shuffle", "--metrics", metrics, *config.flags]
+    child_env = dict(env, OMP_NUM_THREADS=str(config.threads), OPENBLAS_NUM_THREADS=str(config.threads))
+    if config.ranks > 1:
+        argv = [args.mpirun, "--oversubscribe", "--bind-to", args.bind_to, "-np", str(config.ranks),
+                "-x", "OMP_NUM_THREADS", "-x", "OPENBLAS_NUM_THREADS", "-x", "OMP_WAIT_POLICY"] + argv
+    log = os.path.join(folder, f"{tag}.log")
+    proc = start(argv, child_env, log)
+    libs = []
+    while proc.poll() is None and not any("blas" in p for p in libs):  # mapped before main runs
+        for pid in [proc.pid] + descendants(proc.pid):
+            libs = cvp.blas_libraries(pid)
+            if any("blas" in p for p in libs):
+                break
+        time.sleep(0.005)
+    wait_all([proc], f"train ({config.label})", [log])
+    rows = [json.loads(line) for line in open(metrics)]
+    times = [SPEC["batch"] / row["samples_per_s"] for row in rows]
+    return RunResult(times[args.warmup:], rows[0]["loss"], rows[-1]["loss"], libs)
+
+
+def run_ddp(config, args, paths, env, folder, tag):
+    rendezvous = os.path.join(folder, f"{tag}.rendezvous")  # must not exist yet
+    procs, logs = [], []
+    for rank in range(config.ranks):
+        job = {"rank": rank, "world": config.ranks, "threads": config.threads, "steps": args.steps,
+               "data": paths["data"], "labels": paths["labels"], "weights": paths["weights"],
+               "rendezvous": rendezvous, "bind": args.bind_to}
+        logs.append(os.path.join(folder, f"{tag}.rank{rank}.log"))
+        procs.append(start([sys.executable, os.path.abspath(__file__), "--ddp-worker", json.dumps(job)], env, logs[-1]))
+    wait_all(procs, "PyTorch DDP", logs)
+    outs = [json.loads(open(log).read().strip().splitlines()[-1]) for log in logs]
+    # equal slices: the global batch's mean loss is the mean of the ranks' local means
+    mean_loss = lambda step: statistics.fmean(out["losses"][step] for out in outs)
+    return RunResult(outs[0]["step_s"][args.warmup:], mean_loss(0), mean_loss(-1), outs[0]["blas"], outs[0]["torch"])
+
+
+def measure(configs, args, paths, folder):
+    env_ours = dict(os.environ, OMP_WAIT_POLICY="PASSIVE", OMPI_ALLOW_RUN_AS_ROOT="1",
+                    OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    env_peer = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", OMP_WAIT_POLICY="PASSIVE")
+    env_peer.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    # Debian's torch calls sgemm_ from libblas.so.3: put OpenBLAS first, as cpu_vs_pytorch.py does.
+    openblas_dirs = sorted(glob.glob("/usr/lib/*/openblas-pthread"))
+    if openblas_dirs:
+        env_peer["LD_LIBRARY_PATH"] = os.pathsep.join(
+            [openblas_dirs[0]] + [p for p in os.environ.get("LD_LIBRARY_PATH", "").split(os.pathsep) if p])
+    results = {c.key: {"step_s": [], "round_medians": []} for c in configs}
+    for r in range(args.rounds):
+        order = configs if r % 2 == 0 else list(reversed(configs))
+        for config in order:
+            tag = f"{config.key}_{r}"
+            if config.peer:
+                res = run_ddp(config, args, paths, env_peer, folder, tag)
+            else:
+                res = run_ours(config, args, paths, env_ours, folder, tag)
+            entry = results[config.key]
+            entry["step_s"] += res.step_s
+            entry["round_medians"].append(statistics.median(res.step_s))
+            entry.update(first_loss=res.first_loss, last_loss=res.last_loss, blas=res.blas,
+                         torch_version=res.torch_version)
+        print(f"  round {r + 1}/{args.rounds} done, load average {os.getloadavg()[0]:.2f}", flush=True)
+    for entry in results.values():
+        entry["median"] = statistics.median(entry["step_s"])
+        entry["spread"] = max(entry["round_medians"]) / min(entry["round_medians"]) - 1
+    return results
+
+
+# --------------------------------------------------------------------------- report
+def verdict(ok):
+    return "PASS" if ok else "MISS"
+
+
+def table(header, rows):
+    print("| " + " | ".join(header) + " |")
+    print("|" + "|".join("---" for _ in header) + "|")
+    for row in rows:
+        print("| " + " | ".join(str(cell) for cell in row) + " |")
+
+
+def ms(seconds):
+    return f"{seconds * 1e3:.2f}"
+
+
+def report_runs(configs, res, args):
+    ref = res[ONE_1T.key]["first_loss"] if ONE_1T.key in res else None
+    print(f"\n### Runs: median ms/step over {args.rounds} rounds x {args.steps - args.warmup} steps "
+          f"(the first {args.warmup} of {args.steps} of every run discarded)\n")
+    rows = []
+    for c in configs:
+        e = res[c.key]
+        rel = abs(e["first_loss"] - ref) / abs(ref) if ref else float("nan")
+        check = "ok" if rel <= cvp.LOSS_REL_TOLERANCE else "WRONG"
+        noisy = " NOISY" if e["spread"] > cvp.NOISY_SPREAD else ""
+        rows.append([c.label, ms(e["median"]), f"{SPEC['batch'] / e['median']:.0f}",
+                     " / ".join(ms(m) for m in e["round_medians"]), f"{e['spread']:.0%}{noisy}",
+                     f"{e['first_loss']:.7f}", f"{rel:.1e} {check}"])
+    table(["configuration", "ms/step", "samples/s", "per-round medians (ms)", "spread", "loss, step 1",
+           "vs 1 rank x 1 thread (<= 1e-5)"], rows)
+
+
+def report_dp(res):
+    t2, t12, t11 = res[DP.key]["median"], res[ONE_2T.key]["median"], res[ONE_1T.key]["median"]
+    ratio, speedup = t2 / t12, t11 / t2
+    print("\n### Data parallelism, model B (2 ranks x 1 thread against one process)\n")
+    table(["figure", "measured ms/step", "baseline ms/step", "ratio", "formula", "target"], [
+        ["2 ranks x 1 thread vs 1 rank x 2 threads", ms(t2), ms(t12), f"{ratio:.3f}", "T(2r x 1t) / T(1r x 2t)",
+         f"<= {TARGET_DP_RATIO}: {verdict(ratio <= TARGET_DP_RATIO)}"],
+        ["  the same ratio without communication (ideal)", ms(t11 / P), ms(t12), f"{t11 / P / t12:.3f}",
+         "(T(1r x 1t) / 2) / T(1r x 2t)", "bound on the ratio"],
+        ["2 ranks x 1 thread vs 1 rank x 1 thread", ms(t2), ms(t11), f"{t2 / t11:.3f}",
+         f"speedup T(1r x 1t) / T(2r x 1t) = {speedup:.3f}; efficiency = speedup / 2 = {speedup / P:.1%}", ""],
+        ["2 threads in one process vs 1", ms(t12), ms(t11), f"{t12 / t11:.3f}",
+         f"speedup {t11 / t12:.3f}; efficiency {t11 / t12 / P:.1%}", ""],
+    ])
+
+
+def report_buckets(res):
+    t11, one_shot = res[ONE_1T.key]["median"], res[DP_ONE_SHOT.key]["median"]
+    size = gradient_bytes()
+    print(f"\n### Gradient buckets, 2 ranks x 1 thread (gradients S = {size / (1 << 20):.2f} MiB)\n")
+    rows = []
+    for c, mib in ((DP, DEFAULT_BUCKET_MB), (DP_SMALL, SMALL_BUCKET_MB), (DP_ONE_SHOT, ONE_SHOT_BUCKET_MB)):
+        t = res[c.key]["median"]
+        exposed = t - t11 / P
+        busbw = f"{size * 2 * (P - 1) / P / exposed / 1e9:.2f}" if exposed > 0 else "-"
+        rows.append([f"--bucket-mb {mib}: {gradient_bucket_count(mib)} bucket(s)", ms(t), ms(one_shot),
+                     f"{t / one_shot:.3f}", ms(exposed), busbw])
+    table(["configuration", "ms/step", "one-shot ms/step", "ratio T / T(one-shot)",
+           "exposed ms = T - T(1r x 1t)/2", "effective busbw GB/s = S*2(n-1)/n / exposed"], rows)
+
+
+def report_ddp(res):
+    ours, peer = res[DP.key], res[DDP.key]
+    rel = abs(ours["first_loss"] - peer["first_loss"]) / abs(peer["first_loss"])
+    rel_last = abs(ours["last_loss"] - peer["last_loss"]) / abs(peer["last_loss"])
+    print(f"\n### Data parallelism against PyTorch {peer['torch_version']} DDP (gloo), 2 ranks x 1 thread, "
+          "25 MiB buckets on both sides\n")
+    table(["figure", "ours", "DDP", "ratio ours/DDP", "formula"], [
+        ["ms/step", ms(ours["median"]), ms(peer["median"]), f"{ours['median'] / peer['median']:.3f}",
+         "T(ours) / T(DDP); below 1: we are faster"],
+        ["samples/s", f"{SPEC['batch'] / ours['median']:.0f}", f"{SPEC['batch'] / peer['median']:.0f}", "", "256 / T"],
+        ["loss, step 1 (global batch)", f"{ours['first_loss']:.7f}", f"{peer['first_loss']:.7f}",
+         f"{rel:.1e} {'ok' if rel <= cvp.LOSS_REL_TOLERANCE else 'WRONG'}",
+         "|diff| / |DDP| <= 1e-5; DDP's = mean of the ranks' local losses"],
+        [f"loss, last step (drift)", f"{ours['last_loss']:.7f}", f"{peer['last_loss']:.7f}", f"{rel_last:.1e}", ""],
+    ])
+
+
+def report_pipeline(configs, res):
+    t11, t12 = res[ONE_1T.key]["median"], res[ONE_2T.key]["median"]
+    print(f"\n### Pipeline, 2 stages x 1 thread, against 1 rank x 1 thread ({ms(t11)} ms) "
+          f"and 1 rank x 2 threads ({ms(t12)} ms)\n")
+    rows = []
+    for c in configs:
+        if not c.key.startswith("pp-"):
+            continue
+        _, schedule, m = c.key.split("-")
+        m = int(m)
+        t = res[c.key]["median"]
+        ideal = P * m / (m + P - 1)
+        rows.append([m, schedule, ms(t), f"{t11 / t:.3f}", f"{ideal:.3f}", f"{t11 / t / ideal:.1%}", f"{t12 / t:.3f}"])
+    table(["M", "schedule", "ms/step", "speedup T(1r x 1t) / T", "ideal P*M/(M+P-1)", "measured / ideal",
+           "T(1r x 2t) / T"], rows)
+
+
+def report_blas(configs, res):
+    ours = next(res[c.key]["blas"] for c in configs if not c.peer)
+    print(f"\nBLAS, from /proc/PID/maps of a running process:")
+    print(f"  ours (train):  {', '.join(ours) or '?'}")
+    if DDP in configs:
+        peer = res[DDP.key]["blas"]
+        print(f"  PyTorch DDP:   {', '.join(peer) or '?'}")
+        same = {os.path.realpath(p) for p in ours if "blas" in p} & {os.path.realpath(p) for p in peer if "blas" in p}
+        print(f"  same BLAS library file on both sides: {'yes' if same else 'NO: the race is not fair'}")
+
+
+# --------------------------------------------------------------------------- main
+def parse_args():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--rounds", type=int, default=3, help="alternating rounds (default 3)")
+    ap.add_argument("--steps", type=int, default=40, help="steps per run (default 40)")
+    ap.add_argument("--warmup", type=int, default=5, help="steps discarded at the start of every run (default 5)")
+    ap.add_argument("--build-dir", default=os.path.join(cvp.ROOT, "build"), help="where bin/train is (default build/)")
+    ap.add_argument("--sections", default="dp,buckets,ddp,pipeline", help="any of dp,buckets,ddp,pipeline (default all)")
+    ap.add_argument("--micro-batches", default="1,2,4,8,16", help="pipeline M values, 1f1b (default 1,2,4,8,16)")
+    ap.add_argument("--gpipe", default="4", help="M values also run with --schedule gpipe (default 4; '' for none)")
+    ap.add_argument("--bind-to", default="core", choices=("core", "none"),
+                    help="mpirun --bind-to for our ranks; DDP ranks pin themselves alike (default core)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--keep", action="store_true", help="keep the temporary folder (model, data, logs, metrics)")
+    ap.add_argument("--ddp-worker", help=argparse.SUPPRESS)
+    return ap.parse_args()
+
+
+def cannot_run(message):
+    print(f"distributed: {message}", file=sys.stderr)
+    return 2
+
+
+def main():
+    args = parse_args()
+    if args.ddp_worker:
+        return ddp_worker(json.loads(args.ddp_worker))
+    sections = [s for s in args.sections.split(",") if s]
+    unknown = set(sections) - {"dp", "buckets", "ddp", "pipeline"}
+    if unknown or not sections:
+        return cannot_run(f"unknown --sections {','.join(sorted(unknown))} (choose from dp,buckets,ddp,pipeline)")
+    if not 0 <= args.warmup < args.steps:
+        return cannot_run("--warmup must be below --steps")
+    micro_batches = [int(m) for m in args.micro_batches.split(",") if m]
+    gpipe = [int(m) for m in args.gpipe.split(",") if m]
+    args.train = os.path.join(args.build_dir, "bin", "train")
+    args.mpirun = shutil.which("mpirun")
+    if not os.access(args.train, os.X_OK):
+        return cannot_run(f"{args.train} is missing; build it first (cmake --build build --target train)")
+    if args.mpirun is None:
+        return cannot_run("mpirun is missing (Debian openmpi-bin)")
+    if subprocess.run([sys.executable, "-c", "import torch, onnx, numpy"], capture_output=True).returncode != 0:
+        return cannot_run("needs torch, onnx and numpy (Debian python3-torch, python3-onnx); run with /usr/bin/python3")
+    configs = configs_for(sections, micro_batches, gpipe)
+    mpi_version = subprocess.run([args.mpirun, "--version"], capture_output=True, text=True).stdout.splitlines()[0]
+    print(f"distributed: {os.uname().nodename}, {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f} "
+          f"at start; model {MODEL}: {SPEC['title']}; {mpi_version}, mpirun --oversubscribe --bind-to "
+          f"{args.bind_to}; every child OMP_WAIT_POLICY=PASSIVE, OMP_NUM_THREADS = OPENBLAS_NUM_THREADS = its threads; "
+          f"OPENBLAS_CORETYPE={os.environ.get('OPENBLAS_CORETYPE', '(unset: OpenBLAS picks)')}")
+    print(f"  {len(configs)} configurations x {args.rounds} rounds x {args.steps} steps: "
+          + ", ".join(c.label for c in configs), flush=True)
+    with tempfile.TemporaryDirectory(prefix="pipeshard-distributed-") as folder:
+        onnx_path = cvp.export(MODEL, folder, args.seed)
+        paths = {"onnx": onnx_path, "data": os.path.join(folder, f"{MODEL}_x.npy"),
+                 "labels": os.path.join(folder, f"{MODEL}_y.npy"), "weights": os.path.join(folder, f"{MODEL}.pt")}
+        results = measure(configs, args, paths, folder)
+        if args.keep:
+            kept = folder + ".kept"
+            subprocess.run(["cp", "-r", folder, kept], check=True)
+            print(f"kept model, data, logs and metrics in {kept}")
+    print(f"\nload average at the end {os.getloadavg()[0]:.2f} ({os.cpu_count()} CPUs); a configuration is NOISY when "
+          f"its per-round medians differ by more than {cvp.NOISY_SPREAD:.0%}")
+    report_blas(configs, results)
+    report_runs(configs, results, args)
+    if "dp" in sections:
+        report_dp(results)
+    if "buckets" in sections:
+        report_buckets(results)
+    if "ddp" in sections:
+        report_ddp(results)
+    if "pipeline" in sections:
+        report_pipeline(configs, results)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
