@@ -138,7 +138,46 @@ Result<std::unique_ptr<Trainer>> Trainer::create(const Graph& graph, const Datas
     }
   }
   if (t->replicas_) t->plan_buckets();
+  if (t->pipeline_) PIPESHARD_RETURN_IF_ERROR(t->check_links());
   return t;
+}
+
+// Neighbouring stages agree on what crosses their cut before any training: stage s
+// sends its list of (elements per sample, gradient flows back) to stage s + 1, which
+// compares it with what it expects. Ranks that cut their stages from different files
+// fail here with a message instead of exchanging mis-sized messages later.
+Status Trainer::check_links() {
+  constexpr int kLinkTag = 3;
+  const int stage = rank_.layout().stage, stages = rank_.layout().stages;
+  auto describe = [](const std::vector<LinkValue>& links) {
+    std::vector<float> d{static_cast<float>(links.size())};
+    for (const LinkValue& l : links) {
+      d.push_back(static_cast<float>(l.per_sample));
+      d.push_back(l.needs_grad ? 1.0f : 0.0f);
+    }
+    return d;
+  };
+  std::unique_ptr<Request> sent;
+  const std::vector<float> outgoing = describe(rank_.outgoing());
+  std::vector<float> count(1);
+  if (stage + 1 < stages) {
+    pipeline_->send(outgoing.data(), 1, stage + 1, kLinkTag);
+    sent = pipeline_->send_async(outgoing.data() + 1, static_cast<int64_t>(outgoing.size()) - 1, stage + 1, kLinkTag);
+  }
+  if (stage > 0) {
+    const std::vector<float> expected = describe(rank_.incoming());
+    pipeline_->recv(count.data(), 1, stage - 1, kLinkTag);
+    std::vector<float> got(static_cast<size_t>(2 * count[0]));  // (per_sample, needs_grad) per value
+    pipeline_->recv(got.data(), static_cast<int64_t>(got.size()), stage - 1, kLinkTag);
+    got.insert(got.begin(), count[0]);
+    if (got != expected) {
+      return Status::error("stage " + std::to_string(stage - 1) + " sends " + std::to_string(got.size() / 2) +
+                           " values across its cut, which do not match the " + std::to_string(expected.size() / 2) +
+                           " stage " + std::to_string(stage) + " expects: did every rank get the same model and flags?");
+    }
+  }
+  if (sent) sent->wait();
+  return Status::ok();
 }
 
 // Buckets cover the gradient buffer from its end (the last layers, whose gradients
