@@ -68,6 +68,10 @@ class Communicator {
   virtual std::unique_ptr<Request> send_async(const float* data, int64_t n, int peer, int tag) = 0;
   virtual std::unique_ptr<Request> recv_async(float* data, int64_t n, int peer, int tag) = 0;
   virtual void barrier() = 0;
+  // Lets operations in flight advance without waiting for them. MPI moves non-blocking
+  // collectives and large sends along only inside MPI calls, so a caller computing
+  // between launch and wait() calls this now and then to overlap for real.
+  virtual void progress() {}
 
   // The ranks with the same `color` form a new group, ordered by `key`.
   virtual std::unique_ptr<Communicator> split(int color, int key) = 0;

@@ -210,6 +210,14 @@ class MpiCommunicator final : public Communicator {
     return value;
   }
 
+  void progress() override {
+    // A probe that matches nothing in particular runs Open MPI's progress engine, which
+    // advances every request in flight (libnbc's collectives included) without completing
+    // any on the caller's behalf.
+    int flag = 0;
+    PIPESHARD_MPI_CALL(MPI_Iprobe(MPI_ANY_SOURCE, MPI_ANY_TAG, comm_, &flag, MPI_STATUS_IGNORE));
+  }
+
   std::vector<std::string> gather_text(const std::string& text, int root) override {
     PIPESHARD_CHECK(text.size() <= static_cast<size_t>(kMaxMpiCount), "text of " + std::to_string(text.size()) + " bytes");
     int length = static_cast<int>(text.size());

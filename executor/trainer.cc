@@ -220,6 +220,7 @@ void Trainer::on_gradients_ready(size_t node) {
       in_flight_.push_back(replicas_->all_reduce_async(program_->gradients() + b.begin, b.end - b.begin, ReduceOp::kSum));
     }
   }
+  if (!in_flight_.empty()) replicas_->progress();  // between layers, the buckets launched move on
 }
 
 void Trainer::wait_slot(int slot) {
