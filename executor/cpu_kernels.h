@@ -5,6 +5,7 @@
 #define PIPESHARD_EXECUTOR_CPU_KERNELS_H_
 
 #include <algorithm>
+#include <bit>
 #include <cstdint>
 
 #ifdef _OPENMP
@@ -15,17 +16,20 @@
 
 namespace pipeshard::cpu {
 
-// exp(x) for x <= 0 in plain float arithmetic that vectorises under `omp simd` (glibc's
-// expf is a scalar call): Cephes' range reduction x = n·ln2 + r, |r| <= ln2/2, a
+// exp(x) for x <= 0 in branch-free float arithmetic that vectorises (glibc's expf is a
+// scalar call; the files using it build with -fno-trapping-math, see executor/CMakeLists.txt,
+// without which GCC keeps the clamp's compare scalar): Cephes' range reduction
+// x = n·ln2 + r, |r| <= ln2/2, a
 // degree-6 polynomial for e^r, and 2^n put together from its exponent bits. Error under
 // 2 ulp on [-87, 0] (tests/backend_training_test.cc checks it against std::exp);
 // arguments below -87.3 give 0's neighbour e^-87.3 ≈ 1.2e-38 rather than denormals.
 inline float exp_nonpositive(float x) {
-  x = x < -87.3f ? -87.3f : x;
-  const float t = x * 1.44269504088896341f + 0.5f;  // log2(e)·x, rounded by the floor below
-  int n = static_cast<int>(t);
-  n -= static_cast<float>(n) > t ? 1 : 0;           // floor for negative t
-  const float fn = static_cast<float>(n);
+  x = std::max(x, -87.3f);
+  // n = log2(e)·x rounded to nearest (ties to even) by the 1.5·2^23 trick: branch-free,
+  // so the loops around it vectorise; either neighbour of a tie keeps |r| <= ln2/2.
+  constexpr float kRound = 12582912.0f;
+  const float fn = (x * 1.44269504088896341f + kRound) - kRound;
+  const int n = static_cast<int>(fn);
   float r = x - fn * 0.693359375f;                   // ln2 in two parts, exact products
   r = r + fn * 2.12194440e-4f;
   const float z = r * r;
@@ -36,10 +40,9 @@ inline float exp_nonpositive(float x) {
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
   const float e = p * z + r + 1.0f;
-  const int bits = (n + 127) << 23;                  // 2^n, n in [-126, 0]
-  float scale;
-  __builtin_memcpy(&scale, &bits, sizeof scale);
-  return e * scale;
+  // 2^n, n in [-126, 0], from its exponent bits (std::bit_cast, unlike memcpy through the
+  // stack, lets the loops around this vectorise).
+  return e * std::bit_cast<float>((n + 127) << 23);
 }
 
 // Threads. The CPU backend has two thread pools that do not know each other: OpenBLAS's
