@@ -66,7 +66,7 @@ class Program {
   float* parameters() { return params_.data(); }  // [trainable_elements]
   float* gradients() { return grads_.data(); }    // [trainable_elements]
   // Where Graph parameter `p` lives in parameters() (-1 when it is not trainable).
-  int64_t parameter_offset(int p) const { return param_offset_[p]; }
+  int64_t parameter_offset(int p) const { return graph_.params[p].trainable ? param_offset_[p] : -1; }
 
   // Copies parameters and running statistics from the backend into graph.params, or
   // back. `graph` must be the Graph the Program was built from (or a copy of it).

@@ -113,6 +113,39 @@ TEST(Trainer, ResumedRunEqualsTheUninterruptedRun) {
   }
 }
 
+// BatchNorm's running statistics are parameters without gradients or optimizer state:
+// they are checkpointed by value, and the resumed run is still bit-identical, with and
+// without clipping.
+TEST(Trainer, ResumesABatchNormModelBitIdentically) {
+  ImportedModel m = load("batchnorm_train");
+  Result<Dataset> loaded = load_dataset(source_path("tests/golden/gelu_layernorm/x.npy"),
+                                        source_path("tests/golden/gelu_layernorm/y.npy"), m.graph, LossKind::kCrossEntropy);
+  ASSERT_TRUE(loaded.is_ok()) << loaded.status().message();
+  const Dataset& d = *loaded;
+  for (double clip : {0.0, 0.5}) {
+    SCOPED_TRACE("clip " + std::to_string(clip));
+    TrainConfig c = sgd(32, 1, 8);
+    c.clip_grad_norm = clip;
+    RunResult straight = train(m.graph, d, c, 8);
+    ScratchDir dir("bn-ckpt");
+    std::unique_ptr<Backend> backend = make_cpu_backend();
+    {
+      auto first = Trainer::create(m.graph, d, *backend, c);
+      ASSERT_TRUE(first.is_ok());
+      for (int s = 0; s < 3; ++s) (*first)->step();
+      ASSERT_TRUE((*first)->save_checkpoint(dir.path()).is_ok());
+    }
+    auto second = Trainer::create(m.graph, d, *backend, c);
+    ASSERT_TRUE(second.is_ok());
+    Status resumed_ok = (*second)->load_checkpoint(dir.path());
+    ASSERT_TRUE(resumed_ok.is_ok()) << resumed_ok.message();
+    for (int s = 3; s < 8; ++s) EXPECT_EQ((*second)->step().loss, straight.losses[s]) << "step " << s + 1;
+    Graph resumed = m.graph;
+    (*second)->download_parameters(resumed);
+    EXPECT_EQ(max_weight_difference(resumed, straight.trained), 0.0);
+  }
+}
+
 TEST(Trainer, CheckpointOfAnotherModelIsRefused) {
   const Dataset d = digits();
   ImportedModel digits_model = load("simple_digits");
