@@ -216,7 +216,10 @@ void Trainer::on_gradients_ready(size_t node) {
   // Every replica launches the same buckets in the same order: backward visits nodes
   // in the same order everywhere.
   for (const Bucket& b : buckets_) {
-    if (b.ready_after == node) {
+    // The bucket backward completes last has nothing left to overlap with: step() reduces
+    // it with a blocking all-reduce, which MPI runs at twice the speed of a non-blocking
+    // one (16 MiB over shared memory: 2.6 against 5.5 ms).
+    if (b.ready_after == node && b.ready_after != buckets_.back().ready_after) {
       in_flight_.push_back(replicas_->all_reduce_async(program_->gradients() + b.begin, b.end - b.begin, ReduceOp::kSum));
     }
   }
@@ -344,9 +347,14 @@ StepResult Trainer::step() {
   }
   double begin = tracer_.now_us();
   if (replicas_) {
+    for (const Bucket& b : buckets_) {
+      if (b.ready_after == buckets_.back().ready_after) {
+        replicas_->all_reduce(program_->gradients() + b.begin, b.end - b.begin, ReduceOp::kSum);
+      }
+    }
     for (auto& request : in_flight_) request->wait();
     in_flight_.clear();
-    tracer_.add("all-reduce gradients (wait)", "all-reduce", begin, r.step, -1);
+    tracer_.add("all-reduce gradients (last bucket, and wait)", "all-reduce", begin, r.step, -1);
   }
   if (pipeline_) r.loss = pipeline_->all_reduce_sum(r.loss);  // the last stage has it
   if (replicas_) r.loss = replicas_->all_reduce_sum(r.loss);
