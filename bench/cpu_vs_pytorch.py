@@ -68,6 +68,27 @@ def blas_libraries(pid):
 
 
 # --------------------------------------------------------------------------- PyTorch child
+def timed_sgd_loop(module, x_all, y_all, steps, rows):
+    """The PyTorch side's training loop: SGD(LR, MOMENTUM), F.cross_entropy on rows(step) = (begin,
+    end) of the data, zero_grad(set_to_none=True); returns each step's wall seconds and loss."""
+    import torch
+    import torch.nn.functional as F
+    opt = torch.optim.SGD(module.parameters(), lr=LR, momentum=MOMENTUM)
+    step_s, losses = [], []
+    last = time.perf_counter()
+    for step in range(steps):
+        begin, end = rows(step)
+        opt.zero_grad(set_to_none=True)
+        loss = F.cross_entropy(module(x_all[begin:end]), y_all[begin:end])
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+        now = time.perf_counter()
+        step_s.append(now - last)
+        last = now
+    return step_s, losses
+
+
 def torch_worker(job):
     """One PyTorch run in this process; prints one JSON line."""
     import resource
@@ -83,20 +104,8 @@ def torch_worker(job):
     x_all = torch.from_numpy(np.load(job["data"]))
     y_all = torch.from_numpy(np.load(job["labels"]))
     batch, batches = spec["batch"], x_all.shape[0] // spec["batch"]
-    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
-    step_s, losses = [], []
-    last = time.perf_counter()
-    for step in range(job["steps"]):
-        b = step % batches
-        xb, yb = x_all[b * batch:(b + 1) * batch], y_all[b * batch:(b + 1) * batch]
-        opt.zero_grad(set_to_none=True)
-        loss = F.cross_entropy(model(xb), yb)
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-        now = time.perf_counter()
-        step_s.append(now - last)
-        last = now
+    step_s, losses = timed_sgd_loop(model, x_all, y_all, job["steps"],
+                                    lambda step: ((step % batches) * batch, (step % batches + 1) * batch))
     print(json.dumps({"step_s": step_s, "losses": losses, "blas": blas_libraries(os.getpid()),
                       "threads": torch.get_num_threads(), "torch": torch.__version__,
                       "rss_after_import_kib": rss_after_import_kib}))

@@ -114,7 +114,6 @@ def ddp_worker(job):
     import numpy as np
     import torch
     import torch.distributed as dist
-    import torch.nn.functional as F
     from torch.nn.parallel import DistributedDataParallel
     rank, world = job["rank"], job["world"]
     if job["bind"] == "core":  # as mpirun --bind-to core places train's ranks
@@ -129,20 +128,10 @@ def ddp_worker(job):
     y_all = torch.from_numpy(np.load(job["labels"]))
     batch, batches = SPEC["batch"], x_all.shape[0] // SPEC["batch"]
     local = batch // world  # rank r takes the r-th contiguous slice of every batch, as train does
-    opt = torch.optim.SGD(ddp.parameters(), lr=cvp.LR, momentum=cvp.MOMENTUM)
-    step_s, losses = [], []
-    last = time.perf_counter()
-    for step in range(job["steps"]):
-        begin = (step % batches) * batch + rank * local
-        xb, yb = x_all[begin:begin + local], y_all[begin:begin + local]
-        opt.zero_grad(set_to_none=True)
-        loss = F.cross_entropy(ddp(xb), yb)  # local mean; DDP averages the gradients
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-        now = time.perf_counter()
-        step_s.append(now - last)
-        last = now
+    # Each rank's loss is the mean over its slice; DDP averages the gradients.
+    step_s, losses = cvp.timed_sgd_loop(ddp, x_all, y_all, job["steps"],
+                                        lambda step: ((step % batches) * batch + rank * local,
+                                                      (step % batches) * batch + (rank + 1) * local))
     print(json.dumps({"rank": rank, "step_s": step_s, "losses": losses, "blas": cvp.blas_libraries(os.getpid()),
                       "threads": torch.get_num_threads(), "torch": torch.__version__}))
     dist.destroy_process_group()
