@@ -72,8 +72,7 @@ Result<RankModel> RankModel::create(const ImportedModel& model, const ProcessLay
   r.layout_ = layout;
   r.local_ = std::move(stage->graph);
   const Graph& local = r.local_;
-  const auto full_values = index_by_name(g.values), full_params = index_by_name(g.params),
-             full_nodes = index_by_name(g.nodes);
+  const auto full_values = index_by_name(g.values), full_params = index_by_name(g.params);
 
   // Stage of every node; parameters each stage holds (a parameter in two stages cannot be
   // trained there: its two halves of the gradient would never meet).
@@ -117,9 +116,13 @@ Result<RankModel> RankModel::create(const ImportedModel& model, const ProcessLay
       return Status::error(label + ": parameter '" + g.params[p].name + "' is missing from the stage");
     }
   }
+  // A local node is the whole model's node that produces the same value: value names are
+  // unique in ONNX (node names need not be). Nodes the stage writer made (sharded Linears)
+  // produce values of their own and get ids past the model's.
   for (size_t i = 0; i < local.nodes.size(); ++i) {
-    auto it = full_nodes.find(local.nodes[i].name);
-    r.model_node_ids_.push_back(it != full_nodes.end() ? it->second : g.nodes.size() + i);
+    auto it = full_values.find(local.values[local.nodes[i].outputs[0]].name);
+    const int producer = it != full_values.end() ? g.values[it->second].producer : -1;
+    r.model_node_ids_.push_back(producer >= 0 ? static_cast<uint64_t>(producer) : g.nodes.size() + i);
   }
 
   // Gradients flow back to a value when a trainable parameter is upstream of it.

@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 
 #include "importer/onnx_importer.h"
+#include "model_builder.h"
 #include "test_util.h"
 
 namespace pipeshard {
@@ -84,6 +85,39 @@ TEST(RankModel, ShardsSliceAndNameTheWholeParameters) {
     EXPECT_EQ(row, 1);
     EXPECT_EQ(whole, 3);
   }
+}
+
+// Dropout masks are keyed by the node's index in the whole model; ONNX does not make node
+// names unique, so a stage finds its nodes by the values they produce.
+TEST(RankModel, NodesAreTheWholeModelsEvenWithRepeatedNames) {
+  testing::ModelBuilder b(64);
+  auto dropout = [&](const std::string& x, const std::string& out) {
+    auto* n = b.model().mutable_graph()->add_node();
+    n->set_op_type("Dropout");
+    n->set_name("drop");  // the same name three times
+    n->add_input(x);
+    n->add_output(out);
+    return out;
+  };
+  std::string h = dropout(b.relu(b.linear("input", 64, 32)), "d1");
+  h = dropout(b.relu(b.linear(h, 32, 32)), "d2");
+  h = dropout(b.relu(b.linear(h, 32, 32)), "d3");
+  b.output(b.linear(h, 32, 10), 10);
+  Result<ImportedModel> m = import_onnx_model(std::make_shared<onnx::ModelProto>(b.model()), ".", "built");
+  ASSERT_TRUE(m.is_ok()) << m.status().message();
+  int dropouts = 0;
+  for (int rank = 0; rank < 2; ++rank) {
+    const RankModel r = rank_of(*m, rank, 2, 2, 1);
+    const Graph& g = r.graph();
+    for (size_t i = 0; i < g.nodes.size(); ++i) {
+      if (g.nodes[i].kind != OpKind::kDropout) continue;
+      ++dropouts;
+      const uint64_t whole = r.model_node_ids()[i];
+      ASSERT_LT(whole, m->graph.nodes.size());
+      EXPECT_EQ(m->graph.values[m->graph.nodes[whole].outputs[0]].name, g.values[g.nodes[i].outputs[0]].name);
+    }
+  }
+  EXPECT_EQ(dropouts, 3);
 }
 
 TEST(RankModel, OneStageOneShardIsTheWholeModel) {
