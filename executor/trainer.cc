@@ -546,6 +546,16 @@ Status Trainer::save_checkpoint(const std::string& dir) {
 
 Status Trainer::load_checkpoint(const std::string& dir) {
   const std::string path = (std::filesystem::path(dir) / kCheckpointFile).string();
+  // Nothing is changed until the whole file has been read and checked, so a header with
+  // a field of the wrong type (nlohmann throws) leaves the trainer as it was.
+  try {
+    return read_checkpoint(path);
+  } catch (const nlohmann::json::exception& e) {
+    return Status::error(path + ": corrupt checkpoint header (" + e.what() + ")");
+  }
+}
+
+Status Trainer::read_checkpoint(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
   if (!in) return Status::error(path + ": no checkpoint here");
   std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());

@@ -120,6 +120,7 @@ class Trainer {
  private:
   Trainer(const Dataset& data, Backend& backend, const TrainConfig& config, RankModel rank);
   void plan_buckets();
+  Status read_checkpoint(const std::string& path);
   Status check_links();
   // Runs after node i's backward on the last micro-batch: starts the all-reduce of every
   // gradient bucket that node completes.
