@@ -1,5 +1,6 @@
-// TensorBoard event files read back by a reader of our own that checks both CRCs of
-// every record and decodes the Events, and CRC-32C against its published check values.
+// train --tensorboard: TensorBoard event files read back by a reader of our own that
+// checks both CRCs of every record and decodes the Events, against CRC-32C's published
+// check values and against what the same run writes to --metrics and stderr.
 #include <unistd.h>
 
 #include <cmath>
@@ -12,6 +13,7 @@
 #include <vector>
 
 #include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
 
 #include "common/crc32c.h"
 #include "common/status.h"
@@ -191,6 +193,116 @@ TEST(TensorBoardWriter, RefusesAFolderItCannotCreate) {
   EXPECT_NE(w.status().message().find("cannot create TensorBoard folder '" + (dir / "file") + "'"),
             std::string::npos)
       << w.status().message();
+}
+
+// Every value of the --metrics file appears under the same step in the event file, as
+// the float TensorBoard stores.
+void expect_metrics_match(const std::string& metrics_path, const Scalars& scalars, int64_t steps) {
+  std::ifstream in(metrics_path);
+  std::string line;
+  int64_t lines = 0;
+  while (std::getline(in, line)) {
+    const nlohmann::json j = nlohmann::json::parse(line);
+    const int64_t step = j["step"].get<int64_t>();
+    ++lines;
+    for (const char* key : {"loss", "lr", "samples_per_s"}) {
+      const std::string tag = std::string("train/") + key;
+      ASSERT_TRUE(scalars.count(tag) && scalars.at(tag).count(step)) << tag << " at step " << step;
+      EXPECT_EQ(scalars.at(tag).at(step), static_cast<float>(j[key].get<double>())) << tag << " at step " << step;
+    }
+  }
+  EXPECT_EQ(lines, steps);
+  for (const char* tag : {"train/loss", "train/lr", "train/samples_per_s"}) {
+    EXPECT_EQ(scalars.count(tag) ? scalars.at(tag).size() : 0u, static_cast<size_t>(steps)) << tag;
+  }
+}
+
+// time/stage<p>_*: one non-negative value per step for each of `stages` stages.
+void expect_stage_times(const Scalars& scalars, int stages, int64_t steps) {
+  for (int p = 0; p < stages; ++p) {
+    for (const std::string what : {"_forward_backward_ms", "_idle_ms"}) {
+      const std::string tag = "time/stage" + std::to_string(p) + what;
+      ASSERT_TRUE(scalars.count(tag)) << tag;
+      EXPECT_EQ(scalars.at(tag).size(), static_cast<size_t>(steps)) << tag;
+      for (const auto& [step, ms] : scalars.at(tag)) EXPECT_GE(ms, 0.0f) << tag << " at step " << step;
+    }
+  }
+  EXPECT_EQ(scalars.count("time/stage" + std::to_string(stages) + "_forward_backward_ms"), 0u);
+}
+
+TEST(TrainTensorBoard, RecordsWhatMetricsAndTheLogSay) {
+  ScratchDir dir("tb-train");
+  const auto r = run_command(
+      quote(tool_path("train")) + " " + quote(source_path("models/simple_digits.onnx")) + " --data " +
+      quote(source_path("data/digits_train_features.npy")) + " --labels " +
+      quote(source_path("data/digits_train_labels.npy")) + " --eval-data " +
+      quote(source_path("data/digits_test_features.npy")) + " --eval-labels " +
+      quote(source_path("data/digits_test_labels.npy")) + " --epochs 2 --batch-size 64 --lr 0.05 --momentum 0.9" +
+      " --metrics " + quote(dir / "m.jsonl") + " --tensorboard " + quote(dir / "tb"));
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  const std::vector<std::string> files = event_files(dir / "tb");
+  ASSERT_EQ(files.size(), 1u);
+  const Scalars scalars = read_scalars(files[0]);
+  int64_t steps = 0;
+  {
+    std::ifstream in(dir / "m.jsonl");
+    for (std::string line; std::getline(in, line);) ++steps;
+  }
+  ASSERT_GT(steps, 2);
+  ASSERT_EQ(steps % 2, 0);
+  expect_metrics_match(dir / "m.jsonl", scalars, steps);
+  expect_stage_times(scalars, 1, steps);
+  // eval/* at the last step of each epoch, as the log prints them (4 and 1 decimals).
+  const std::regex epoch_line("epoch (\\d+): train loss [0-9.]+  eval loss ([0-9.]+)  eval accuracy ([0-9.]+)%");
+  int epochs = 0;
+  for (auto it = std::sregex_iterator(r.err.begin(), r.err.end(), epoch_line); it != std::sregex_iterator(); ++it) {
+    const int64_t step = std::stoll((*it)[1]) * steps / 2;
+    ++epochs;
+    ASSERT_TRUE(scalars.count("eval/loss") && scalars.at("eval/loss").count(step)) << "eval/loss at " << step;
+    ASSERT_TRUE(scalars.count("eval/accuracy") && scalars.at("eval/accuracy").count(step));
+    EXPECT_NEAR(scalars.at("eval/loss").at(step), std::stod((*it)[2]), 0.5e-4 + 1e-6);
+    EXPECT_NEAR(100 * scalars.at("eval/accuracy").at(step), std::stod((*it)[3]), 0.05 + 1e-4);
+  }
+  EXPECT_EQ(epochs, 2) << r.err;
+  EXPECT_EQ(scalars.at("eval/loss").size(), 2u);
+  EXPECT_EQ(scalars.count("pipeline/bubble_measured"), 0u) << "no bubble without a pipeline";
+}
+
+TEST(TrainTensorBoard, APipelineRecordsEachStageAndTheBubble) {
+  ScratchDir dir("tb-pipe");
+  // Open MPI refuses root without these; its session folder goes under this test's own
+  // TMPDIR (concurrent mpiexec runs can collide in a shared one).
+  const std::string env = "OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 TMPDIR=" + quote(dir.path()) + " ";
+  const auto r = run_command(env + quote(PIPESHARD_MPIEXEC) + " -n 2 --oversubscribe " + quote(tool_path("train")) +
+                             " " + quote(source_path("models/simple_digits.onnx")) + " --data " +
+                             quote(source_path("data/digits_features.npy")) + " --labels " +
+                             quote(source_path("data/digits_labels.npy")) +
+                             " --batch-size 32 --steps 6 --stages 2 --micro-batches 4 --metrics " +
+                             quote(dir / "m.jsonl") + " --tensorboard " + quote(dir / "tb"));
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  const std::vector<std::string> files = event_files(dir / "tb");
+  ASSERT_EQ(files.size(), 1u) << "rank 0 alone writes";
+  const Scalars scalars = read_scalars(files[0]);
+  expect_metrics_match(dir / "m.jsonl", scalars, 6);
+  expect_stage_times(scalars, 2, 6);
+  ASSERT_TRUE(scalars.count("pipeline/bubble_theoretical") && scalars.count("pipeline/bubble_measured"));
+  EXPECT_EQ(scalars.at("pipeline/bubble_theoretical").at(6), 0.2f) << "(P-1)/(M+P-1) for P=2, M=4";
+  const float measured = scalars.at("pipeline/bubble_measured").at(6);
+  std::smatch m;
+  ASSERT_TRUE(std::regex_search(r.err, m, std::regex("stages idle ([0-9.]+)%"))) << r.err;
+  EXPECT_NEAR(100 * measured, std::stod(m[1]), 0.05 + 1e-4);
+}
+
+TEST(TrainTensorBoard, RefusesAFolderItCannotCreate) {
+  ScratchDir dir("tb-refuse");
+  std::ofstream(dir / "file") << "x";
+  const auto r = run_command(quote(tool_path("train")) + " " + quote(source_path("models/simple_digits.onnx")) +
+                             " --data " + quote(source_path("data/digits_features.npy")) + " --labels " +
+                             quote(source_path("data/digits_labels.npy")) + " --steps 2 --tensorboard " +
+                             quote(dir / "file/tb") + " --save " + quote(dir / "out.onnx"));
+  EXPECT_EQ(r.exit_code, 2) << r.err;
+  EXPECT_EQ(r.err, "train: error: cannot create TensorBoard folder '" + (dir / "file/tb") + "': Not a directory\n");
+  EXPECT_FALSE(std::filesystem::exists(dir / "out.onnx"));
 }
 
 }  // namespace
