@@ -395,6 +395,21 @@ Trainer::Bubble Trainer::pipeline_bubble() {
   return b;
 }
 
+Trainer::StageTimes Trainer::stage_times() {
+  const ProcessLayout& l = rank_.layout();
+  std::vector<double> sums(2 * l.stages, 0.0);  // [compute of each stage, then schedule of each stage]
+  sums[l.stage] = tracer_.busy_us();
+  sums[l.stages + l.stage] = tracer_.schedule_us();
+  if (world_) world_->all_reduce_sum(sums.data(), static_cast<int64_t>(sums.size()));
+  const double ranks_per_stage = static_cast<double>(l.replicas) * l.shards;
+  StageTimes t;
+  for (int p = 0; p < l.stages; ++p) {
+    t.compute_us.push_back(sums[p] / ranks_per_stage);
+    t.schedule_us.push_back(sums[l.stages + p] / ranks_per_stage);
+  }
+  return t;
+}
+
 // torch's clip_grad_norm_ over the whole model: each stage adds its parameters' squares,
 // a parameter split over the shards counts every slice, a replicated one counts once.
 double Trainer::clip_gradients() {

@@ -107,6 +107,14 @@ class Trainer {
     double measured = 0, theoretical = 0;
   };
   Bubble pipeline_bubble();
+  // Forward plus backward time ("compute") and the time of the whole schedule, in µs
+  // since start_trace(), per pipeline stage, each the mean over the stage's ranks (its
+  // replicas and shards): their difference is the time the stage waited (the bubble,
+  // plus transfers). Collective: one all-reduce of 2·P doubles; the result is on every rank.
+  struct StageTimes {
+    std::vector<double> compute_us, schedule_us;  // [stages]
+  };
+  StageTimes stage_times();
 
   // Writes DIR/checkpoint.pipeshard atomically: whole-model parameters and running
   // statistics by initializer name, optimizer state likewise, the step count; nothing

@@ -19,6 +19,7 @@
 #include "executor/comm.h"
 #include "executor/dataset.h"
 #include "executor/trainer.h"
+#include "executor/training_board.h"
 #include "importer/onnx_importer.h"
 #include "importer/onnx_writer.h"
 
@@ -32,6 +33,7 @@ struct Args {
   std::string model, data, labels, eval_data, eval_labels, metrics, save, checkpoint, resume, trace;
   std::string loss = "cross-entropy", optimizer = "sgd", schedule = "constant", betas, device = "cpu";
   std::string pipeline_schedule = "1f1b", balance = "params";
+  std::string tensorboard;  // --tensorboard DIR
   int micro_batches = 1;
   bool sync_batchnorm = false;
   double bucket_mb = 25;
@@ -87,6 +89,10 @@ void define(CLI::App& app, Args& a) {
   app.add_option("--trace", a.trace,
                  "write a Chrome/Perfetto timeline of every rank (forward, backward, send, recv, all-reduce, "
                  "optimizer per micro-batch) to this .json file");
+  app.add_option("--tensorboard", a.tensorboard,
+                 "write TensorBoard event files to this folder (created if needed): loss, learning rate, "
+                 "samples/s and each stage's time per step, eval loss and accuracy per epoch, the pipeline "
+                 "bubble; view with tensorboard --logdir DIR");
   app.add_option("--bucket-mb", a.bucket_mb,
                  "data parallel: all-reduce gradients in buckets of this many MB while backward runs (default 25, "
                  "as PyTorch DDP; a size above the model's gradients gives one all-reduce after backward)");
@@ -250,6 +256,12 @@ int main(int argc, char** argv) {
   if (a.check_equivalence > 0) {
     return check_equivalence(model->graph, *data, *config, **trainer, a.check_equivalence, *world);
   }
+  std::unique_ptr<TrainingBoard> board;  // --tensorboard: rank 0 writes, every rank times its stage
+  if (!a.tensorboard.empty()) {
+    Result<std::unique_ptr<TrainingBoard>> b = TrainingBoard::create(a.tensorboard, root);
+    if (!b) return fail(b.status().message());
+    board = std::move(*b);
+  }
   (*trainer)->start_trace(!a.trace.empty());
   const int64_t checkpoint_every = a.checkpoint_every > 0 ? a.checkpoint_every : steps_per_epoch;
   const bool live = root && stderr_is_terminal();
@@ -282,6 +294,9 @@ int main(int argc, char** argv) {
       metrics << nlohmann::json{{"step", r.step}, {"epoch", r.epoch}, {"loss", r.loss}, {"lr", r.lr}, {"samples_per_s", samples_per_s}}.dump()
               << "\n" << std::flush;
     }
+    if (board) {
+      if (Status s = board->add_step(**trainer, r, samples_per_s); !s) return fail(s.message());
+    }
     if (r.epoch != current_epoch) {
       current_epoch = r.epoch;
       epoch_loss = 0;
@@ -302,6 +317,9 @@ int main(int argc, char** argv) {
       if (log) fmt::print(stderr, "{}epoch {}: train loss {:.4f}  eval loss {:.4f}{}\n", live ? "\r\x1b[K" : "", r.epoch,
                  epoch_loss / epoch_steps, e.loss,
                  e.accuracy >= 0 ? fmt::format("  eval accuracy {:.1f}%", 100 * e.accuracy) : "");
+      if (board) {
+        if (Status s = board->add_eval(r.step, e); !s) return fail(s.message());
+      }
     }
     if (!a.checkpoint.empty() && (r.step % checkpoint_every == 0 || r.step == config->total_steps)) {
       if (Status s = (*trainer)->save_checkpoint(a.checkpoint); !s) return fail(s.message());
@@ -316,6 +334,9 @@ int main(int argc, char** argv) {
       fmt::print(stderr, "pipeline bubble: stages idle {:.1f}% of the schedule's time (measured, transfers included); "
                  "theory (P-1)/(M+P-1) = {:.1f}% for P={}, M={}\n", 100 * b.measured, 100 * b.theoretical,
                  layout->stages, config->micro_batches);
+    }
+    if (board) {
+      if (Status s = board->add_bubble(config->total_steps, b); !s) return fail(s.message());
     }
   }
   if (!a.trace.empty()) {
