@@ -165,7 +165,7 @@ TEST(Trainer, CheckpointHeaderOfTheWrongTypesIsRefused) {
   uint64_t len = 0;
   std::memcpy(&len, bytes.data() + 8, 8);
   const nlohmann::json header = nlohmann::json::parse(bytes.substr(16, len));
-  for (const std::string& change : {"elements", "optimizer", "name"}) {
+  for (const std::string change : {"elements", "optimizer", "name"}) {
     SCOPED_TRACE(change);
     nlohmann::json bad = header;
     if (change == "optimizer") {
