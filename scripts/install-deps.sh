@@ -13,6 +13,7 @@ packages=(
   libopenmpi-dev openmpi-bin libopenblas-dev       # processes and BLAS (the executor)
   libcli11-dev nlohmann-json3-dev libfmt-dev       # command line, plan.json, output
   libgtest-dev libgmock-dev libonnx-testdata      # tests (ONNX's own backend node tests)
+  python3-matplotlib                               # pictures: partition --chart, train --plot
 )
 # Node.js and npm run onnxruntime-node in the tests; a machine may already have them
 # from elsewhere (NodeSource bundles npm), and Debian's npm would conflict with that.

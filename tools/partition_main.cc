@@ -12,6 +12,8 @@
 #include "importer/onnx_importer.h"
 #include "partitioner/plan.h"
 #include "partitioner/stage_writer.h"
+#include "tools/pictures.h"
+#include "tools/plot.h"
 
 namespace {
 
@@ -111,6 +113,8 @@ int main(int argc, char** argv) {
       ->check(CLI::IsMember({"params", "flops", "memory"}));
   app.add_option("--out,-o", out_dir, "output folder (default: <model name>_stages)");
   app.add_flag("--json", json, "print plan.json to stdout instead of the table (files are still written)");
+  std::string chart;
+  app.add_option("--chart", chart, "draw parameters and memory per stage to this .svg or .png (needs matplotlib)");
   auto* est = "memory estimate";
   app.add_option("--batch-size", o.batch_size, "samples per step per replica (memory estimate; default 32)")->group(est);
   app.add_option("--micro-batches", o.micro_batches, "micro-batches per step (memory estimate; default = stages)")->group(est);
@@ -129,6 +133,9 @@ int main(int argc, char** argv) {
   o.schedule = schedule == "gpipe" ? ScheduleKind::kGPipe : ScheduleKind::k1F1B;
   o.optimizer_slots = optimizer == "sgd" ? 1 : 2;
   if (out_dir.empty()) out_dir = std::filesystem::path(model).stem().string() + "_stages";
+  if (!chart.empty()) {  // before any work: a chart that cannot be drawn is a bad flag
+    if (Status s = check_picture_output(chart); !s) return fail("--chart: " + s.message());
+  }
 
   Result<ImportedModel> m = import_onnx_file(model);
   if (!m) return fail(m.status().message());
@@ -139,6 +146,10 @@ int main(int argc, char** argv) {
     fmt::print("{}\n", plan_json_text(*plan, m->graph));
   } else {
     print_table(*m, *plan, out_dir);
+  }
+  if (!chart.empty()) {
+    if (Status s = draw_picture(partition_chart_data(*plan), chart); !s) return fail("--chart: " + s.message());
+    if (!json) fmt::print("wrote the chart to {}\n", chart);
   }
   return 0;
 }

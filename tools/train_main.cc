@@ -22,6 +22,8 @@
 #include "executor/training_board.h"
 #include "importer/onnx_importer.h"
 #include "importer/onnx_writer.h"
+#include "tools/pictures.h"
+#include "tools/plot.h"
 
 namespace {
 
@@ -43,6 +45,7 @@ struct Args {
   int64_t batch_size = 32, steps = 0, epochs = 0, grad_accum = 1, warmup = 0, checkpoint_every = 0;
   int64_t check_equivalence = 0;
   uint64_t seed = 0;
+  std::string plot;  // --plot FILE.svg|png
   int stages = 1, tensor_parallel = 1;
 };
 
@@ -93,6 +96,10 @@ void define(CLI::App& app, Args& a) {
                  "write TensorBoard event files to this folder (created if needed): loss, learning rate, "
                  "samples/s and each stage's time per step, eval loss and accuracy per epoch, the pipeline "
                  "bubble; view with tensorboard --logdir DIR");
+  app.add_option("--plot", a.plot,
+                 "at the end, draw the loss per step (and eval loss and accuracy per epoch) to this .svg or .png "
+                 "(needs matplotlib)")
+      ->excludes("--check-equivalence");
   app.add_option("--bucket-mb", a.bucket_mb,
                  "data parallel: all-reduce gradients in buckets of this many MB while backward runs (default 25, "
                  "as PyTorch DDP; a size above the model's gradients gives one all-reduce after backward)");
@@ -220,6 +227,9 @@ int main(int argc, char** argv) {
   const bool root = world->rank() == 0;  // writes metrics, checkpoints, the saved model and the log
   if (a.device == "cuda") return fail("--device cuda: this build trains on the CPU only so far");
   if (a.eval_data.empty() != a.eval_labels.empty()) return fail("--eval-data and --eval-labels go together");
+  if (!a.plot.empty() && root) {  // before any work: a plot that cannot be drawn is a bad flag
+    if (Status s = check_picture_output(a.plot); !s) return fail("--plot: " + s.message());
+  }
   Result<TrainConfig> config = make_config(a);
   if (!config) return fail(config.status().message());
 
@@ -279,6 +289,13 @@ int main(int argc, char** argv) {
                model->graph.total_parameter_count(), data->samples, config->total_steps,
                config->batch_size * config->grad_accum, a.optimizer, how);
   }
+  std::optional<TrainingCurves> curves;  // --plot: rank 0 collects and draws
+  if (!a.plot.empty() && root) {
+    curves.emplace(TrainingRun{.model = a.model, .optimizer = a.optimizer, .loss = a.loss,
+                               .batch_size = config->batch_size * config->grad_accum, .steps_per_epoch = steps_per_epoch,
+                               .replicas = layout->replicas, .stages = layout->stages, .shards = layout->shards,
+                               .schedule = a.pipeline_schedule, .micro_batches = config->micro_batches});
+  }
   double epoch_loss = 0;
   int64_t epoch_steps = 0, current_epoch = 0;
   const auto started = std::chrono::steady_clock::now();
@@ -303,6 +320,7 @@ int main(int argc, char** argv) {
       epoch_steps = 0;
     }
     epoch_loss += r.loss;
+    if (curves) curves->add_step(r.step, r.loss);
     ++epoch_steps;
     const std::string line = fmt::format("step {}/{}  epoch {}  loss {:.4f}  lr {:.3g}  {:.0f} samples/s", r.step,
                                          config->total_steps, r.epoch, r.loss, r.lr, samples_per_s);
@@ -320,6 +338,7 @@ int main(int argc, char** argv) {
       if (board) {
         if (Status s = board->add_eval(r.step, e); !s) return fail(s.message());
       }
+      if (curves) curves->add_eval(r.epoch, r.step, e.loss, e.accuracy);
     }
     if (!a.checkpoint.empty() && (r.step % checkpoint_every == 0 || r.step == config->total_steps)) {
       if (Status s = (*trainer)->save_checkpoint(a.checkpoint); !s) return fail(s.message());
@@ -342,6 +361,10 @@ int main(int argc, char** argv) {
   if (!a.trace.empty()) {
     if (Status s = (*trainer)->write_trace(a.trace); !s) return fail(s.message());
     if (root) fmt::print(stderr, "wrote {} (open it in https://ui.perfetto.dev or chrome://tracing)\n", a.trace);
+  }
+  if (curves) {
+    if (Status s = draw_picture(curves->data(), a.plot); !s) return fail("--plot: " + s.message());
+    fmt::print(stderr, "wrote {}\n", a.plot);
   }
   if (!a.save.empty()) {
     (*trainer)->download_parameters(scratch);  // gathers every stage and shard on rank 0
