@@ -23,6 +23,12 @@ Status assign_shard_roles(const Graph& g, const PartitionOptions& o, StagePlan& 
   std::map<int, size_t> position;  // node id -> index in s.nodes
   for (size_t i = 0; i < s.nodes.size(); ++i) position[s.nodes[i]] = i;
   std::vector<bool> assigned(s.nodes.size(), false);
+  // A weight that two nodes use (tied weights) stays whole: its users would need the same
+  // slice, and a pair's halves different ones.
+  std::vector<int> users(g.params.size(), 0);
+  for (const Node& n : g.nodes)
+    for (int p : g.node_params(n)) ++users[p];
+  auto splittable = [&](const Node& n) { return users[n.weight] == 1 && (n.bias < 0 || users[n.bias] == 1); };
   // The only consumer of `v` inside this stage, or -1 when v has other readers
   // (later stages, the loss, a second node).
   auto sole_local_consumer = [&](int v) {
@@ -34,6 +40,10 @@ Status assign_shard_roles(const Graph& g, const PartitionOptions& o, StagePlan& 
   for (size_t i = 0; i < s.nodes.size(); ++i) {
     const Node& first = g.nodes[s.nodes[i]];
     if (assigned[i] || first.kind != OpKind::kLinear) continue;
+    if (!splittable(first)) {
+      assigned[i] = true;  // replicated
+      continue;
+    }
     // Walk elementwise nodes to a partner Linear.
     std::vector<size_t> chain;
     int partner = -1;
@@ -46,7 +56,7 @@ Status assign_shard_roles(const Graph& g, const PartitionOptions& o, StagePlan& 
       v = g.nodes[c].outputs[0];
     }
     assigned[i] = true;
-    if (partner >= 0 && !assigned[position[partner]]) {
+    if (partner >= 0 && !assigned[position[partner]] && splittable(g.nodes[partner])) {
       PIPESHARD_RETURN_IF_ERROR(check_divides(first, first.out_features, "output features", t));
       s.roles[i] = ShardRole::kColumn;
       for (size_t c : chain) { s.roles[c] = ShardRole::kShardLocal; assigned[c] = true; }

@@ -6,7 +6,8 @@
 // one all-reduce after it — one in forward after the pair, one in backward before it.
 // A norm needs whole feature vectors, so it ends a chain and runs replicated. A Linear
 // without a partner is split by output features and gathered when it has at least
-// PartitionOptions::min_shard_parameters parameters, and replicated otherwise.
+// PartitionOptions::min_shard_parameters parameters, and replicated otherwise. A Linear
+// whose weight another node uses too (tied weights) is never split.
 #ifndef PIPESHARD_PARTITIONER_TENSOR_PARALLEL_H_
 #define PIPESHARD_PARTITIONER_TENSOR_PARALLEL_H_
 

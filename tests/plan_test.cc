@@ -126,6 +126,28 @@ TEST(Plan, TensorParallelPairsLinearsMegatronStyle) {
   EXPECT_EQ(plan_or_die(m.graph, o).stages[0].roles.back(), ShardRole::kColumnGather);
 }
 
+// Tied weights stay whole: the two Linears sharing one weight would need the same slice
+// of it, while a pair's halves take different ones (review: they made stage files that
+// did not import).
+TEST(Plan, TensorParallelNeverSplitsASharedWeight) {
+  ImportedModel m = load("shared_weight.onnx");
+  PartitionOptions o;
+  o.tensor_parallel = 2;
+  o.min_shard_parameters = 0;
+  const Plan p = plan_or_die(m.graph, o);
+  int tied = 0;
+  for (size_t i = 0; i < p.stages[0].nodes.size(); ++i) {
+    const Node& n = m.graph.nodes[p.stages[0].nodes[i]];
+    if (n.kind != OpKind::kLinear) continue;
+    int users = 0;
+    for (const Node& other : m.graph.nodes) users += other.weight == n.weight;
+    if (users < 2) continue;
+    ++tied;
+    EXPECT_EQ(p.stages[0].roles[i], ShardRole::kReplicated) << n.name;
+  }
+  EXPECT_EQ(tied, 2);
+}
+
 TEST(Plan, TensorParallelWidthMustDivide) {
   ImportedModel m = load("simple.onnx");
   PartitionOptions o;
