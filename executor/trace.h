@@ -32,8 +32,9 @@ class Tracer {
   double schedule_us() const { return schedule_us_; }
 
   // This rank's events as Chrome trace event objects, comma-separated (no brackets),
-  // with `pid` = rank and a process name event carrying `label`.
-  std::string events_json(int pid, const std::string& label) const;
+  // with `pid` = rank and a process name event carrying `label`; at most about
+  // `max_bytes` of them (the first events; a last metadata event counts what was left out).
+  std::string events_json(int pid, const std::string& label, size_t max_bytes) const;
   bool recording() const { return record_; }
   size_t dropped() const { return dropped_; }
 

@@ -74,7 +74,11 @@ Result<std::unique_ptr<Trainer>> Trainer::create(const Graph& graph, const Datas
                            " micro-batches alone, unlike one process; use --micro-batches 1");
     }
     if (stat_batch * (s.per_sample_elements() / s.dims[1]) < 2) {
-      return Status::error("node '" + n.name + "' (BatchNorm) needs more than one value per channel to train; use a batch of 2 or more");
+      return Status::error("node '" + n.name + "' (BatchNorm) needs more than one value per channel to train, and " +
+                           (d > 1 && !config.sync_batchnorm
+                                ? "each of the " + std::to_string(d) + " replicas normalises only its " +
+                                      std::to_string(micro) + " samples; use a larger --batch-size or --sync-batchnorm"
+                                : "the batch gives it " + std::to_string(stat_batch) + "; use a larger --batch-size"));
     }
   }
 
@@ -138,7 +142,6 @@ Result<std::unique_ptr<Trainer>> Trainer::create(const Graph& graph, const Datas
     }
   }
   if (t->replicas_) t->plan_buckets();
-  if (t->pipeline_) PIPESHARD_RETURN_IF_ERROR(t->check_links());
   return t;
 }
 
@@ -147,6 +150,7 @@ Result<std::unique_ptr<Trainer>> Trainer::create(const Graph& graph, const Datas
 // compares it with what it expects. Ranks that cut their stages from different files
 // fail here with a message instead of exchanging mis-sized messages later.
 Status Trainer::check_links() {
+  if (!pipeline_) return Status::ok();
   constexpr int kLinkTag = 3;
   const int stage = rank_.layout().stage, stages = rank_.layout().stages;
   auto describe = [](const std::vector<LinkValue>& links) {
@@ -380,7 +384,9 @@ Status Trainer::write_trace(const std::string& path) {
   const int rank = world_ ? world_->rank() : 0;
   const std::string label = "rank " + std::to_string(rank) + ": stage " + std::to_string(l.stage) + ", replica " +
                             std::to_string(l.replica) + ", shard " + std::to_string(l.shard);
-  const std::string mine = tracer_.events_json(rank, label);
+  // Rank 0 gathers every rank's text in one buffer: keep the whole under 1 GiB.
+  const size_t budget = (size_t{1} << 30) / static_cast<size_t>(world_ ? world_->size() : 1);
+  const std::string mine = tracer_.events_json(rank, label, budget);
   const std::vector<std::string> all = world_ ? world_->gather_text(mine, 0) : std::vector<std::string>{mine};
   if (rank != 0) return Status::ok();
   return write_file_atomically(path, chrome_trace_json(all));

@@ -80,6 +80,11 @@ class Trainer {
                                                  const TrainConfig& config, const Parallel& parallel = {});
   ~Trainer();
 
+  // Neighbouring pipeline stages check that they agree on what crosses their cut (sizes,
+  // which gradients travel back). Collective over the pipeline: call once on every rank
+  // after create() succeeded on all of them, before the first step.
+  Status check_links();
+
   // Runs optimizer step steps_done() + 1 (collective: every rank calls it).
   StepResult step();
   int64_t steps_done() const { return optimizer_->steps_taken(); }
@@ -129,7 +134,6 @@ class Trainer {
   Trainer(const Dataset& data, Backend& backend, const TrainConfig& config, RankModel rank);
   void plan_buckets();
   Status read_checkpoint(const std::string& path);
-  Status check_links();
   // Runs after node i's backward on the last micro-batch: starts the all-reduce of every
   // gradient bucket that node completes.
   void on_gradients_ready(size_t node);

@@ -117,8 +117,19 @@ INSTANTIATE_TEST_SUITE_P(
         BadRun{"UnknownOptimizer", kModel + kData + kLabels + " --optimizer lamb", "lamb"},
         BadRun{"MseWithIntLabels", kModel + kData + kLabels + " --loss mse", "float32"},
         BadRun{"ResumeWithoutCheckpoint", kModel + kData + kLabels + " --resume /nonexistent", "no checkpoint"},
-        BadRun{"PipelineWithoutMpirun", kModel + kData + kLabels + " --stages 2", "mpirun"}),
+        BadRun{"PipelineWithoutMpirun", kModel + kData + kLabels + " --stages 2", "mpirun"},
+        // Files written at the end of a run are checked before it starts.
+        BadRun{"TraceIntoMissingFolder", kModel + kData + kLabels + " --trace /nonexistent/trace.json",
+               "--trace '/nonexistent/trace.json': no folder"},
+        BadRun{"TraceOntoAFolder", kModel + kData + kLabels + " --trace /tmp", "is a folder"}),
     [](const auto& info) { return info.param.name; });
+
+// --save is checked before the first step too: a typo never costs a finished run.
+TEST(TrainCli, SaveIntoAMissingFolderIsRefusedBeforeTraining) {
+  auto r = run_command(quote(tool_path("train")) + " " + kModel + kData + kLabels + " --steps 1 --save /nonexistent/x.onnx");
+  EXPECT_EQ(r.exit_code, 2) << r.err;
+  EXPECT_EQ(r.err, "train: error: --save '/nonexistent/x.onnx': no folder '/nonexistent'\n");
+}
 
 TEST(TrainCli, HelpExitsZero) {
   auto r = run_command(quote(tool_path("train")) + " --help");

@@ -7,8 +7,12 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <algorithm>
+#include <filesystem>
 #include <fstream>
+#include <optional>
 #include <string>
+#include <vector>
 
 #include <CLI/CLI.hpp>
 #include <fmt/core.h>
@@ -198,121 +202,200 @@ int check_equivalence(const Graph& graph, const Dataset& data, const TrainConfig
   return same ? 0 : 1;
 }
 
+// What the set-up makes for the training loop.
+struct Run {
+  ProcessLayout layout;
+  ProcessGroups groups;
+  TrainConfig config;
+  std::optional<ImportedModel> model;
+  std::optional<Dataset> data, eval;
+  int64_t steps_per_epoch = 1;
+  std::unique_ptr<Backend> backend;
+  std::unique_ptr<Trainer> trainer;
+  std::ofstream metrics;
+  std::unique_ptr<TrainingBoard> board;
+};
+
+// A file a flag will write at the end of the run: its folder must exist and it must not
+// be a folder itself. Checked before any work, so a typo never costs a finished run.
+Status check_output_file(const std::string& flag, const std::string& path) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  const fs::path p(path), folder = p.has_parent_path() ? p.parent_path() : fs::path(".");
+  if (fs::is_directory(p, ec)) return Status::error(flag + " '" + path + "' is a folder; give a file name");
+  if (!fs::is_directory(folder, ec)) return Status::error(flag + " '" + path + "': no folder '" + folder.string() + "'");
+  return Status::ok();
+}
+
+// Everything before the first step. Every rank runs it and stops at its first error. The
+// one collective inside, splitting the world into groups, comes right after the layout,
+// which the flags alone decide: every rank reaches it or none does.
+Status set_up(const Args& a, Communicator& world, Run& run) {
+  Result<ProcessLayout> layout = ProcessLayout::for_rank(world.rank(), world.size(), a.stages, a.tensor_parallel);
+  if (!layout) return layout.status();
+  run.layout = *layout;
+  run.groups = make_process_groups(world, run.layout);
+  const bool root = world.rank() == 0;
+  if (a.device == "cuda") return Status::error("--device cuda: this build trains on the CPU only so far");
+  if (a.eval_data.empty() != a.eval_labels.empty()) return Status::error("--eval-data and --eval-labels go together");
+  if (!a.save.empty()) PIPESHARD_RETURN_IF_ERROR(check_output_file("--save", a.save));
+  if (!a.trace.empty()) PIPESHARD_RETURN_IF_ERROR(check_output_file("--trace", a.trace));
+  if (!a.checkpoint.empty() && std::filesystem::exists(a.checkpoint) && !std::filesystem::is_directory(a.checkpoint)) {
+    return Status::error("--checkpoint '" + a.checkpoint + "' is a file, not a folder");
+  }
+  if (!a.plot.empty() && root) {  // a plot that cannot be drawn is a bad flag
+    if (Status s = check_picture_output(a.plot); !s) return Status::error("--plot: " + s.message());
+  }
+  Result<TrainConfig> config = make_config(a);
+  if (!config) return config.status();
+  run.config = *config;
+  Result<ImportedModel> model = import_onnx_file(a.model);
+  if (!model) return model.status();
+  run.model = std::move(*model);
+  Result<Dataset> data = load_dataset(a.data, a.labels, run.model->graph, run.config.loss);
+  if (!data) return data.status();
+  run.data = std::move(*data);
+  if (!a.eval_data.empty()) {
+    Result<Dataset> e = load_dataset(a.eval_data, a.eval_labels, run.model->graph, run.config.loss);
+    if (!e) return e.status();
+    run.eval = std::move(*e);
+  }
+  if (run.data->samples < run.config.batch_size) {
+    return Status::error(a.data + ": " + std::to_string(run.data->samples) + " samples, fewer than one batch of " +
+                         std::to_string(run.config.batch_size));
+  }
+  const int64_t batches_per_epoch = run.data->samples / run.config.batch_size;
+  run.steps_per_epoch = std::max<int64_t>(1, batches_per_epoch / run.config.grad_accum);
+  run.config.total_steps = a.steps > 0 ? a.steps : std::max<int64_t>(a.epochs, 1) * run.steps_per_epoch;
+  run.backend = make_cpu_backend();
+  const Parallel parallel{&world, &run.groups, &*run.model};
+  Result<std::unique_ptr<Trainer>> trainer = Trainer::create(run.model->graph, *run.data, *run.backend, run.config, parallel);
+  if (!trainer) return trainer.status();
+  run.trainer = std::move(*trainer);
+  if (!a.resume.empty()) PIPESHARD_RETURN_IF_ERROR(run.trainer->load_checkpoint(a.resume));
+  if (!a.metrics.empty() && root) {
+    run.metrics.open(a.metrics, std::ios::trunc);
+    if (!run.metrics) return Status::error("cannot write metrics file '" + a.metrics + "'");
+  }
+  if (!a.tensorboard.empty()) {  // rank 0 writes, every rank times its stage
+    Result<std::unique_ptr<TrainingBoard>> b = TrainingBoard::create(a.tensorboard, root);
+    if (!b) return b.status();
+    run.board = std::move(*b);
+  }
+  return Status::ok();
+}
+
+// Every rank reports how its set-up went, and rank 0 prints each distinct failure once —
+// naming the ranks when not all of them hit it — instead of one copy per process.
+// Collective; true when every rank succeeded.
+bool agree_on_set_up(Communicator& world, const Status& mine) {
+  const std::vector<std::string> all = world.gather_text(mine.is_ok() ? std::string() : mine.message(), 0);
+  if (world.all_reduce_sum(mine.is_ok() ? 0.0 : 1.0) == 0.0) return true;
+  std::vector<std::pair<std::string, std::vector<int>>> distinct;  // message, ranks, in rank order
+  for (size_t r = 0; r < all.size(); ++r) {
+    if (all[r].empty()) continue;
+    auto it = std::find_if(distinct.begin(), distinct.end(), [&](const auto& d) { return d.first == all[r]; });
+    if (it == distinct.end()) it = distinct.insert(distinct.end(), {all[r], {}});
+    it->second.push_back(static_cast<int>(r));
+  }
+  for (const auto& [message, ranks] : distinct) {
+    if (static_cast<int>(ranks.size()) == world.size()) {
+      fail(message);
+      continue;
+    }
+    std::string who = ranks.size() == 1 ? "rank " : "ranks ";
+    for (size_t i = 0; i < ranks.size(); ++i) who += (i ? ", " : "") + std::to_string(ranks[i]);
+    fail(who + ": " + message);
+  }
+  return false;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
+  // Ranks: one process, or mpirun -np N with N = stages × replicas × shards. The world
+  // comes first so that errors, --help included, are printed once, by rank 0.
+  std::unique_ptr<Communicator> world = make_world_communicator();
+  const bool root = world->rank() == 0;  // writes metrics, checkpoints, the saved model and the log
   CLI::App app{
       "Train an ONNX multilayer perceptron on NumPy data, step for step as PyTorch would, and write the trained\n"
-      "model back as ONNX. Example:\n"
+      "model back as ONNX; under mpirun, across processes (data, pipeline and tensor parallel). Examples:\n"
       "  train models/simple_digits.onnx --data data/digits_features.npy --labels data/digits_labels.npy \\\n"
-      "        --optimizer adamw --epochs 5 --save trained.onnx",
+      "        --optimizer adamw --epochs 5 --save trained.onnx\n"
+      "  mpirun -np 4 train models/simple_digits.onnx --data ... --labels ... --stages 2 --micro-batches 4",
       "train"};
   Args a;
   define(app, a);
+  Status parsed = Status::ok();
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
-    if (e.get_exit_code() == 0) return app.exit(e);
-    return fail(std::string(e.what()) + " (see train --help)");
+    if (e.get_exit_code() == 0) return root ? app.exit(e) : 0;
+    parsed = Status::error(std::string(e.what()) + " (see train --help)");
   }
   a.lr_given = app.count("--lr") > 0;
   a.momentum_given = app.count("--momentum") > 0;
   a.eps_given = app.count("--eps") > 0;
   a.weight_decay_given = app.count("--weight-decay") > 0;
-  // Ranks: one process, or mpirun -np N with N = stages × replicas × shards.
-  std::unique_ptr<Communicator> world = make_world_communicator();
-  Result<ProcessLayout> layout = ProcessLayout::for_rank(world->rank(), world->size(), a.stages, a.tensor_parallel);
-  if (!layout) return fail(layout.status().message());
-  ProcessGroups groups = make_process_groups(*world, *layout);
-  const bool root = world->rank() == 0;  // writes metrics, checkpoints, the saved model and the log
-  if (a.device == "cuda") return fail("--device cuda: this build trains on the CPU only so far");
-  if (a.eval_data.empty() != a.eval_labels.empty()) return fail("--eval-data and --eval-labels go together");
-  if (!a.plot.empty() && root) {  // before any work: a plot that cannot be drawn is a bad flag
-    if (Status s = check_picture_output(a.plot); !s) return fail("--plot: " + s.message());
-  }
-  Result<TrainConfig> config = make_config(a);
-  if (!config) return fail(config.status().message());
-
-  Result<ImportedModel> model = import_onnx_file(a.model);
-  if (!model) return fail(model.status().message());
-  Result<Dataset> data = load_dataset(a.data, a.labels, model->graph, config->loss);
-  if (!data) return fail(data.status().message());
-  std::optional<Dataset> eval;
-  if (!a.eval_data.empty()) {
-    Result<Dataset> e = load_dataset(a.eval_data, a.eval_labels, model->graph, config->loss);
-    if (!e) return fail(e.status().message());
-    eval = std::move(*e);
-  }
-  if (data->samples < config->batch_size) {
-    return fail(a.data + ": " + std::to_string(data->samples) + " samples, fewer than one batch of " + std::to_string(config->batch_size));
-  }
-  const int64_t batches_per_epoch = data->samples / config->batch_size;
-  const int64_t steps_per_epoch = std::max<int64_t>(1, batches_per_epoch / config->grad_accum);
-  config->total_steps = a.steps > 0 ? a.steps : std::max<int64_t>(a.epochs, 1) * steps_per_epoch;
-
-  std::unique_ptr<Backend> backend = make_cpu_backend();
-  const Parallel parallel{world.get(), &groups, &*model};
-  Result<std::unique_ptr<Trainer>> trainer = Trainer::create(model->graph, *data, *backend, *config, parallel);
-  if (!trainer) return fail(trainer.status().message());
-  Graph scratch = model->graph;  // host copy for the saved model
-  if (!a.resume.empty()) {
-    if (Status s = (*trainer)->load_checkpoint(a.resume); !s) return fail(s.message());
-  }
-  std::ofstream metrics;
-  if (!a.metrics.empty() && root) {
-    metrics.open(a.metrics, std::ios::trunc);
-    if (!metrics) return fail("cannot write metrics file '" + a.metrics + "'");
-  }
-  if (a.check_equivalence > 0) {
-    return check_equivalence(model->graph, *data, *config, **trainer, a.check_equivalence, *world);
-  }
-  std::unique_ptr<TrainingBoard> board;  // --tensorboard: rank 0 writes, every rank times its stage
-  if (!a.tensorboard.empty()) {
-    Result<std::unique_ptr<TrainingBoard>> b = TrainingBoard::create(a.tensorboard, root);
-    if (!b) return fail(b.status().message());
-    board = std::move(*b);
-  }
-  (*trainer)->start_trace(!a.trace.empty());
+  Run run;
+  if (!agree_on_set_up(*world, parsed ? set_up(a, *world, run) : parsed)) return kExitBadInput;
+  // What only a neighbour can tell: the rank that finds a mismatch says so, and its exit
+  // ends the job.
+  if (Status s = run.trainer->check_links(); !s) return fail(s.message());
+  const ProcessLayout& layout = run.layout;
+  TrainConfig& config = run.config;
+  Trainer& trainer = *run.trainer;
+  const ImportedModel& model = *run.model;
+  if (a.check_equivalence > 0) return check_equivalence(model.graph, *run.data, config, trainer, a.check_equivalence, *world);
+  Graph scratch = model.graph;  // host copy for the saved model
+  trainer.start_trace(!a.trace.empty());
+  const int64_t steps_per_epoch = run.steps_per_epoch;
   const int64_t checkpoint_every = a.checkpoint_every > 0 ? a.checkpoint_every : steps_per_epoch;
   const bool live = root && stderr_is_terminal();
   const bool log = root;
-  const int64_t log_every = std::max<int64_t>(1, config->total_steps / 20);
+  const int64_t log_every = std::max<int64_t>(1, config.total_steps / 20);
   if (log) {
     std::string how;
-    if (layout->replicas > 1) how += fmt::format(", {} data-parallel replicas", layout->replicas);
-    if (layout->stages > 1) {
-      how += fmt::format(", {} pipeline stages ({}, {} micro-batches)", layout->stages, a.pipeline_schedule,
-                         config->micro_batches);
+    if (layout.replicas > 1) how += fmt::format(", {} data-parallel replicas", layout.replicas);
+    if (layout.stages > 1) {
+      how += fmt::format(", {} pipeline stages ({}, {} micro-batches)", layout.stages, a.pipeline_schedule,
+                         config.micro_batches);
     }
-    if (layout->shards > 1) how += fmt::format(", {} tensor-parallel shards", layout->shards);
+    if (layout.shards > 1) how += fmt::format(", {} tensor-parallel shards", layout.shards);
     fmt::print(stderr, "training {} ({} parameters) on {} samples: {} steps of {} samples, {}{}\n", a.model,
-               model->graph.total_parameter_count(), data->samples, config->total_steps,
-               config->batch_size * config->grad_accum, a.optimizer, how);
+               model.graph.total_parameter_count(), run.data->samples, config.total_steps,
+               config.batch_size * config.grad_accum, a.optimizer, how);
+    if (config.sync_batchnorm && layout.replicas == 1) {
+      fmt::print(stderr, "note: --sync-batchnorm has nothing to synchronise with one data-parallel replica\n");
+    }
   }
   std::optional<TrainingCurves> curves;  // --plot: rank 0 collects and draws
   if (!a.plot.empty() && root) {
     curves.emplace(TrainingRun{.model = a.model, .optimizer = a.optimizer, .loss = a.loss,
-                               .batch_size = config->batch_size * config->grad_accum, .steps_per_epoch = steps_per_epoch,
-                               .replicas = layout->replicas, .stages = layout->stages, .shards = layout->shards,
-                               .schedule = a.pipeline_schedule, .micro_batches = config->micro_batches});
+                               .batch_size = config.batch_size * config.grad_accum, .steps_per_epoch = steps_per_epoch,
+                               .replicas = layout.replicas, .stages = layout.stages, .shards = layout.shards,
+                               .schedule = a.pipeline_schedule, .micro_batches = config.micro_batches});
   }
+  // During training every rank sees the same loss and the same collective results; what
+  // goes wrong is said once, by rank 0, and every rank stops with status 2.
+  auto stop = [&](const std::string& message) { return root ? fail(message) : kExitBadInput; };
   double epoch_loss = 0;
   int64_t epoch_steps = 0, current_epoch = 0;
   const auto started = std::chrono::steady_clock::now();
   auto last = started;
-  while ((*trainer)->steps_done() < config->total_steps) {
-    StepResult r = (*trainer)->step();
+  while (trainer.steps_done() < config.total_steps) {
+    StepResult r = trainer.step();
     const auto now = std::chrono::steady_clock::now();
     const double seconds = std::chrono::duration<double>(now - last).count();
     last = now;
-    const double samples_per_s = config->batch_size * config->grad_accum / std::max(seconds, 1e-9);
-    if (!std::isfinite(r.loss)) return fail(fmt::format("the loss became {} at step {}; lower --lr or clip gradients", r.loss, r.step));
-    if (metrics.is_open()) {
-      metrics << nlohmann::json{{"step", r.step}, {"epoch", r.epoch}, {"loss", r.loss}, {"lr", r.lr}, {"samples_per_s", samples_per_s}}.dump()
-              << "\n" << std::flush;
+    const double samples_per_s = config.batch_size * config.grad_accum / std::max(seconds, 1e-9);
+    if (!std::isfinite(r.loss)) return stop(fmt::format("the loss became {} at step {}; lower --lr or clip gradients", r.loss, r.step));
+    if (run.metrics.is_open()) {
+      run.metrics << nlohmann::json{{"step", r.step}, {"epoch", r.epoch}, {"loss", r.loss}, {"lr", r.lr}, {"samples_per_s", samples_per_s}}.dump()
+                  << "\n" << std::flush;
     }
-    if (board) {
-      if (Status s = board->add_step(**trainer, r, samples_per_s); !s) return fail(s.message());
+    if (run.board) {
+      if (Status s = run.board->add_step(trainer, r, samples_per_s); !s) return stop(s.message());
     }
     if (r.epoch != current_epoch) {
       current_epoch = r.epoch;
@@ -323,55 +406,56 @@ int main(int argc, char** argv) {
     if (curves) curves->add_step(r.step, r.loss);
     ++epoch_steps;
     const std::string line = fmt::format("step {}/{}  epoch {}  loss {:.4f}  lr {:.3g}  {:.0f} samples/s", r.step,
-                                         config->total_steps, r.epoch, r.loss, r.lr, samples_per_s);
+                                         config.total_steps, r.epoch, r.loss, r.lr, samples_per_s);
     if (live) {
       fmt::print(stderr, "\r{}\x1b[K", line);
-    } else if (log && (r.step % log_every == 0 || r.step == config->total_steps)) {
+    } else if (log && (r.step % log_every == 0 || r.step == config.total_steps)) {
       fmt::print(stderr, "{}\n", line);
     }
     const bool epoch_end = r.step % steps_per_epoch == 0;
-    if (epoch_end && eval) {
-      EvalResult e = (*trainer)->evaluate(*eval);  // every rank takes part; rank 0 reports
+    if (epoch_end && run.eval) {
+      EvalResult e = trainer.evaluate(*run.eval);  // every rank takes part; rank 0 reports
       if (log) fmt::print(stderr, "{}epoch {}: train loss {:.4f}  eval loss {:.4f}{}\n", live ? "\r\x1b[K" : "", r.epoch,
                  epoch_loss / epoch_steps, e.loss,
                  e.accuracy >= 0 ? fmt::format("  eval accuracy {:.1f}%", 100 * e.accuracy) : "");
-      if (board) {
-        if (Status s = board->add_eval(r.step, e); !s) return fail(s.message());
+      if (run.board) {
+        if (Status s = run.board->add_eval(r.step, e); !s) return stop(s.message());
       }
       if (curves) curves->add_eval(r.epoch, r.step, e.loss, e.accuracy);
     }
-    if (!a.checkpoint.empty() && (r.step % checkpoint_every == 0 || r.step == config->total_steps)) {
-      if (Status s = (*trainer)->save_checkpoint(a.checkpoint); !s) return fail(s.message());
+    if (!a.checkpoint.empty() && (r.step % checkpoint_every == 0 || r.step == config.total_steps)) {
+      if (Status s = trainer.save_checkpoint(a.checkpoint); !s) return stop(s.message());
     }
   }
   if (live) fmt::print(stderr, "\n");
   const double total = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
-  if (log) fmt::print(stderr, "done: {} steps in {:.2f} s\n", config->total_steps, total);
-  if (layout->stages > 1) {
-    const Trainer::Bubble b = (*trainer)->pipeline_bubble();
+  if (log) fmt::print(stderr, "done: {} steps in {:.2f} s\n", config.total_steps, total);
+  // The trained model first: what follows only describes the run.
+  if (!a.save.empty()) {
+    trainer.download_parameters(scratch);  // gathers every stage and shard on rank 0
+    if (root) {
+      if (Status s = write_trained_model(model, scratch, a.save); !s) return fail(s.message());
+      fmt::print(stderr, "wrote {}\n", a.save);
+    }
+  }
+  if (layout.stages > 1) {
+    const Trainer::Bubble b = trainer.pipeline_bubble();
     if (log) {
       fmt::print(stderr, "pipeline bubble: stages idle {:.1f}% of the schedule's time (measured, transfers included); "
                  "theory (P-1)/(M+P-1) = {:.1f}% for P={}, M={}\n", 100 * b.measured, 100 * b.theoretical,
-                 layout->stages, config->micro_batches);
+                 layout.stages, config.micro_batches);
     }
-    if (board) {
-      if (Status s = board->add_bubble(config->total_steps, b); !s) return fail(s.message());
+    if (run.board) {
+      if (Status s = run.board->add_bubble(config.total_steps, b); !s) return stop(s.message());
     }
   }
   if (!a.trace.empty()) {
-    if (Status s = (*trainer)->write_trace(a.trace); !s) return fail(s.message());
+    if (Status s = trainer.write_trace(a.trace); !s) return stop(s.message());
     if (root) fmt::print(stderr, "wrote {} (open it in https://ui.perfetto.dev or chrome://tracing)\n", a.trace);
   }
   if (curves) {
     if (Status s = draw_picture(curves->data(), a.plot); !s) return fail("--plot: " + s.message());
     fmt::print(stderr, "wrote {}\n", a.plot);
-  }
-  if (!a.save.empty()) {
-    (*trainer)->download_parameters(scratch);  // gathers every stage and shard on rank 0
-    if (root) {
-      if (Status s = write_trained_model(*model, scratch, a.save); !s) return fail(s.message());
-      fmt::print(stderr, "wrote {}\n", a.save);
-    }
   }
   return 0;
 }
