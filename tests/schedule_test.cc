@@ -11,6 +11,8 @@
 #include <string>
 #include <vector>
 
+#include "test_util.h"
+
 namespace pipeshard {
 namespace {
 
@@ -284,6 +286,27 @@ TEST(Schedule, Names) {
   EXPECT_EQ(action_name({ActionKind::kRecvGradient, 3}), "rG3");
   EXPECT_STREQ(schedule_kind_name(ScheduleKind::kGPipe), "gpipe");
   EXPECT_STREQ(schedule_kind_name(ScheduleKind::k1F1B), "1f1b");
+}
+
+}  // namespace
+}  // namespace pipeshard
+
+namespace pipeshard {
+namespace {
+
+// partition --show-schedule prints the schedule train runs: the grid of this file's
+// format_pipeline_schedule, and the micro-batches each stage keeps alive.
+TEST(ScheduleCli, PartitionShowsTheScheduleGrid) {
+  testing::ScratchDir dir("show-schedule");
+  const testing::CommandResult r =
+      testing::run_command(testing::quote(testing::tool_path("partition")) + " " +
+                           testing::quote(testing::source_path("models/simple.onnx")) +
+                           " --stages 2 --micro-batches 3 --show-schedule --out " + testing::quote(dir.path()));
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_NE(r.out.find(format_pipeline_schedule(make_pipeline_schedule(ScheduleKind::k1F1B, 2, 3))), std::string::npos)
+      << r.out;
+  EXPECT_NE(r.out.find("stage 0: at most 2 micro-batches alive"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("stage 1: at most 1 micro-batch alive"), std::string::npos) << r.out;
 }
 
 }  // namespace

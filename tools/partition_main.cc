@@ -9,6 +9,7 @@
 #include <fmt/core.h>
 
 #include "common/cli.h"
+#include "executor/schedule.h"
 #include "importer/onnx_importer.h"
 #include "partitioner/plan.h"
 #include "partitioner/stage_writer.h"
@@ -115,6 +116,10 @@ int main(int argc, char** argv) {
   app.add_flag("--json", json, "print plan.json to stdout instead of the table (files are still written)");
   std::string chart;
   app.add_option("--chart", chart, "draw parameters and memory per stage to this .svg or .png (needs matplotlib)");
+  bool show_schedule = false;
+  app.add_flag("--show-schedule", show_schedule,
+               "print the pipeline schedule (--schedule, --micro-batches) as a step x stage grid, checked for "
+               "deadlock, as train runs it");
   auto* est = "memory estimate";
   app.add_option("--batch-size", o.batch_size, "samples per step per replica (memory estimate; default 32)")->group(est);
   app.add_option("--micro-batches", o.micro_batches, "micro-batches per step (memory estimate; default = stages)")->group(est);
@@ -150,6 +155,18 @@ int main(int argc, char** argv) {
   if (!chart.empty()) {
     if (Status s = draw_picture(partition_chart_data(*plan), chart); !s) return fail("--chart: " + s.message());
     if (!json) fmt::print("wrote the chart to {}\n", chart);
+  }
+  if (show_schedule && !json) {
+    const int m_batches = o.micro_batches > 0 ? o.micro_batches : o.stages;
+    const PipelineSchedule sc = make_pipeline_schedule(o.schedule, o.stages, m_batches);
+    fmt::print("\n{} schedule, {} stage{}, {} micro-batch{} (F/B: forward/backward of micro-batch k; "
+               "sA/rA, sG/rG: send/receive its activation, gradient):\n{}",
+               schedule_kind_name(o.schedule), o.stages, o.stages == 1 ? "" : "s", m_batches,
+               m_batches == 1 ? "" : "es", format_pipeline_schedule(sc));
+    for (int st = 0; st < o.stages; ++st) {
+      fmt::print("stage {}: at most {} micro-batch{} alive\n", st, max_in_flight(sc, st),
+                 max_in_flight(sc, st) == 1 ? "" : "es");
+    }
   }
   return 0;
 }
