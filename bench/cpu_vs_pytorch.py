@@ -97,7 +97,7 @@ def torch_worker(job):
     import torch.nn.functional as F
     torch.set_num_threads(job["threads"])
     rss_after_import_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    spec = MODELS[job["model"]]
+    spec = job.get("spec") or MODELS[job["model"]]
     model = build_module(spec)
     model.load_state_dict(torch.load(job["weights"]))
     model.train()
@@ -113,6 +113,21 @@ def torch_worker(job):
 
 # --------------------------------------------------------------------------- parent
 GNU_TIME = "/usr/bin/time"
+
+
+def child_environments(threads):
+    """(ours, PyTorch's): OMP_NUM_THREADS = OPENBLAS_NUM_THREADS = threads, OMP_WAIT_POLICY=PASSIVE;
+    PyTorch's also has OpenBLAS first on LD_LIBRARY_PATH."""
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), OPENBLAS_NUM_THREADS=str(threads),
+               OMP_WAIT_POLICY="PASSIVE")
+    env_torch = dict(env)
+    # Debian's torch calls sgemm_ from libblas.so.3; put OpenBLAS's first on its path so
+    # that it is OpenBLAS whatever update-alternatives says (checked from its maps).
+    openblas_dirs = sorted(glob.glob("/usr/lib/*/openblas-pthread"))
+    if openblas_dirs:
+        env_torch["LD_LIBRARY_PATH"] = os.pathsep.join(
+            [openblas_dirs[0]] + [p for p in env.get("LD_LIBRARY_PATH", "").split(os.pathsep) if p])
+    return env, env_torch
 
 
 def children_of(pid):
@@ -156,7 +171,7 @@ def export_worker(job):
     import numpy as np
     import torch
     name, folder, seed = job["model"], job["folder"], job["seed"]
-    spec = MODELS[name]
+    spec = job.get("spec") or MODELS[name]
     torch.manual_seed(seed)
     module = build_module(spec).eval()
     fan_in = spec["layers"][0][0]
@@ -170,9 +185,11 @@ def export_worker(job):
     np.save(os.path.join(folder, f"{name}_y.npy"), rng.integers(0, classes, samples).astype(np.int64))
 
 
-def export(name, folder, seed):
-    """Runs export_worker in a child, so that this process never holds torch's memory."""
-    job = json.dumps({"model": name, "folder": folder, "seed": seed})
+def export(name, folder, seed, spec=None):
+    """Runs export_worker in a child, so that this process never holds torch's memory. `spec`
+    (layers, relu_last, batch, as in MODELS) defaults to MODELS[name]; the files are named after
+    `name`."""
+    job = json.dumps({"model": name, "folder": folder, "seed": seed, "spec": spec})
     subprocess.run([sys.executable, os.path.abspath(__file__), "--export-worker", job], check=True,
                    stdout=subprocess.DEVNULL)
     return os.path.join(folder, f"{name}.onnx")
@@ -194,12 +211,15 @@ def sgemm_ceiling(bench_sgemm, spec, env, repeats):
     return total, banner
 
 
-def race(name, spec, args, folder, env_ours, env_torch):
-    onnx_path = export(name, folder, args.seed)
+def race(name, spec, args, folder, env_ours, env_torch, steps=None):
+    """args.rounds alternating rounds of ours and PyTorch on `spec` (any MLP in MODELS' form, named
+    `name` in the files); steps per run default to --steps-a for model A, else --steps-b."""
+    onnx_path = export(name, folder, args.seed, spec)
     data, labels = os.path.join(folder, f"{name}_x.npy"), os.path.join(folder, f"{name}_y.npy")
-    steps = args.steps_a if name == "A" else args.steps_b
+    if steps is None:
+        steps = args.steps_a if name == "A" else args.steps_b
     warmup = min(args.warmup, steps - 1)
-    job = {"model": name, "threads": args.threads, "steps": steps, "data": data, "labels": labels,
+    job = {"model": name, "spec": spec, "threads": args.threads, "steps": steps, "data": data, "labels": labels,
            "weights": os.path.join(folder, f"{name}.pt")}
     ours_s, torch_s, ours_rss, torch_rss, ceiling_s = [], [], [], [], []
     rounds = []
@@ -250,19 +270,39 @@ def verdict(ok):
     return "PASS" if ok else "MISS"
 
 
-def report(name, spec, res, args):
+def derived_figures(spec, res):
+    """The figures of one race (res from race()), by the formulas of bench/README.md: times in
+    seconds, F in FLOP per step, rates in FLOP/s, the ratios ours/PyTorch."""
     b = spec["batch"]
     sum_io = sum(i * o for i, o in spec["layers"])
     first_io = spec["layers"][0][0] * spec["layers"][0][1]
-    nominal = 6 * b * sum_io
     executed = 2 * b * (3 * sum_io - first_io)
     ours, torch_ = statistics.median(res["ours_s"]), statistics.median(res["torch_s"])
-    ratio = ours / torch_
     ceiling_rate = executed / res["ceiling_s"]
+    l_ours, l_torch = res["ours_losses"][0], res["torch_losses"][0]
+    # Each round runs both sides back to back, so a slowdown of the whole machine that
+    # outlasts a round (a noisy neighbour on a shared VM) shifts both and cancels in the
+    # round's ratio; the pooled medians mix slow rounds of one side with fast ones of the other.
+    paired = statistics.median(r["ours"] / r["torch"] for r in res["rounds"])
+    spread = max(max(r[side] for r in res["rounds"]) / min(r[side] for r in res["rounds"]) - 1
+                 for side in ("ours", "torch"))
+    return {
+        "batch": b, "sum_io": sum_io, "first_io": first_io, "nominal": 6 * b * sum_io, "executed": executed,
+        "ours": ours, "torch": torch_, "ratio": ours / torch_, "paired": paired, "spread": spread,
+        "noisy": spread > NOISY_SPREAD, "ceiling_rate": ceiling_rate,
+        "pct_ours": executed / ours / ceiling_rate, "pct_torch": executed / torch_ / ceiling_rate,
+        "first_rel": abs(l_ours - l_torch) / abs(l_torch),
+        "last_rel": abs(res["ours_losses"][-1] - res["torch_losses"][-1]) / abs(res["torch_losses"][-1]),
+    }
+
+
+def report(name, spec, res, args):
+    f = derived_figures(spec, res)
+    b, sum_io, first_io, nominal, executed = f["batch"], f["sum_io"], f["first_io"], f["nominal"], f["executed"]
+    ours, torch_, ratio, ceiling_rate = f["ours"], f["torch"], f["ratio"], f["ceiling_rate"]
     mib = lambda kib: kib / 1024
     l_ours, l_torch = res["ours_losses"][0], res["torch_losses"][0]
-    rel = abs(l_ours - l_torch) / abs(l_torch)
-    last_rel = abs(res["ours_losses"][-1] - res["torch_losses"][-1]) / abs(res["torch_losses"][-1])
+    rel, last_rel = f["first_rel"], f["last_rel"]
     n_steps = res["steps"]
     print(f"\nModel {name}: {spec['title']}; {args.rounds} rounds x {n_steps} steps each side, "
           f"the first {res['warmup']} of every run discarded; {args.threads} threads")
@@ -278,22 +318,17 @@ def report(name, spec, res, args):
           f"ratio ours/PyTorch = {ratio:.3f}  (target <= {TARGET_RATIO}: {verdict(ratio <= TARGET_RATIO)})")
     per_round = "  ".join(f"{r['ours'] * 1e3:.2f}/{r['torch'] * 1e3:.2f}" for r in res["rounds"])
     print(f"  {'  per round, ours/PyTorch (ms)':{w}s} {per_round}")
-    # Each round runs both sides back to back, so a slowdown of the whole machine that
-    # outlasts a round (a noisy neighbour on a shared VM) shifts both and cancels in the
-    # round's ratio; the pooled medians above mix slow rounds of one side with fast ones
-    # of the other.
-    paired = statistics.median(r["ours"] / r["torch"] for r in res["rounds"])
+    paired = f["paired"]
     print(f"  {'  paired: median of per-round ratios':{w}s} {'':25s}   ratio ours/PyTorch = {paired:.3f}  "
           f"(target <= {TARGET_RATIO}: {verdict(paired <= TARGET_RATIO)})")
-    spread = max(max(r[side] for r in res["rounds"]) / min(r[side] for r in res["rounds"]) - 1
-                 for side in ("ours", "torch"))
+    spread = f["spread"]
     if spread > NOISY_SPREAD:
         print(f"  {'':{w}s} NOISY: per-round medians of one side differ by {spread:.0%} (> {NOISY_SPREAD:.0%}); "
               "something else ran on the machine, so rerun before trusting the ratio")
     print(f"  {'samples/s = B / step time':{w}s} {b / ours:12.0f} {b / torch_:12.0f}")
     print(f"  {'GFLOP/s = F_nominal / step time':{w}s} {nominal / ours / 1e9:12.1f} {nominal / torch_ / 1e9:12.1f}")
     print(f"  {'GFLOP/s = F_executed / step time':{w}s} {executed / ours / 1e9:12.1f} {executed / torch_ / 1e9:12.1f}")
-    pct_ours, pct_torch = executed / ours / ceiling_rate, executed / torch_ / ceiling_rate
+    pct_ours, pct_torch = f["pct_ours"], f["pct_torch"]
     target = f"(target >= {TARGET_CEILING:.0%}: {verdict(pct_ours >= TARGET_CEILING)})" if name == "B" else "(no target)"
     print(f"  {'% of sgemm ceiling = GFLOP/s / ceil':{w}s} {pct_ours:12.1%} {pct_torch:12.1%}   {target}")
     print(f"  {'peak RSS, ru_maxrss (MiB)':{w}s} {mib(res['ours_rss']):12.1f} {mib(res['torch_rss']):12.1f}   "
@@ -338,16 +373,7 @@ def main():
     if not os.access(GNU_TIME, os.X_OK):
         print(f"cpu_vs_pytorch: {GNU_TIME} (Debian package time) is missing: peak RSS is not measured")
 
-    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), OPENBLAS_NUM_THREADS=str(args.threads),
-               OMP_WAIT_POLICY="PASSIVE")
-    env_torch = dict(env)
-    # Debian's torch calls sgemm_ from libblas.so.3; put OpenBLAS's first on its path so
-    # that it is OpenBLAS whatever update-alternatives says (checked below from its maps).
-    openblas_dirs = sorted(glob.glob("/usr/lib/*/openblas-pthread"))
-    if openblas_dirs:
-        env_torch["LD_LIBRARY_PATH"] = os.pathsep.join(
-            [openblas_dirs[0]] + [p for p in env.get("LD_LIBRARY_PATH", "").split(os.pathsep) if p])
-
+    env, env_torch = child_environments(args.threads)
     print(f"cpu_vs_pytorch: {os.uname().nodename}, {os.cpu_count()} CPUs, load average "
           f"{os.getloadavg()[0]:.2f} at start; env for both: OMP_NUM_THREADS={args.threads} "
           f"OPENBLAS_NUM_THREADS={args.threads} OMP_WAIT_POLICY=PASSIVE; PyTorch also "

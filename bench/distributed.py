@@ -16,6 +16,8 @@ Model B of cpu_vs_pytorch.py (4 x (Linear(1024, 1024) + ReLU), batch 256, SGD lr
             128 samples (its half of 256), the same OpenBLAS file as train
   pipeline  mpirun -np 2 train --stages 2 --micro-batches M (1f1b, and gpipe for some M) against
             one process with 1 thread, next to the ideal P*M/(M+P-1)
+  tp        (not in the default) mpirun -np 2 train --tensor-parallel 2 against one process with
+            1 thread and with 2 threads
 Every configuration the chosen sections need runs once per round, in one order on even rounds
 and the reverse on odd ones, so that ours and the peer alternate. Step times are medians over
 all rounds of every step after the first --warmup of each run: ours from train's --metrics
@@ -68,6 +70,9 @@ DP_SMALL = Config("dp-small", f"2 ranks x 1 thread, --bucket-mb {SMALL_BUCKET_MB
 DP_ONE_SHOT = Config("dp-one-shot", f"2 ranks x 1 thread, --bucket-mb {ONE_SHOT_BUCKET_MB}", P, 1,
                      ("--bucket-mb", str(ONE_SHOT_BUCKET_MB)))
 DDP = Config("ddp", "PyTorch DDP gloo, 2 ranks x 1 thread", P, 1, peer=True)
+TP = Config("tp", "2 tensor-parallel shards x 1 thread", P, 1, ("--tensor-parallel", str(P)))
+SECTIONS = ("dp", "buckets", "ddp", "pipeline", "tp")
+DEFAULT_SECTIONS = "dp,buckets,ddp,pipeline"
 
 
 def pipeline_config(m, schedule):
@@ -87,6 +92,8 @@ def configs_for(sections, micro_batches, gpipe_micro_batches):
     if "pipeline" in sections:
         wanted += [ONE_1T, ONE_2T] + [pipeline_config(m, "1f1b") for m in micro_batches]
         wanted += [pipeline_config(m, "gpipe") for m in gpipe_micro_batches]
+    if "tp" in sections:
+        wanted += [ONE_1T, ONE_2T, TP]
     return list(dict.fromkeys(wanted))
 
 
@@ -347,6 +354,17 @@ def report_pipeline(configs, res):
            "vs 1r x 2t = T(1r x 2t) / T"], rows)
 
 
+def report_tp(res):
+    t, t11, t12 = res[TP.key]["median"], res[ONE_1T.key]["median"], res[ONE_2T.key]["median"]
+    print(f"\n### Tensor parallelism, 2 shards x 1 thread (--tensor-parallel {P}: layers paired column- then "
+          "row-parallel, one all-reduce of the activations per pair forward and one backward)\n")
+    table(["figure", "measured ms/step", "baseline ms/step", "ratio", "formula"], [
+        ["2 shards x 1 thread vs 1 rank x 1 thread", ms(t), ms(t11), f"{t / t11:.3f}",
+         f"speedup T(1r x 1t) / T(tp) = {t11 / t:.3f} (ideal {P}); efficiency = speedup / {P} = {t11 / t / P:.1%}"],
+        ["2 shards x 1 thread vs 1 rank x 2 threads", ms(t), ms(t12), f"{t / t12:.3f}", "T(tp) / T(1r x 2t)"],
+    ])
+
+
 def report_blas(configs, res):
     ours = next(res[c.key]["blas"] for c in configs if not c.peer)
     print("\nBLAS, from /proc/PID/maps of a running process:")
@@ -365,7 +383,8 @@ def parse_args():
     ap.add_argument("--steps", type=int, default=60, help="steps per run (default 60)")
     ap.add_argument("--warmup", type=int, default=5, help="steps discarded at the start of every run (default 5)")
     ap.add_argument("--build-dir", default=os.path.join(cvp.ROOT, "build"), help="where bin/train is (default build/)")
-    ap.add_argument("--sections", default="dp,buckets,ddp,pipeline", help="any of dp,buckets,ddp,pipeline (default all)")
+    ap.add_argument("--sections", default=DEFAULT_SECTIONS,
+                    help=f"any of {','.join(SECTIONS)} (default {DEFAULT_SECTIONS})")
     ap.add_argument("--micro-batches", default="1,2,4,8,16", help="pipeline M values, 1f1b (default 1,2,4,8,16)")
     ap.add_argument("--gpipe", default="2,4,8,16", help="M values also run with --schedule gpipe (default 2,4,8,16; '' for none)")
     ap.add_argument("--bind-to", default="core", choices=("core", "none"),
@@ -386,9 +405,9 @@ def main():
     if args.ddp_worker:
         return ddp_worker(json.loads(args.ddp_worker))
     sections = [s for s in args.sections.split(",") if s]
-    unknown = set(sections) - {"dp", "buckets", "ddp", "pipeline"}
+    unknown = set(sections) - set(SECTIONS)
     if unknown or not sections:
-        return cannot_run(f"unknown --sections {','.join(sorted(unknown))} (choose from dp,buckets,ddp,pipeline)")
+        return cannot_run(f"unknown --sections {','.join(sorted(unknown))} (choose from {','.join(SECTIONS)})")
     if not 0 <= args.warmup < args.steps:
         return cannot_run("--warmup must be below --steps")
     micro_batches = [int(m) for m in args.micro_batches.split(",") if m]
@@ -430,6 +449,8 @@ def main():
         report_ddp(results)
     if "pipeline" in sections:
         report_pipeline(configs, results)
+    if "tp" in sections:
+        report_tp(results)
     return 0
 
 
