@@ -7,6 +7,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <algorithm>
 #include <filesystem>
 #include <fstream>
@@ -214,7 +215,31 @@ struct Run {
   std::unique_ptr<Trainer> trainer;
   std::ofstream metrics;
   std::unique_ptr<TrainingBoard> board;
+  CrashPoint checkpoint_crash;  // PIPESHARD_FAULT_AT: crash tests only
 };
+
+// PIPESHARD_FAULT_AT, for crash tests only (tests/checkpoint_kill_test.cc): train kills
+// itself with SIGKILL inside its first checkpoint write, after K bytes of the temporary
+// file ("checkpoint:K"), once that file is complete and fsynced but not renamed
+// ("checkpoint:synced"), or right after the rename ("checkpoint:renamed").
+Result<CrashPoint> checkpoint_crash_from_environment() {
+  const char* value = std::getenv("PIPESHARD_FAULT_AT");
+  if (value == nullptr || *value == 0) return CrashPoint{};
+  const std::string v = value, prefix = "checkpoint:";
+  const std::string point = v.rfind(prefix, 0) == 0 ? v.substr(prefix.size()) : "";
+  CrashPoint c;
+  if (point == "synced") {
+    c.where = CrashPoint::Where::kBeforeRename;
+  } else if (point == "renamed") {
+    c.where = CrashPoint::Where::kAfterRename;
+  } else if (!point.empty() && point.size() <= 18 && point.find_first_not_of("0123456789") == std::string::npos) {
+    c.where = CrashPoint::Where::kAfterBytes;
+    c.bytes = std::stoll(point);
+  } else {
+    return Status::error("PIPESHARD_FAULT_AT='" + v + "': expected checkpoint:BYTES, checkpoint:synced or checkpoint:renamed");
+  }
+  return c;
+}
 
 // A file a flag will write at the end of the run: its folder must exist and it must not
 // be a folder itself. Checked before any work, so a typo never costs a finished run.
@@ -249,6 +274,9 @@ Status set_up(const Args& a, Communicator& world, Run& run) {
   Result<TrainConfig> config = make_config(a);
   if (!config) return config.status();
   run.config = *config;
+  Result<CrashPoint> crash = checkpoint_crash_from_environment();
+  if (!crash) return crash.status();
+  run.checkpoint_crash = *crash;
   Result<ImportedModel> model = import_onnx_file(a.model);
   if (!model) return model.status();
   run.model = std::move(*model);
@@ -424,7 +452,7 @@ int main(int argc, char** argv) {
       if (curves) curves->add_eval(r.epoch, r.step, e.loss, e.accuracy);
     }
     if (!a.checkpoint.empty() && (r.step % checkpoint_every == 0 || r.step == config.total_steps)) {
-      if (Status s = trainer.save_checkpoint(a.checkpoint); !s) return stop(s.message());
+      if (Status s = trainer.save_checkpoint(a.checkpoint, run.checkpoint_crash); !s) return stop(s.message());
     }
   }
   if (live) fmt::print(stderr, "\n");
