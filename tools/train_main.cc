@@ -6,6 +6,7 @@
 
 #include <chrono>
 #include <cmath>
+#include <csignal>
 #include <cstdio>
 #include <cstdlib>
 #include <algorithm>
@@ -29,6 +30,7 @@
 #include "importer/onnx_writer.h"
 #include "tools/pictures.h"
 #include "tools/plot.h"
+#include "tools/stop_signal.h"
 
 namespace {
 
@@ -338,6 +340,31 @@ bool agree_on_set_up(Communicator& world, const Status& mine) {
   return false;
 }
 
+const char* signal_name(int signal) { return signal == SIGINT ? "SIGINT" : "SIGTERM"; }
+
+// The end of a run that SIGINT or SIGTERM stopped after `step`: a checkpoint, unless
+// this step has just written one, then every rank waits until it is on disk (a rank that
+// exits first makes mpirun end the job, rank 0 included). Returns 128 + the signal, as a
+// shell reports a process the signal ended: 130 for SIGINT, 143 for SIGTERM.
+int stop_on_signal(int signal, int64_t step, int64_t total_steps, bool checkpointed, const Args& a, Run& run,
+                   Communicator& world) {
+  const bool root = world.rank() == 0;
+  if (!a.checkpoint.empty() && !checkpointed) {
+    if (Status s = run.trainer->save_checkpoint(a.checkpoint, run.checkpoint_crash); !s) {
+      return root ? fail(s.message()) : kExitBadInput;
+    }
+  }
+  if (root) {
+    const std::string where = a.checkpoint.empty()
+                                  ? "nothing saved (no --checkpoint folder given)"
+                                  : fmt::format("checkpoint in {} (continue with --resume {})", a.checkpoint, a.checkpoint);
+    fmt::print(stderr, "{}stopped by {} after step {}/{}: {}\n", stderr_is_terminal() ? "\r\x1b[K" : "",
+               signal_name(signal), step, total_steps, where);
+  }
+  world.barrier();
+  return 128 + signal;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -409,6 +436,7 @@ int main(int argc, char** argv) {
   auto stop = [&](const std::string& message) { return root ? fail(message) : kExitBadInput; };
   double epoch_loss = 0;
   int64_t epoch_steps = 0, current_epoch = 0;
+  std::optional<StopSignals> signals(std::in_place);  // SIGINT and SIGTERM end the loop after a step
   const auto started = std::chrono::steady_clock::now();
   auto last = started;
   while (trainer.steps_done() < config.total_steps) {
@@ -451,10 +479,15 @@ int main(int argc, char** argv) {
       }
       if (curves) curves->add_eval(r.epoch, r.step, e.loss, e.accuracy);
     }
-    if (!a.checkpoint.empty() && (r.step % checkpoint_every == 0 || r.step == config.total_steps)) {
+    const bool checkpointed = !a.checkpoint.empty() && (r.step % checkpoint_every == 0 || r.step == config.total_steps);
+    if (checkpointed) {
       if (Status s = trainer.save_checkpoint(a.checkpoint, run.checkpoint_crash); !s) return stop(s.message());
     }
+    if (const int signal = signals->agreed(*world); signal != 0) {
+      return stop_on_signal(signal, r.step, config.total_steps, checkpointed, a, run, *world);
+    }
   }
+  signals.reset();  // from here on, a signal ends the process at once
   if (live) fmt::print(stderr, "\n");
   const double total = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
   if (log) fmt::print(stderr, "done: {} steps in {:.2f} s\n", config.total_steps, total);
