@@ -2,12 +2,10 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstring>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <unordered_map>
-
-#include <nlohmann/json.hpp>
 
 #include "common/atomic_file.h"
 #include "executor/checkpoint_file.h"

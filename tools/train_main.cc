@@ -82,7 +82,9 @@ void define(CLI::App& app, Args& a) {
   app.add_option("--seed", a.seed, "seed of the shuffling and dropout (default 0)");
   app.add_option("--metrics", a.metrics, "write one JSON object per step to this .jsonl file");
   app.add_option("--save", a.save, "write the trained model to this ONNX file");
-  app.add_option("--checkpoint", a.checkpoint, "folder for checkpoints (optimizer state included)");
+  app.add_option("--checkpoint", a.checkpoint,
+                 "folder for checkpoints (optimizer state included); SIGINT or SIGTERM writes one after the current "
+                 "step and stops (exit status 130 or 143)");
   app.add_option("--checkpoint-every", a.checkpoint_every, "steps between checkpoints (default: once per epoch and at the end)");
   app.add_option("--resume", a.resume, "continue the run saved in this checkpoint folder");
   app.add_option("--device", a.device, "cpu (default) or cuda")->check(CLI::IsMember({"cpu", "cuda"}));
