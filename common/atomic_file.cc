@@ -3,23 +3,43 @@
 #include <fcntl.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <cerrno>
+#include <csignal>
 #include <cstdio>
 #include <filesystem>
 
 namespace pipeshard {
+namespace {
 
-Status write_file_synced(const std::string& path, const std::string& bytes) {
+void crash_if(const CrashPoint& crash, CrashPoint::Where where) {
+  if (crash.where == where) std::raise(SIGKILL);
+}
+
+// Writes bytes[0, n) to fd; false on an error (EINTR is retried: train handles SIGINT).
+bool write_all(int fd, const char* bytes, size_t n) {
+  size_t done = 0;
+  while (done < n) {
+    const ssize_t w = ::write(fd, bytes + done, n - done);
+    if (w < 0 && errno == EINTR) continue;
+    if (w <= 0) return false;
+    done += static_cast<size_t>(w);
+  }
+  return true;
+}
+
+Status write_synced(const std::string& path, const std::string& bytes, const CrashPoint& crash) {
   int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
   if (fd < 0) return Status::error("cannot write '" + path + "'");
-  size_t done = 0;
-  while (done < bytes.size()) {
-    ssize_t w = ::write(fd, bytes.data() + done, bytes.size() - done);
-    if (w <= 0) {
-      ::close(fd);
-      std::remove(path.c_str());
-      return Status::error("cannot write '" + path + "' (disk full?)");
-    }
-    done += static_cast<size_t>(w);
+  size_t first = bytes.size();
+  if (crash.where == CrashPoint::Where::kAfterBytes) first = std::min(first, static_cast<size_t>(std::max<int64_t>(crash.bytes, 0)));
+  bool written = write_all(fd, bytes.data(), first);
+  crash_if(crash, CrashPoint::Where::kAfterBytes);
+  written = written && write_all(fd, bytes.data() + first, bytes.size() - first);
+  if (!written) {
+    ::close(fd);
+    std::remove(path.c_str());
+    return Status::error("cannot write '" + path + "' (disk full?)");
   }
   const bool synced = ::fsync(fd) == 0;
   ::close(fd);
@@ -30,20 +50,26 @@ Status write_file_synced(const std::string& path, const std::string& bytes) {
   return Status::ok();
 }
 
-Status write_file_atomically(const std::string& path, const std::string& bytes) {
+}  // namespace
+
+Status write_file_synced(const std::string& path, const std::string& bytes) { return write_synced(path, bytes, {}); }
+
+Status write_file_atomically(const std::string& path, const std::string& bytes, const CrashPoint& crash) {
   const std::string tmp = path + ".tmp" + std::to_string(::getpid());
-  PIPESHARD_RETURN_IF_ERROR(write_file_synced(tmp, bytes));
+  PIPESHARD_RETURN_IF_ERROR(write_synced(tmp, bytes, crash));
+  crash_if(crash, CrashPoint::Where::kBeforeRename);
   if (std::rename(tmp.c_str(), path.c_str()) != 0) {
     std::remove(tmp.c_str());
     return Status::error("cannot write '" + path + "'");
   }
-  // Make the rename itself durable.
-  std::string dir = std::filesystem::path(path).parent_path().string();
-  int dfd = ::open(dir.empty() ? "." : dir.c_str(), O_RDONLY | O_DIRECTORY);
-  if (dfd >= 0) {
-    ::fsync(dfd);
-    ::close(dfd);
-  }
+  crash_if(crash, CrashPoint::Where::kAfterRename);
+  // Make the rename itself durable: until the folder is synced, a power cut may bring
+  // back the old name.
+  const std::string dir = std::filesystem::path(path).parent_path().string();
+  const int dfd = ::open(dir.empty() ? "." : dir.c_str(), O_RDONLY | O_DIRECTORY);
+  const bool synced = dfd >= 0 && ::fsync(dfd) == 0;
+  if (dfd >= 0) ::close(dfd);
+  if (!synced) return Status::error("wrote '" + path + "' but cannot sync its folder: the new file may not survive a power cut");
   return Status::ok();
 }
 

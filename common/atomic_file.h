@@ -2,19 +2,34 @@
 #ifndef PIPESHARD_COMMON_ATOMIC_FILE_H_
 #define PIPESHARD_COMMON_ATOMIC_FILE_H_
 
+#include <cstdint>
 #include <string>
 
 #include "common/status.h"
 
 namespace pipeshard {
 
+// For crash tests only: a point inside write_file_atomically where the process kills
+// itself with SIGKILL, as a crash or an out-of-memory kill would end it there. `train`
+// sets it from PIPESHARD_FAULT_AT (tools/train_main.cc); nothing else does.
+struct CrashPoint {
+  enum class Where {
+    kNever,
+    kAfterBytes,     // after writing min(bytes, size) bytes of the temporary file, before its fsync
+    kBeforeRename,   // the temporary file complete and fsynced, not yet renamed
+    kAfterRename,    // renamed over the target, the folder not yet fsynced
+  };
+  Where where = Where::kNever;
+  int64_t bytes = 0;  // kAfterBytes only
+};
+
 // Writes `bytes` to `path` and fsyncs it (no rename); removes the file on failure.
 Status write_file_synced(const std::string& path, const std::string& bytes);
 
-// Writes `bytes` to `path` atomically: a temporary file in the same folder, fsync,
-// rename over `path`, fsync of the folder. A crash at any point leaves either the old
-// file or the new one.
-Status write_file_atomically(const std::string& path, const std::string& bytes);
+// Writes `bytes` to `path` atomically: a temporary file in the same folder
+// (`path`.tmp<pid>), fsync, rename over `path`, fsync of the folder. A crash at any
+// point leaves either the old file or the new one, and at worst a stray temporary file.
+Status write_file_atomically(const std::string& path, const std::string& bytes, const CrashPoint& crash = {});
 
 }  // namespace pipeshard
 

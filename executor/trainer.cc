@@ -2,20 +2,18 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstring>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <unordered_map>
 
-#include <nlohmann/json.hpp>
-
 #include "common/atomic_file.h"
+#include "executor/checkpoint_file.h"
 
 namespace pipeshard {
 namespace {
 
 constexpr char kCheckpointFile[] = "checkpoint.pipeshard";
-constexpr char kCheckpointMagic[8] = {'P', 'S', 'C', 'K', 'P', 'T', '0', '1'};
 
 // Dropout masks depend on the run's seed and the batch, never on how the run was split
 // into invocations.
@@ -516,10 +514,9 @@ EvalResult Trainer::evaluate(const Dataset& data) {
   return e;
 }
 
-// Layout: 8-byte magic, 8-byte little-endian header length, a JSON header, then the
-// float32 arrays it lists, in its order. Every tensor is the whole model's, under its
-// initializer name: no layout is recorded, so any layout can resume it.
-Status Trainer::save_checkpoint(const std::string& dir) {
+// Every tensor is the whole model's, under its initializer name (executor/checkpoint_file.h):
+// no layout is recorded, so any layout can resume it.
+Status Trainer::save_checkpoint(const std::string& dir, const CrashPoint& crash) {
   const Graph& full = rank_.full();
   std::vector<std::vector<float>> values;
   if (world_ == nullptr) {
@@ -536,63 +533,45 @@ Status Trainer::save_checkpoint(const std::string& dir) {
     }
   }
   if (world_ && world_->rank() != 0) return Status::ok();
-  nlohmann::json header;
-  header["format"] = 1;
-  header["step"] = steps_done();
-  header["optimizer"] = optimizer_name(config_.optimizer.kind);
-  header["tensors"] = nlohmann::json::array();
-  std::string body;
-  auto add = [&](const std::string& name, const std::string& role, const std::vector<float>& data) {
-    header["tensors"].push_back({{"name", name}, {"role", role}, {"elements", data.size()}});
-    body.append(reinterpret_cast<const char*>(data.data()), data.size() * sizeof(float));
-  };
+  Checkpoint c{steps_done(), optimizer_name(config_.optimizer.kind), {}};
   // Parameters no node uses keep their file values.
-  for (size_t p = 0; p < full.params.size(); ++p) add(full.params[p].name, "value", values[p].empty() ? full.params[p].data : values[p]);
+  for (size_t p = 0; p < full.params.size(); ++p) {
+    c.tensors.push_back({full.params[p].name, "value", values[p].empty() ? full.params[p].data : std::move(values[p])});
+  }
   for (size_t s = 0; s < slots.size(); ++s) {
     for (size_t p = 0; p < full.params.size(); ++p) {
-      if (full.params[p].trainable && !slots[s][p].empty()) add(full.params[p].name, "slot" + std::to_string(s), slots[s][p]);
+      if (full.params[p].trainable && !slots[s][p].empty()) {
+        c.tensors.push_back({full.params[p].name, "slot" + std::to_string(s), std::move(slots[s][p])});
+      }
     }
   }
-  const std::string head = header.dump();
-  std::string file(kCheckpointMagic, 8);
-  const uint64_t len = head.size();
-  file.append(reinterpret_cast<const char*>(&len), 8);
-  file += head;
-  file += body;
+  namespace fs = std::filesystem;
   std::error_code ec;
-  std::filesystem::create_directories(dir, ec);
+  fs::create_directories(dir, ec);
   if (ec) return Status::error("cannot create checkpoint folder '" + dir + "'");
-  return write_file_atomically((std::filesystem::path(dir) / kCheckpointFile).string(), file);
+  // Temporary files of writers that were killed (write_file_atomically names them
+  // <file>.tmp<pid>): each would otherwise stay for good.
+  for (const fs::directory_entry& e : fs::directory_iterator(dir, ec)) {
+    if (e.path().filename().string().rfind(std::string(kCheckpointFile) + ".tmp", 0) == 0) fs::remove(e.path(), ec);
+  }
+  return write_file_atomically((fs::path(dir) / kCheckpointFile).string(), encode_checkpoint(c), crash);
 }
 
 Status Trainer::load_checkpoint(const std::string& dir) {
   const std::string path = (std::filesystem::path(dir) / kCheckpointFile).string();
-  // Nothing is changed until the whole file has been read and checked, so a header with
-  // a field of the wrong type (nlohmann throws) leaves the trainer as it was.
-  try {
-    return read_checkpoint(path);
-  } catch (const nlohmann::json::exception& e) {
-    return Status::error(path + ": corrupt checkpoint header (" + e.what() + ")");
-  }
-}
-
-Status Trainer::read_checkpoint(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
   if (!in) return Status::error(path + ": no checkpoint here");
-  std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-  uint64_t len = 0;
-  if (bytes.size() < 16 || std::memcmp(bytes.data(), kCheckpointMagic, 8) != 0) {
-    return Status::error(path + ": not a pipeshard checkpoint");
-  }
-  std::memcpy(&len, bytes.data() + 8, 8);
-  if (len > bytes.size() - 16) return Status::error(path + ": truncated checkpoint header");
-  nlohmann::json header = nlohmann::json::parse(bytes.substr(16, len), nullptr, false);
-  if (header.is_discarded() || !header.contains("tensors") || !header["tensors"].is_array() || !header.contains("step") ||
-      !header["step"].is_number_integer() || header["step"].get<int64_t>() < 0) {
-    return Status::error(path + ": corrupt checkpoint header");
-  }
-  if (header.value("optimizer", "") != optimizer_name(config_.optimizer.kind)) {
-    return Status::error(path + ": written with optimizer '" + header.value("optimizer", "?") + "', this run uses '" +
+  const std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  if (in.bad()) return Status::error(path + ": cannot read the checkpoint");
+  // Every checksum is checked before anything is used: a damaged file changes nothing.
+  Result<Checkpoint> c = decode_checkpoint(bytes);
+  if (!c) return c.status().with_context(path);
+  return restore(*c).with_context(path);
+}
+
+Status Trainer::restore(const Checkpoint& c) {
+  if (c.optimizer != optimizer_name(config_.optimizer.kind)) {
+    return Status::error("written with optimizer '" + c.optimizer + "', this run uses '" +
                          optimizer_name(config_.optimizer.kind) + "'");
   }
   // Whole-model tensors by name and role.
@@ -600,33 +579,27 @@ Status Trainer::read_checkpoint(const std::string& path) {
   std::unordered_map<std::string, int> by_name;
   for (size_t i = 0; i < full.params.size(); ++i) by_name[full.params[i].name] = static_cast<int>(i);
   const int slot_count = optimizer_->slots();
-  std::vector<std::vector<std::vector<float>>> tensors(static_cast<size_t>(slot_count + 1),
-                                                       std::vector<std::vector<float>>(full.params.size()));
-  size_t at = 16 + len;
-  for (const auto& t : header["tensors"]) {
-    if (!t.is_object()) return Status::error(path + ": corrupt checkpoint header");
-    const std::string name = t.value("name", ""), role = t.value("role", "");
-    const int64_t n = t.value("elements", int64_t{-1});
-    auto it = by_name.find(name);
-    if (it == by_name.end()) return Status::error(path + ": tensor '" + name + "' is not in this model");
-    if (n != full.params[it->second].elements()) return Status::error(path + ": tensor '" + name + "' has the wrong size");
-    if (static_cast<uint64_t>(n) * sizeof(float) > bytes.size() - at) return Status::error(path + ": truncated checkpoint");
+  std::vector<std::vector<const std::vector<float>*>> tensors(  // [1 + slots][params]: value, then each slot
+      static_cast<size_t>(slot_count + 1), std::vector<const std::vector<float>*>(full.params.size(), nullptr));
+  for (const CheckpointTensor& t : c.tensors) {
+    auto it = by_name.find(t.name);
+    if (it == by_name.end()) return Status::error("tensor '" + t.name + "' is not in this model");
+    if (static_cast<int64_t>(t.data.size()) != full.params[it->second].elements()) {
+      return Status::error("tensor '" + t.name + "' has the wrong size");
+    }
     int index = -1;  // 0: value, 1 + s: optimizer slot s
-    if (role == "value") {
+    if (t.role == "value") {
       index = 0;
-    } else if (role.rfind("slot", 0) == 0 && full.params[it->second].trainable) {
-      const int s = std::atoi(role.c_str() + 4);
-      if (role != "slot" + std::to_string(s) || s < 0 || s >= slot_count) {
-        return Status::error(path + ": optimizer state does not match this optimizer");
+    } else if (t.role.rfind("slot", 0) == 0 && full.params[it->second].trainable) {
+      const int s = std::atoi(t.role.c_str() + 4);
+      if (t.role != "slot" + std::to_string(s) || s < 0 || s >= slot_count) {
+        return Status::error("optimizer state does not match this optimizer");
       }
       index = 1 + s;
     } else {
-      return Status::error(path + ": unknown tensor role '" + role + "'");
+      return Status::error("unknown tensor role '" + t.role + "'");
     }
-    std::vector<float>& dst = tensors[index][it->second];
-    dst.resize(static_cast<size_t>(n));
-    std::memcpy(dst.data(), bytes.data() + at, static_cast<size_t>(n) * sizeof(float));
-    at += static_cast<size_t>(n) * sizeof(float);
+    tensors[index][it->second] = &t.data;
   }
   // This rank's slices.
   const Graph& g = rank_.graph();
@@ -635,21 +608,21 @@ Status Trainer::read_checkpoint(const std::string& path) {
                                         std::vector<float>(static_cast<size_t>(program_->trainable_elements())));
   for (size_t q = 0; q < g.params.size(); ++q) {
     const int p = rank_.full_param(static_cast<int>(q));
-    if (tensors[0][p].empty()) return Status::error(path + ": has no values for '" + full.params[p].name + "'");
-    local.params[q].data = rank_.slice(static_cast<int>(q), tensors[0][p]);
+    if (!tensors[0][p]) return Status::error("has no values for '" + full.params[p].name + "'");
+    local.params[q].data = rank_.slice(static_cast<int>(q), *tensors[0][p]);
     const int64_t offset = program_->parameter_offset(static_cast<int>(q));
     if (offset < 0) continue;
     for (int s = 0; s < slot_count; ++s) {
-      if (tensors[1 + s][p].empty()) {
-        if (header["step"].get<int64_t>() == 0) continue;
-        return Status::error(path + ": has no optimizer state for '" + full.params[p].name + "'");
+      if (!tensors[1 + s][p]) {
+        if (c.step == 0) continue;
+        return Status::error("has no optimizer state for '" + full.params[p].name + "'");
       }
-      const std::vector<float> mine = rank_.slice(static_cast<int>(q), tensors[1 + s][p]);
+      const std::vector<float> mine = rank_.slice(static_cast<int>(q), *tensors[1 + s][p]);
       std::copy(mine.begin(), mine.end(), slots[s].begin() + offset);
     }
   }
   program_->upload_parameters(local);
-  optimizer_->restore(header["step"].get<int64_t>(), slots);
+  optimizer_->restore(c.step, slots);
   return Status::ok();
 }
 

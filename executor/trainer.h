@@ -17,8 +17,10 @@
 #include <string>
 #include <vector>
 
+#include "common/atomic_file.h"
 #include "common/status.h"
 #include "executor/backend.h"
+#include "executor/checkpoint_file.h"
 #include "executor/comm.h"
 #include "executor/dataset.h"
 #include "executor/loss.h"
@@ -121,19 +123,22 @@ class Trainer {
   };
   StageTimes stage_times();
 
-  // Writes DIR/checkpoint.pipeshard atomically: whole-model parameters and running
-  // statistics by initializer name, optimizer state likewise, the step count; nothing
-  // in it depends on the layout. Collective; rank 0 writes. Interrupted writes leave the
-  // previous checkpoint intact.
-  Status save_checkpoint(const std::string& dir);
+  // Writes DIR/checkpoint.pipeshard atomically (executor/checkpoint_file.h): whole-model
+  // parameters and running statistics by initializer name, optimizer state likewise,
+  // the step count, with a CRC-32C on every tensor and on the header; nothing in it
+  // depends on the layout. Collective; rank 0 writes. A crash at any point of the write
+  // leaves the previous checkpoint intact. `crash` is for crash tests only.
+  Status save_checkpoint(const std::string& dir, const CrashPoint& crash = {});
   // Restores a checkpoint written for the same model and optimizer under any layout;
-  // the run then continues exactly as if it had never stopped. Every rank reads it.
+  // the run then continues exactly as if it had never stopped. Every rank reads it. A
+  // file that fails a checksum, is cut short or does not fit this model and optimizer
+  // is refused with a message naming the part at fault, and changes nothing.
   Status load_checkpoint(const std::string& dir);
 
  private:
   Trainer(const Dataset& data, Backend& backend, const TrainConfig& config, RankModel rank);
   void plan_buckets();
-  Status read_checkpoint(const std::string& path);
+  Status restore(const Checkpoint& checkpoint);
   // Runs after node i's backward on the last micro-batch: starts the all-reduce of every
   // gradient bucket that node completes.
   void on_gradients_ready(size_t node);

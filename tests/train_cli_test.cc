@@ -131,6 +131,23 @@ TEST(TrainCli, SaveIntoAMissingFolderIsRefusedBeforeTraining) {
   EXPECT_EQ(r.err, "train: error: --save '/nonexistent/x.onnx': no folder '/nonexistent'\n");
 }
 
+// A damaged checkpoint is refused by --resume before any training, with one line naming
+// the damaged part (checkpoint_file_test covers every part).
+TEST(TrainCli, ResumeRefusesADamagedCheckpoint) {
+  ScratchDir dir("damaged");
+  auto first = run_command(train_command("simple_digits.onnx", "--steps 2 --checkpoint " + quote(dir / "ck")));
+  ASSERT_EQ(first.exit_code, 0) << first.err;
+  const std::string file = dir / "ck/checkpoint.pipeshard";
+  std::string bytes = testing::read_text(file);
+  bytes[bytes.size() - 5] ^= 0x10;  // in the last tensor
+  std::ofstream(file, std::ios::binary | std::ios::trunc) << bytes;
+  auto r = run_command(train_command("simple_digits.onnx", "--steps 4 --resume " + quote(dir / "ck") + " --save " +
+                                                               quote(dir / "out.onnx")));
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_EQ(r.err, "train: error: " + file + ": corrupt checkpoint: tensor '4.bias' (value) fails its CRC-32C check\n");
+  EXPECT_FALSE(std::filesystem::exists(dir / "out.onnx"));
+}
+
 TEST(TrainCli, HelpExitsZero) {
   auto r = run_command(quote(tool_path("train")) + " --help");
   EXPECT_EQ(r.exit_code, 0);

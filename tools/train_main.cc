@@ -6,7 +6,9 @@
 
 #include <chrono>
 #include <cmath>
+#include <csignal>
 #include <cstdio>
+#include <cstdlib>
 #include <algorithm>
 #include <filesystem>
 #include <fstream>
@@ -28,6 +30,7 @@
 #include "importer/onnx_writer.h"
 #include "tools/pictures.h"
 #include "tools/plot.h"
+#include "tools/stop_signal.h"
 
 namespace {
 
@@ -79,7 +82,9 @@ void define(CLI::App& app, Args& a) {
   app.add_option("--seed", a.seed, "seed of the shuffling and dropout (default 0)");
   app.add_option("--metrics", a.metrics, "write one JSON object per step to this .jsonl file");
   app.add_option("--save", a.save, "write the trained model to this ONNX file");
-  app.add_option("--checkpoint", a.checkpoint, "folder for checkpoints (optimizer state included)");
+  app.add_option("--checkpoint", a.checkpoint,
+                 "folder for checkpoints (optimizer state included); SIGINT or SIGTERM writes one after the current "
+                 "step and stops (exit status 130 or 143)");
   app.add_option("--checkpoint-every", a.checkpoint_every, "steps between checkpoints (default: once per epoch and at the end)");
   app.add_option("--resume", a.resume, "continue the run saved in this checkpoint folder");
   app.add_option("--device", a.device, "cpu (default) or cuda")->check(CLI::IsMember({"cpu", "cuda"}));
@@ -214,7 +219,31 @@ struct Run {
   std::unique_ptr<Trainer> trainer;
   std::ofstream metrics;
   std::unique_ptr<TrainingBoard> board;
+  CrashPoint checkpoint_crash;  // PIPESHARD_FAULT_AT: crash tests only
 };
+
+// PIPESHARD_FAULT_AT, for crash tests only (tests/checkpoint_kill_test.cc): train kills
+// itself with SIGKILL inside its first checkpoint write, after K bytes of the temporary
+// file ("checkpoint:K"), once that file is complete and fsynced but not renamed
+// ("checkpoint:synced"), or right after the rename ("checkpoint:renamed").
+Result<CrashPoint> checkpoint_crash_from_environment() {
+  const char* value = std::getenv("PIPESHARD_FAULT_AT");
+  if (value == nullptr || *value == 0) return CrashPoint{};
+  const std::string v = value, prefix = "checkpoint:";
+  const std::string point = v.rfind(prefix, 0) == 0 ? v.substr(prefix.size()) : "";
+  CrashPoint c;
+  if (point == "synced") {
+    c.where = CrashPoint::Where::kBeforeRename;
+  } else if (point == "renamed") {
+    c.where = CrashPoint::Where::kAfterRename;
+  } else if (!point.empty() && point.size() <= 18 && point.find_first_not_of("0123456789") == std::string::npos) {
+    c.where = CrashPoint::Where::kAfterBytes;
+    c.bytes = std::stoll(point);
+  } else {
+    return Status::error("PIPESHARD_FAULT_AT='" + v + "': expected checkpoint:BYTES, checkpoint:synced or checkpoint:renamed");
+  }
+  return c;
+}
 
 // A file a flag will write at the end of the run: its folder must exist and it must not
 // be a folder itself. Checked before any work, so a typo never costs a finished run.
@@ -249,6 +278,9 @@ Status set_up(const Args& a, Communicator& world, Run& run) {
   Result<TrainConfig> config = make_config(a);
   if (!config) return config.status();
   run.config = *config;
+  Result<CrashPoint> crash = checkpoint_crash_from_environment();
+  if (!crash) return crash.status();
+  run.checkpoint_crash = *crash;
   Result<ImportedModel> model = import_onnx_file(a.model);
   if (!model) return model.status();
   run.model = std::move(*model);
@@ -308,6 +340,31 @@ bool agree_on_set_up(Communicator& world, const Status& mine) {
     fail(who + ": " + message);
   }
   return false;
+}
+
+const char* signal_name(int signal) { return signal == SIGINT ? "SIGINT" : "SIGTERM"; }
+
+// The end of a run that SIGINT or SIGTERM stopped after `step`: a checkpoint, unless
+// this step has just written one, then every rank waits until it is on disk (a rank that
+// exits first makes mpirun end the job, rank 0 included). Returns 128 + the signal, as a
+// shell reports a process the signal ended: 130 for SIGINT, 143 for SIGTERM.
+int stop_on_signal(int signal, int64_t step, int64_t total_steps, bool checkpointed, const Args& a, Run& run,
+                   Communicator& world) {
+  const bool root = world.rank() == 0;
+  if (!a.checkpoint.empty() && !checkpointed) {
+    if (Status s = run.trainer->save_checkpoint(a.checkpoint, run.checkpoint_crash); !s) {
+      return root ? fail(s.message()) : kExitBadInput;
+    }
+  }
+  if (root) {
+    const std::string where = a.checkpoint.empty()
+                                  ? "nothing saved (no --checkpoint folder given)"
+                                  : fmt::format("checkpoint in {} (continue with --resume {})", a.checkpoint, a.checkpoint);
+    fmt::print(stderr, "{}stopped by {} after step {}/{}: {}\n", stderr_is_terminal() ? "\r\x1b[K" : "",
+               signal_name(signal), step, total_steps, where);
+  }
+  world.barrier();
+  return 128 + signal;
 }
 
 }  // namespace
@@ -381,6 +438,7 @@ int main(int argc, char** argv) {
   auto stop = [&](const std::string& message) { return root ? fail(message) : kExitBadInput; };
   double epoch_loss = 0;
   int64_t epoch_steps = 0, current_epoch = 0;
+  std::optional<StopSignals> signals(std::in_place);  // SIGINT and SIGTERM end the loop after a step
   const auto started = std::chrono::steady_clock::now();
   auto last = started;
   while (trainer.steps_done() < config.total_steps) {
@@ -423,10 +481,15 @@ int main(int argc, char** argv) {
       }
       if (curves) curves->add_eval(r.epoch, r.step, e.loss, e.accuracy);
     }
-    if (!a.checkpoint.empty() && (r.step % checkpoint_every == 0 || r.step == config.total_steps)) {
-      if (Status s = trainer.save_checkpoint(a.checkpoint); !s) return stop(s.message());
+    const bool checkpointed = !a.checkpoint.empty() && (r.step % checkpoint_every == 0 || r.step == config.total_steps);
+    if (checkpointed) {
+      if (Status s = trainer.save_checkpoint(a.checkpoint, run.checkpoint_crash); !s) return stop(s.message());
+    }
+    if (const int signal = signals->agreed(*world); signal != 0) {
+      return stop_on_signal(signal, r.step, config.total_steps, checkpointed, a, run, *world);
     }
   }
+  signals.reset();  // from here on, a signal ends the process at once
   if (live) fmt::print(stderr, "\n");
   const double total = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
   if (log) fmt::print(stderr, "done: {} steps in {:.2f} s\n", config.total_steps, total);
