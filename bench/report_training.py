@@ -112,7 +112,7 @@ def sweep_steps(batch, budget_s):
 
 def batch_section(ctx, doc):
     batches = SWEEP_BATCHES_QUICK if ctx.quick else SWEEP_BATCHES
-    rounds, budget = (2, 0.4) if ctx.quick else (3, 1.2)
+    rounds, budget = (2, 0.4) if ctx.quick else (3, 1.0)
     args = race_args(ctx, rounds)
     env, env_torch = cvp.child_environments(THREADS)
     rows = []
