@@ -16,6 +16,7 @@
 #include <set>
 
 #include "importer/import_context.h"
+#include "importer/onnx_importer.h"
 
 namespace pipeshard::detail {
 namespace {
@@ -465,9 +466,20 @@ Status recognise_single(ImportContext& ctx, int i) {
     if (n.input_size() != 2 || !ctx.constants.count(ctx.resolve(n.input(1)))) {
       return ctx.node_error(i, "the target shape must be a constant");
     }
+    const ConstantTensor& target = ctx.constants.at(ctx.resolve(n.input(1)));
+    if (target.data_type != onnx::TensorProto::INT64) {
+      return ctx.node_error(i, "the target shape is " + dtype_label(target.data_type) + "; ONNX shapes are int64");
+    }
     node.kind = OpKind::kReshape;
     node.axis = 1;
-    for (double v : ctx.constants.at(ctx.resolve(n.input(1))).values) node.target.push_back(static_cast<int64_t>(v));
+    for (double v : target.values) {
+      // Constants are decoded to double; converting one beyond int64's range back is
+      // undefined. Shape inference refuses any dimension beyond 2^32 anyway.
+      if (std::fabs(v) > static_cast<double>(kMaxTensorElements)) {
+        return ctx.node_error(i, "a target dimension is beyond 2^32 (corrupt shape constant?)");
+      }
+      node.target.push_back(static_cast<int64_t>(v));
+    }
     if (attr_int(n, "allowzero", 0) == 1) {
       for (int64_t v : node.target) if (v == 0) return ctx.node_error(i, "allowzero=1 with a zero dimension is not supported");
     }

@@ -6,6 +6,7 @@
 // Most cases load a model from models/ into an onnx::ModelProto, break one thing, and
 // write it to a scratch folder; the rest use raw bytes or bad arguments. Two sweeps flip
 // and truncate bytes of simple.onnx and require exit status 0 or 2, never a signal.
+#include <cmath>
 #include <cstdint>
 #include <filesystem>
 #include <random>
@@ -286,6 +287,28 @@ TEST_F(Malformed, ReshapeTargetOverflows) {
     m.mutable_graph()->mutable_output(0)->clear_type();
   });
   EXPECT_TRUE(refused(r, out_dir(), {"node '/Reshape'"}));
+}
+
+// Reshape targets are decoded through double; one beyond int64's range used to be converted
+// back regardless (undefined behaviour). fuzz/regressions/onnx/ holds the fuzzing-sized
+// versions of these two.
+TEST_F(Malformed, ReshapeTargetBeyondInt64) {
+  const auto r = partition_edited("models/reshape.onnx", [](auto& m) {
+    const std::vector<int64_t> target = {-1, INT64_MAX};
+    auto* t = node_named(m, "/Constant").mutable_attribute(0)->mutable_t();
+    t->set_raw_data(std::string(reinterpret_cast<const char*>(target.data()), target.size() * sizeof(int64_t)));
+  });
+  EXPECT_TRUE(refused(r, out_dir(), {"node '/Reshape' (Reshape)", "beyond 2^32"}));
+}
+
+TEST_F(Malformed, ReshapeTargetFloat) {
+  const auto r = partition_edited("models/reshape.onnx", [](auto& m) {
+    const std::vector<float> target = {-1.0f, NAN};
+    auto* t = node_named(m, "/Constant").mutable_attribute(0)->mutable_t();
+    t->set_data_type(onnx::TensorProto::FLOAT);
+    t->set_raw_data(std::string(reinterpret_cast<const char*>(target.data()), target.size() * sizeof(float)));
+  });
+  EXPECT_TRUE(refused(r, out_dir(), {"node '/Reshape' (Reshape)", "float32", "int64"}));
 }
 
 // A pipeshard AllGather after /4/Gemm whose shard count makes 10 * shards wrap to -10.
