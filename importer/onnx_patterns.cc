@@ -12,6 +12,7 @@
 // to one and refuses anything else, naming the node.
 #include <cmath>
 #include <functional>
+#include <limits>
 #include <map>
 #include <set>
 
@@ -40,6 +41,15 @@ int64_t attr_int(const NodeProto& n, const char* name, int64_t fallback) {
 float attr_float(const NodeProto& n, const char* name, float fallback) {
   const auto* a = find_attr(n, name);
   return a ? a->f() : fallback;
+}
+// An axis attribute. The value is an int64 in the file; one beyond int's range is no axis
+// of any tensor, and narrowing it could turn it into a valid one (2^32 - 1 into -1).
+Result<int> attr_axis(const ImportContext& ctx, int i, int64_t fallback) {
+  const int64_t axis = attr_int(ctx.node(i), "axis", fallback);
+  if (axis < std::numeric_limits<int>::min() || axis > std::numeric_limits<int>::max()) {
+    return ctx.node_error(i, "axis " + std::to_string(axis) + " is out of range");
+  }
+  return static_cast<int>(axis);
 }
 std::string attr_string(const NodeProto& n, const char* name, const std::string& fallback) {
   const auto* a = find_attr(n, name);
@@ -422,10 +432,14 @@ Status recognise_single(ImportContext& ctx, int i) {
     node.activation = approx == "tanh" ? ActivationKind::kGeluTanh : ActivationKind::kGelu;
   } else if (op == "Softmax" || op == "LogSoftmax") {
     node.kind = op == "Softmax" ? OpKind::kSoftmax : OpKind::kLogSoftmax;
-    node.axis = static_cast<int>(attr_int(n, "axis", ctx.opset >= 13 ? -1 : 1));
+    Result<int> axis = attr_axis(ctx, i, ctx.opset >= 13 ? -1 : 1);
+    if (!axis) return axis.status();
+    node.axis = *axis;
   } else if (op == "LayerNormalization") {
     node.kind = OpKind::kLayerNorm;
-    node.axis = static_cast<int>(attr_int(n, "axis", -1));
+    Result<int> axis = attr_axis(ctx, i, -1);
+    if (!axis) return axis.status();
+    node.axis = *axis;
     node.epsilon = attr_float(n, "epsilon", 1e-5f);
     Result<int> w = optional_param(ctx, i, 1, true), b = optional_param(ctx, i, 2, true);
     if (!w) return w.status();
@@ -461,7 +475,9 @@ Status recognise_single(ImportContext& ctx, int i) {
   } else if (op == "Flatten") {
     node.kind = OpKind::kReshape;
     node.target = {0, -1};
-    node.axis = static_cast<int>(attr_int(n, "axis", 1));  // checked against the rank in shape inference
+    Result<int> axis = attr_axis(ctx, i, 1);  // checked against the rank in shape inference
+    if (!axis) return axis.status();
+    node.axis = *axis;
   } else if (op == "Reshape") {
     if (n.input_size() != 2 || !ctx.constants.count(ctx.resolve(n.input(1)))) {
       return ctx.node_error(i, "the target shape must be a constant");

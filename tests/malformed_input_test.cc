@@ -311,6 +311,21 @@ TEST_F(Malformed, ReshapeTargetFloat) {
   EXPECT_TRUE(refused(r, out_dir(), {"node '/Reshape' (Reshape)", "float32", "int64"}));
 }
 
+// 2^32 - 1 narrowed to int is -1, which would have passed as the last axis.
+TEST_F(Malformed, SoftmaxAxisBeyondInt) {
+  const auto r = partition_edited("models/softmax.onnx", [](auto& m) {
+    for (auto& n : *m.mutable_graph()->mutable_node()) {
+      if (n.op_type() != "Softmax") continue;
+      n.clear_attribute();
+      auto* a = n.add_attribute();
+      a->set_name("axis");
+      a->set_type(onnx::AttributeProto::INT);
+      a->set_i(4294967295);
+    }
+  });
+  EXPECT_TRUE(refused(r, out_dir(), {"(Softmax)", "axis 4294967295 is out of range"}));
+}
+
 // A pipeshard AllGather after /4/Gemm whose shard count makes 10 * shards wrap to -10.
 TEST_F(Malformed, AllGatherShardsOverflow) {
   const auto r = partition_edited(kSimple, [](auto& m) {
