@@ -340,7 +340,11 @@ bool recognise_layernorm_pattern(ImportContext& ctx, int r1) {
   if (dc.size() != 2 || ctx.is_graph_output(d)) return false;
   int pow = is_op(ctx, dc[0], "Pow") ? dc[0] : dc[1];
   int div = pow == dc[0] ? dc[1] : dc[0];
-  if (!is_op(ctx, pow, "Pow") || ctx.scalar(ctx.node(pow).input(1)) != 2.0 || !is_op(ctx, div, "Div")) return false;
+  // A Pow with one input (a corrupt file) has no exponent to read: it squares nothing.
+  if (!is_op(ctx, pow, "Pow") || ctx.node(pow).input_size() != 2 || ctx.scalar(ctx.node(pow).input(1)) != 2.0 ||
+      !is_op(ctx, div, "Div")) {
+    return false;
+  }
   int r2 = sole_consumer(ctx, ctx.node(pow).output(0));
   if (!is_op(ctx, r2, "ReduceMean") || !reduces_last_axis(ctx, r2)) return false;
   int add = sole_consumer(ctx, ctx.node(r2).output(0));

@@ -463,6 +463,17 @@ TEST_F(Malformed, ReduceMeanInBrokenLayerNorm) {
   EXPECT_TRUE(refused(r, out_dir(), {"node '/1/ReduceMean' (ReduceMean)", "ReduceMean outside a LayerNorm pattern"}));
 }
 
+// Found by fuzz_onnx (fuzz/regressions/onnx/layernorm_pow_with_one_input.onnx): the LayerNorm
+// recogniser read the exponent of the Pow without checking that there was one.
+TEST_F(Malformed, LayerNormPowWithOneInput) {
+  const auto r = partition_edited("models/layernorm_decomposed.onnx", [](auto& m) {
+    for (auto& n : *m.mutable_graph()->mutable_node()) {
+      if (n.op_type() == "Pow") n.mutable_input()->RemoveLast();
+    }
+  });
+  EXPECT_TRUE(refused(r, out_dir(), {"(ReduceMean)", "ReduceMean outside a LayerNorm pattern"}));
+}
+
 // ---- Names and paths that are not plain text ------------------------------------------------
 
 // Names come from the file; one with a line break must not split the message.
