@@ -14,42 +14,62 @@ std::string dims_text(const std::vector<int64_t>& dims) {
   return s + "]";
 }
 
+Status check_model(const Graph& g) {
+  if (g.inputs.size() != 1 || g.outputs.size() != 1) {
+    return Status::error("train needs a model with one input and one output");
+  }
+  return Status::ok();
+}
+
+Status check_features(const NpyArray& x, const Graph& g) {
+  PIPESHARD_RETURN_IF_ERROR(x.expect_type(NpyType::kFloat32));
+  const Shape& in = g.values[g.inputs[0]].shape;
+  std::vector<int64_t> want(in.dims.begin() + 1, in.dims.end());
+  std::vector<int64_t> got(x.shape.begin() + (x.shape.empty() ? 0 : 1), x.shape.end());
+  if (x.shape.empty() || got != want) {
+    return Status::error(x.path + ": features have shape " + dims_text(x.shape) + ", the model's input '" +
+                         g.values[g.inputs[0]].name + "' takes [N, " + dims_text(want).substr(1));
+  }
+  return Status::ok();
+}
+
 }  // namespace
 
 Result<Dataset> load_dataset(const std::string& features_path, const std::string& labels_path, const Graph& g,
                              LossKind loss) {
-  if (g.inputs.size() != 1 || g.outputs.size() != 1) {
-    return Status::error("train needs a model with one input and one output");
-  }
+  PIPESHARD_RETURN_IF_ERROR(check_model(g));
   Result<NpyArray> x = read_npy(features_path);
   if (!x) return x.status();
-  PIPESHARD_RETURN_IF_ERROR(x->expect_type(NpyType::kFloat32));
-  const Shape& in = g.values[g.inputs[0]].shape;
-  std::vector<int64_t> want(in.dims.begin() + 1, in.dims.end());
-  std::vector<int64_t> got(x->shape.begin() + (x->shape.empty() ? 0 : 1), x->shape.end());
-  if (x->shape.empty() || got != want) {
-    return Status::error(features_path + ": features have shape " + dims_text(x->shape) + ", the model's input '" +
-                         g.values[g.inputs[0]].name + "' takes [N, " + dims_text(want).substr(1));
-  }
+  // The features are checked before the labels are read, so a bad features file is
+  // reported as such even when the labels are bad too.
+  PIPESHARD_RETURN_IF_ERROR(check_features(*x, g));
   Result<NpyArray> y = read_npy(labels_path);
   if (!y) return y.status();
+  return make_dataset(*x, *y, g, loss);
+}
+
+Result<Dataset> make_dataset(const NpyArray& x, const NpyArray& y, const Graph& g, LossKind loss) {
+  PIPESHARD_RETURN_IF_ERROR(check_model(g));
+  PIPESHARD_RETURN_IF_ERROR(check_features(x, g));
+  const std::string& labels_path = y.path;
+  const Shape& in = g.values[g.inputs[0]].shape;
   Dataset d;
-  d.samples = x->shape[0];
+  d.samples = x.shape[0];
   d.features_per_sample = in.per_sample_elements();
-  d.features = x->as_float();
-  if (y->shape.empty() || y->shape[0] != d.samples) {
-    return Status::error(labels_path + ": has " + (y->shape.empty() ? std::string("no rows") : std::to_string(y->shape[0]) + " rows") +
+  d.features = x.as_float();
+  if (y.shape.empty() || y.shape[0] != d.samples) {
+    return Status::error(labels_path + ": has " + (y.shape.empty() ? std::string("no rows") : std::to_string(y.shape[0]) + " rows") +
                          " but the features have " + std::to_string(d.samples));
   }
   const Shape& out = g.values[g.outputs[0]].shape;
   if (loss == LossKind::kCrossEntropy) {
-    if (y->type == NpyType::kFloat32) {
+    if (y.type == NpyType::kFloat32) {
       return Status::error(labels_path + ": cross-entropy needs integer class labels (int64 or int32), got float32 (use --loss mse for regression targets)");
     }
-    if (y->shape.size() != 1) return Status::error(labels_path + ": class labels must have shape [N], got " + dims_text(y->shape));
+    if (y.shape.size() != 1) return Status::error(labels_path + ": class labels must have shape [N], got " + dims_text(y.shape));
     if (out.rank() != 2) return Status::error("cross-entropy needs a model output of shape [batch, classes], got " + out.to_string());
     const int64_t classes = out.features();
-    const std::vector<int64_t> labels = y->as_int64();
+    const std::vector<int64_t> labels = y.as_int64();
     d.targets.resize(labels.size());
     for (size_t i = 0; i < labels.size(); ++i) {
       if (labels[i] < 0 || labels[i] >= classes) {
@@ -61,14 +81,14 @@ Result<Dataset> load_dataset(const std::string& features_path, const std::string
     }
     d.targets_per_sample = 1;
   } else {
-    PIPESHARD_RETURN_IF_ERROR(y->expect_type(NpyType::kFloat32));
+    PIPESHARD_RETURN_IF_ERROR(y.expect_type(NpyType::kFloat32));
     std::vector<int64_t> want_y(out.dims.begin() + 1, out.dims.end());
-    std::vector<int64_t> got_y(y->shape.begin() + 1, y->shape.end());
+    std::vector<int64_t> got_y(y.shape.begin() + 1, y.shape.end());
     if (got_y != want_y) {
-      return Status::error(labels_path + ": targets have shape " + dims_text(y->shape) + ", the model's output is [N, " +
+      return Status::error(labels_path + ": targets have shape " + dims_text(y.shape) + ", the model's output is [N, " +
                            dims_text(want_y).substr(1));
     }
-    d.targets = y->as_float();
+    d.targets = y.as_float();
     d.targets_per_sample = out.per_sample_elements();
   }
   return d;

@@ -10,6 +10,7 @@
 
 #include "common/status.h"
 #include "executor/loss.h"
+#include "executor/npy.h"
 #include "importer/graph.h"
 
 namespace pipeshard {
@@ -27,6 +28,10 @@ struct Dataset {
 // like the model output for MSE). Every mismatch is a Status naming the file.
 Result<Dataset> load_dataset(const std::string& features_path, const std::string& labels_path, const Graph& graph,
                              LossKind loss);
+
+// The same checks and result for arrays already read (parse_npy, read_npy): messages name
+// each array by its NpyArray::path. The arrays are copied, not moved from.
+Result<Dataset> make_dataset(const NpyArray& features, const NpyArray& labels, const Graph& graph, LossKind loss);
 
 // Which samples make up each batch of each epoch.
 class BatchOrder {

@@ -1,5 +1,6 @@
 #include "executor/npy.h"
 
+#include <algorithm>
 #include <bit>
 #include <cstring>
 #include <filesystem>
@@ -186,24 +187,27 @@ uint64_t little_endian(const unsigned char* p, int bytes) {
   return v;
 }
 
-Result<NpyArray> read_npy_unlabelled(const std::string& path) {
-  std::error_code ec;
-  if (!fs::exists(path, ec)) return Status::error("no such file");
-  if (!fs::is_regular_file(path, ec)) return Status::error("not a regular file");
-  const auto file_size = static_cast<int64_t>(fs::file_size(path, ec));
-  if (ec) return Status::error("cannot determine the file size");
-  std::ifstream in(path, std::ios::binary);
-  if (!in) return Status::error("cannot open for reading");
+// Where an array's elements lie in a .npy file, and what they are.
+struct Layout {
+  NpyType type = NpyType::kFloat32;
+  std::vector<int64_t> shape;
+  int64_t data_offset = 0;  // bytes before the first element
+  int64_t data_bytes = 0;   // product(shape) * element size
+};
 
+// The preamble and header bytes needed to parse any acceptable header.
+constexpr int64_t kMaxPrefixBytes = 12 + kMaxHeaderBytes;
+
+// Parses the preamble and header from `prefix`, the first min(file_size, kMaxPrefixBytes)
+// bytes of a file of `file_size` bytes, and checks that the data fills the rest exactly.
+Result<Layout> parse_layout(const unsigned char* prefix, int64_t prefix_size, int64_t file_size) {
+  PIPESHARD_CHECK(prefix_size == std::min(file_size, kMaxPrefixBytes), "the whole prefix is read");
   // Magic (6), version (2), header length (2 for 1.0, 4 for 2.0/3.0).
-  unsigned char preamble[12] = {};
-  const int64_t head = std::min<int64_t>(file_size, sizeof preamble);
-  if (!in.read(reinterpret_cast<char*>(preamble), head)) return Status::error("cannot read the file");
   if (file_size < 10) {
     return Status::error("too short to be a .npy file (" + std::to_string(file_size) + " bytes)");
   }
-  if (std::memcmp(preamble, kMagic, kMagicBytes) != 0) return Status::error("not a .npy file (bad magic)");
-  const int major = preamble[6], minor = preamble[7];
+  if (std::memcmp(prefix, kMagic, kMagicBytes) != 0) return Status::error("not a .npy file (bad magic)");
+  const int major = prefix[6], minor = prefix[7];
   if (!((major == 1 || major == 2 || major == 3) && minor == 0)) {
     return Status::error("unsupported .npy format version " + std::to_string(major) + "." +
                          std::to_string(minor) + " (1.0, 2.0 and 3.0 are read)");
@@ -211,7 +215,7 @@ Result<NpyArray> read_npy_unlabelled(const std::string& path) {
   const int length_bytes = major == 1 ? 2 : 4;
   const int64_t preamble_bytes = 8 + length_bytes;
   if (file_size < preamble_bytes) return Status::error("too short for a version " + std::to_string(major) + ".0 header");
-  const auto header_bytes = static_cast<int64_t>(little_endian(preamble + 8, length_bytes));
+  const auto header_bytes = static_cast<int64_t>(little_endian(prefix + 8, length_bytes));
   if (header_bytes > kMaxHeaderBytes) {
     return Status::error("header length " + std::to_string(header_bytes) + " is implausible (corrupt file?)");
   }
@@ -219,11 +223,10 @@ Result<NpyArray> read_npy_unlabelled(const std::string& path) {
     return Status::error("header of " + std::to_string(header_bytes) + " bytes runs past the end of the file (" +
                          std::to_string(file_size) + " bytes; truncated?)");
   }
-  std::string text(static_cast<size_t>(header_bytes), '\0');
-  in.seekg(preamble_bytes);
-  if (!in.read(text.data(), header_bytes)) return Status::error("cannot read the header");
+  const std::string_view text(reinterpret_cast<const char*>(prefix) + preamble_bytes,
+                              static_cast<size_t>(header_bytes));
   if (text.empty() || text.back() != '\n') return Status::error("malformed header: it does not end with a newline");
-  if (text.find('\0') != std::string::npos) return Status::error("malformed header: it contains a NUL byte");
+  if (text.find('\0') != std::string_view::npos) return Status::error("malformed header: it contains a NUL byte");
 
   Result<Header> header = HeaderParser(text).parse();
   if (!header) return header.status();
@@ -246,15 +249,49 @@ Result<NpyArray> read_npy_unlabelled(const std::string& path) {
     return Status::error(std::to_string(have - need) + " bytes follow the " + std::to_string(need) +
                          " data bytes of shape " + shape_text(header->shape) + " (corrupt file?)");
   }
+  return Layout{*type, std::move(header->shape), preamble_bytes + header_bytes, need};
+}
+
+Result<NpyArray> read_npy_unlabelled(const std::string& path) {
+  std::error_code ec;
+  if (!fs::exists(path, ec)) return Status::error("no such file");
+  if (!fs::is_regular_file(path, ec)) return Status::error("not a regular file");
+  const auto file_size = static_cast<int64_t>(fs::file_size(path, ec));
+  if (ec) return Status::error("cannot determine the file size");
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return Status::error("cannot open for reading");
+
+  // Only the prefix is read before the checks: the data is read once, straight into the
+  // array, and only after the header has proven the file is as long as it says.
+  std::vector<unsigned char> prefix(static_cast<size_t>(std::min(file_size, kMaxPrefixBytes)));
+  if (!in.read(reinterpret_cast<char*>(prefix.data()), static_cast<std::streamsize>(prefix.size()))) {
+    return Status::error("cannot read the file");
+  }
+  Result<Layout> layout = parse_layout(prefix.data(), static_cast<int64_t>(prefix.size()), file_size);
+  if (!layout) return layout.status();
 
   NpyArray array;
   array.path = path;
-  array.type = *type;
-  array.shape = std::move(header->shape);
-  array.bytes.resize(static_cast<size_t>(need));
-  if (need > 0 && !in.read(reinterpret_cast<char*>(array.bytes.data()), need)) {
+  array.type = layout->type;
+  array.shape = std::move(layout->shape);
+  array.bytes.resize(static_cast<size_t>(layout->data_bytes));
+  in.seekg(layout->data_offset);
+  if (layout->data_bytes > 0 && !in.read(reinterpret_cast<char*>(array.bytes.data()), layout->data_bytes)) {
     return Status::error("cannot read the data");
   }
+  return array;
+}
+
+Result<NpyArray> parse_npy_unlabelled(std::string_view bytes, const std::string& label) {
+  const auto size = static_cast<int64_t>(bytes.size());
+  const auto* data = reinterpret_cast<const unsigned char*>(bytes.data());
+  Result<Layout> layout = parse_layout(data, std::min(size, kMaxPrefixBytes), size);
+  if (!layout) return layout.status();
+  NpyArray array;
+  array.path = label;
+  array.type = layout->type;
+  array.shape = std::move(layout->shape);
+  array.bytes.assign(data + layout->data_offset, data + layout->data_offset + layout->data_bytes);
   return array;
 }
 
@@ -343,6 +380,12 @@ std::vector<int64_t> NpyArray::as_int64() const {
 Result<NpyArray> read_npy(const std::string& path) {
   Result<NpyArray> array = read_npy_unlabelled(path);
   if (!array) return array.status().with_context(path);
+  return array;
+}
+
+Result<NpyArray> parse_npy(std::string_view bytes, const std::string& label) {
+  Result<NpyArray> array = parse_npy_unlabelled(bytes, label);
+  if (!array) return array.status().with_context(label);
   return array;
 }
 

@@ -19,6 +19,7 @@
 
 #include <cstdint>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "common/status.h"
@@ -61,6 +62,11 @@ struct NpyArray {
 // Reads the .npy file at `path`. Errors name the path and the problem; see the top of
 // this file for what is accepted.
 Result<NpyArray> read_npy(const std::string& path);
+
+// Reads a .npy file held in memory (`bytes`, borrowed for the call), with the same checks
+// as read_npy; `label` stands for the path in messages and in NpyArray::path. The data is
+// copied into the result, so an array is never larger than `bytes`.
+Result<NpyArray> parse_npy(std::string_view bytes, const std::string& label);
 
 // Writes a C-order little-endian .npy file, format version 1.0, that numpy.load reads.
 // `data` points at product(shape) elements (one element for an empty `shape`); the caller

@@ -234,6 +234,22 @@ Status load_constants(const onnx::ModelProto& model, const std::string& base_dir
 
 }  // namespace detail
 
+Result<ImportedModel> import_onnx_bytes(std::string_view bytes, const std::string& base_dir,
+                                        const std::string& label) {
+  if (bytes.empty()) return Status::error(label + ": file is empty, not an ONNX model");
+  if (bytes.size() > static_cast<size_t>(std::numeric_limits<int>::max())) {
+    return Status::error(label + ": file is larger than 2 GiB; store the weights as external data");
+  }
+  auto model = std::make_shared<onnx::ModelProto>();
+  google::protobuf::io::CodedInputStream stream(reinterpret_cast<const uint8_t*>(bytes.data()),
+                                                static_cast<int>(bytes.size()));
+  stream.SetTotalBytesLimit(std::numeric_limits<int>::max());
+  if (!model->ParseFromCodedStream(&stream) || !stream.ConsumedEntireMessage()) {
+    return Status::error(label + ": not a valid ONNX file (protobuf parsing failed: truncated or not ONNX)");
+  }
+  return import_onnx_model(std::move(model), base_dir, label);
+}
+
 Result<ImportedModel> import_onnx_file(const std::string& path) {
   std::error_code ec;
   if (!fs::exists(path, ec)) return Status::error(path + ": no such file");
@@ -241,19 +257,7 @@ Result<ImportedModel> import_onnx_file(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
   if (!in) return Status::error(path + ": cannot open for reading");
   std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-  if (bytes.empty()) return Status::error(path + ": file is empty, not an ONNX model");
-  if (bytes.size() > static_cast<size_t>(std::numeric_limits<int>::max())) {
-    return Status::error(path + ": file is larger than 2 GiB; store the weights as external data");
-  }
-  auto model = std::make_shared<onnx::ModelProto>();
-  google::protobuf::io::CodedInputStream stream(reinterpret_cast<const uint8_t*>(bytes.data()),
-                                                static_cast<int>(bytes.size()));
-  stream.SetTotalBytesLimit(std::numeric_limits<int>::max());
-  if (!model->ParseFromCodedStream(&stream) || !stream.ConsumedEntireMessage()) {
-    return Status::error(path + ": not a valid ONNX file (protobuf parsing failed: truncated or not ONNX)");
-  }
-  const std::string base_dir = fs::path(path).parent_path().string();
-  return import_onnx_model(std::move(model), base_dir, path);
+  return import_onnx_bytes(bytes, fs::path(path).parent_path().string(), path);
 }
 
 }  // namespace pipeshard

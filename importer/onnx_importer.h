@@ -16,6 +16,7 @@
 
 #include <memory>
 #include <string>
+#include <string_view>
 
 #include "common/status.h"
 #include "importer/graph.h"
@@ -44,6 +45,12 @@ struct ImportedModel {
 // Reads and imports `path`. External data files are resolved relative to the model's
 // folder; locations outside it (absolute, "..", or a symlink leading out) are refused.
 Result<ImportedModel> import_onnx_file(const std::string& path);
+
+// Parses `bytes` (a whole .onnx file, borrowed for the call) as an ONNX ModelProto and
+// imports it; what protobuf refuses is refused as "not a valid ONNX file". `base_dir` is
+// where external data is looked up; `label` names the model in messages.
+Result<ImportedModel> import_onnx_bytes(std::string_view bytes, const std::string& base_dir,
+                                        const std::string& label);
 
 // Imports an already parsed model. `base_dir` is where external data is looked up.
 // `label` names the model in messages.

@@ -12,10 +12,12 @@
 // to one and refuses anything else, naming the node.
 #include <cmath>
 #include <functional>
+#include <limits>
 #include <map>
 #include <set>
 
 #include "importer/import_context.h"
+#include "importer/onnx_importer.h"
 
 namespace pipeshard::detail {
 namespace {
@@ -39,6 +41,15 @@ int64_t attr_int(const NodeProto& n, const char* name, int64_t fallback) {
 float attr_float(const NodeProto& n, const char* name, float fallback) {
   const auto* a = find_attr(n, name);
   return a ? a->f() : fallback;
+}
+// An axis attribute. The value is an int64 in the file; one beyond int's range is no axis
+// of any tensor, and narrowing it could turn it into a valid one (2^32 - 1 into -1).
+Result<int> attr_axis(const ImportContext& ctx, int i, int64_t fallback) {
+  const int64_t axis = attr_int(ctx.node(i), "axis", fallback);
+  if (axis < std::numeric_limits<int>::min() || axis > std::numeric_limits<int>::max()) {
+    return ctx.node_error(i, "axis " + std::to_string(axis) + " is out of range");
+  }
+  return static_cast<int>(axis);
 }
 std::string attr_string(const NodeProto& n, const char* name, const std::string& fallback) {
   const auto* a = find_attr(n, name);
@@ -329,7 +340,11 @@ bool recognise_layernorm_pattern(ImportContext& ctx, int r1) {
   if (dc.size() != 2 || ctx.is_graph_output(d)) return false;
   int pow = is_op(ctx, dc[0], "Pow") ? dc[0] : dc[1];
   int div = pow == dc[0] ? dc[1] : dc[0];
-  if (!is_op(ctx, pow, "Pow") || ctx.scalar(ctx.node(pow).input(1)) != 2.0 || !is_op(ctx, div, "Div")) return false;
+  // A Pow with one input (a corrupt file) has no exponent to read: it squares nothing.
+  if (!is_op(ctx, pow, "Pow") || ctx.node(pow).input_size() != 2 || ctx.scalar(ctx.node(pow).input(1)) != 2.0 ||
+      !is_op(ctx, div, "Div")) {
+    return false;
+  }
   int r2 = sole_consumer(ctx, ctx.node(pow).output(0));
   if (!is_op(ctx, r2, "ReduceMean") || !reduces_last_axis(ctx, r2)) return false;
   int add = sole_consumer(ctx, ctx.node(r2).output(0));
@@ -421,10 +436,14 @@ Status recognise_single(ImportContext& ctx, int i) {
     node.activation = approx == "tanh" ? ActivationKind::kGeluTanh : ActivationKind::kGelu;
   } else if (op == "Softmax" || op == "LogSoftmax") {
     node.kind = op == "Softmax" ? OpKind::kSoftmax : OpKind::kLogSoftmax;
-    node.axis = static_cast<int>(attr_int(n, "axis", ctx.opset >= 13 ? -1 : 1));
+    Result<int> axis = attr_axis(ctx, i, ctx.opset >= 13 ? -1 : 1);
+    if (!axis) return axis.status();
+    node.axis = *axis;
   } else if (op == "LayerNormalization") {
     node.kind = OpKind::kLayerNorm;
-    node.axis = static_cast<int>(attr_int(n, "axis", -1));
+    Result<int> axis = attr_axis(ctx, i, -1);
+    if (!axis) return axis.status();
+    node.axis = *axis;
     node.epsilon = attr_float(n, "epsilon", 1e-5f);
     Result<int> w = optional_param(ctx, i, 1, true), b = optional_param(ctx, i, 2, true);
     if (!w) return w.status();
@@ -460,14 +479,27 @@ Status recognise_single(ImportContext& ctx, int i) {
   } else if (op == "Flatten") {
     node.kind = OpKind::kReshape;
     node.target = {0, -1};
-    node.axis = static_cast<int>(attr_int(n, "axis", 1));  // checked against the rank in shape inference
+    Result<int> axis = attr_axis(ctx, i, 1);  // checked against the rank in shape inference
+    if (!axis) return axis.status();
+    node.axis = *axis;
   } else if (op == "Reshape") {
     if (n.input_size() != 2 || !ctx.constants.count(ctx.resolve(n.input(1)))) {
       return ctx.node_error(i, "the target shape must be a constant");
     }
+    const ConstantTensor& target = ctx.constants.at(ctx.resolve(n.input(1)));
+    if (target.data_type != onnx::TensorProto::INT64) {
+      return ctx.node_error(i, "the target shape is " + dtype_label(target.data_type) + "; ONNX shapes are int64");
+    }
     node.kind = OpKind::kReshape;
     node.axis = 1;
-    for (double v : ctx.constants.at(ctx.resolve(n.input(1))).values) node.target.push_back(static_cast<int64_t>(v));
+    for (double v : target.values) {
+      // Constants are decoded to double; converting one beyond int64's range back is
+      // undefined. Shape inference refuses any dimension beyond 2^32 anyway.
+      if (std::fabs(v) > static_cast<double>(kMaxTensorElements)) {
+        return ctx.node_error(i, "a target dimension is beyond 2^32 (corrupt shape constant?)");
+      }
+      node.target.push_back(static_cast<int64_t>(v));
+    }
     if (attr_int(n, "allowzero", 0) == 1) {
       for (int64_t v : node.target) if (v == 0) return ctx.node_error(i, "allowzero=1 with a zero dimension is not supported");
     }

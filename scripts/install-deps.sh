@@ -14,6 +14,7 @@ packages=(
   libcli11-dev nlohmann-json3-dev libfmt-dev       # command line, plan.json, output
   libgtest-dev libgmock-dev libonnx-testdata      # tests (ONNX's own backend node tests)
   python3-matplotlib                               # pictures: partition --chart, train --plot
+  clang-14 libclang-rt-14-dev libomp-14-dev        # fuzz targets (libFuzzer, sanitizers): scripts/fuzz_replay.sh
 )
 # Node.js and npm run onnxruntime-node in the tests; a machine may already have them
 # from elsewhere (NodeSource bundles npm), and Debian's npm would conflict with that.

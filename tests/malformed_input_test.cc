@@ -6,6 +6,7 @@
 // Most cases load a model from models/ into an onnx::ModelProto, break one thing, and
 // write it to a scratch folder; the rest use raw bytes or bad arguments. Two sweeps flip
 // and truncate bytes of simple.onnx and require exit status 0 or 2, never a signal.
+#include <cmath>
 #include <cstdint>
 #include <filesystem>
 #include <random>
@@ -288,6 +289,43 @@ TEST_F(Malformed, ReshapeTargetOverflows) {
   EXPECT_TRUE(refused(r, out_dir(), {"node '/Reshape'"}));
 }
 
+// Reshape targets are decoded through double; one beyond int64's range used to be converted
+// back regardless (undefined behaviour). fuzz/regressions/onnx/ holds the fuzzing-sized
+// versions of these two.
+TEST_F(Malformed, ReshapeTargetBeyondInt64) {
+  const auto r = partition_edited("models/reshape.onnx", [](auto& m) {
+    const std::vector<int64_t> target = {-1, INT64_MAX};
+    auto* t = node_named(m, "/Constant").mutable_attribute(0)->mutable_t();
+    t->set_raw_data(std::string(reinterpret_cast<const char*>(target.data()), target.size() * sizeof(int64_t)));
+  });
+  EXPECT_TRUE(refused(r, out_dir(), {"node '/Reshape' (Reshape)", "beyond 2^32"}));
+}
+
+TEST_F(Malformed, ReshapeTargetFloat) {
+  const auto r = partition_edited("models/reshape.onnx", [](auto& m) {
+    const std::vector<float> target = {-1.0f, NAN};
+    auto* t = node_named(m, "/Constant").mutable_attribute(0)->mutable_t();
+    t->set_data_type(onnx::TensorProto::FLOAT);
+    t->set_raw_data(std::string(reinterpret_cast<const char*>(target.data()), target.size() * sizeof(float)));
+  });
+  EXPECT_TRUE(refused(r, out_dir(), {"node '/Reshape' (Reshape)", "float32", "int64"}));
+}
+
+// 2^32 - 1 narrowed to int is -1, which would have passed as the last axis.
+TEST_F(Malformed, SoftmaxAxisBeyondInt) {
+  const auto r = partition_edited("models/softmax.onnx", [](auto& m) {
+    for (auto& n : *m.mutable_graph()->mutable_node()) {
+      if (n.op_type() != "Softmax") continue;
+      n.clear_attribute();
+      auto* a = n.add_attribute();
+      a->set_name("axis");
+      a->set_type(onnx::AttributeProto::INT);
+      a->set_i(4294967295);
+    }
+  });
+  EXPECT_TRUE(refused(r, out_dir(), {"(Softmax)", "axis 4294967295 is out of range"}));
+}
+
 // A pipeshard AllGather after /4/Gemm whose shard count makes 10 * shards wrap to -10.
 TEST_F(Malformed, AllGatherShardsOverflow) {
   const auto r = partition_edited(kSimple, [](auto& m) {
@@ -423,6 +461,17 @@ TEST_F(Malformed, ReduceMeanInBrokenLayerNorm) {
   const auto r = partition_edited("models/layernorm_decomposed.onnx",
                                   [](auto& m) { set_constant_scalar(m, "/1/Constant", 3.0f); });
   EXPECT_TRUE(refused(r, out_dir(), {"node '/1/ReduceMean' (ReduceMean)", "ReduceMean outside a LayerNorm pattern"}));
+}
+
+// Found by fuzz_onnx (fuzz/regressions/onnx/layernorm_pow_with_one_input.onnx): the LayerNorm
+// recogniser read the exponent of the Pow without checking that there was one.
+TEST_F(Malformed, LayerNormPowWithOneInput) {
+  const auto r = partition_edited("models/layernorm_decomposed.onnx", [](auto& m) {
+    for (auto& n : *m.mutable_graph()->mutable_node()) {
+      if (n.op_type() == "Pow") n.mutable_input()->RemoveLast();
+    }
+  });
+  EXPECT_TRUE(refused(r, out_dir(), {"(ReduceMean)", "ReduceMean outside a LayerNorm pattern"}));
 }
 
 // ---- Names and paths that are not plain text ------------------------------------------------
