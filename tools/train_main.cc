@@ -339,6 +339,9 @@ bool agree_on_set_up(Communicator& world, const Status& mine) {
     for (size_t i = 0; i < ranks.size(); ++i) who += (i ? ", " : "") + std::to_string(ranks[i]);
     fail(who + ": " + message);
   }
+  // The other ranks exit once rank 0 has printed: mpirun ends the whole job at the first
+  // non-zero exit, which could otherwise cut rank 0 off before its line is out.
+  world.barrier();
   return false;
 }
 
@@ -447,7 +450,11 @@ int main(int argc, char** argv) {
     const double seconds = std::chrono::duration<double>(now - last).count();
     last = now;
     const double samples_per_s = config.batch_size * config.grad_accum / std::max(seconds, 1e-9);
-    if (!std::isfinite(r.loss)) return stop(fmt::format("the loss became {} at step {}; lower --lr or clip gradients", r.loss, r.step));
+    if (!std::isfinite(r.loss)) {  // every rank has the same loss: all stop here, after rank 0 has said why
+      stop(fmt::format("the loss became {} at step {}; lower --lr or clip gradients", r.loss, r.step));
+      world->barrier();
+      return kExitBadInput;
+    }
     if (run.metrics.is_open()) {
       run.metrics << nlohmann::json{{"step", r.step}, {"epoch", r.epoch}, {"loss", r.loss}, {"lr", r.lr}, {"samples_per_s", samples_per_s}}.dump()
                   << "\n" << std::flush;
