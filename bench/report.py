@@ -18,7 +18,7 @@ Sections (default all; each alternates ours and PyTorch where there is a peer):
 The report goes to --out (default bench/reports/<UTC date>.md), its PNGs to the folder of the same
 name without .md. The header records the date, machine, load average and the CPU time that other
 processes used while it ran, the commit, and the versions of torch, OpenBLAS and Open MPI. A default
-run takes about 10 minutes on the 2-core VM; --quick (fewer rounds and steps) under 3.
+run takes about 5 minutes on the quiet 2-core VM; --quick (fewer rounds and steps) about 1.5.
 
 It is a benchmark: it exits 0 whatever the figures, and 2 when it cannot run (a tool missing, no
 torch, no mpirun, a section it does not know) or when a section failed (the report says which).

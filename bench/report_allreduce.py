@@ -3,12 +3,12 @@
 Ours: `mpirun -np 2 bench_allreduce MIN MAX REPS` (bench/allreduce_rate.cc) times the communicator's
 blocking all_reduce, all_reduce_async + wait, and raw MPI_Allreduce, float32 sums in place. The peer:
 torch.distributed.all_reduce on gloo (what DDP uses on CPUs), 2 Python processes rendezvousing
-through a file, not pinned: gloo moves data on a thread of its own, and pinned to one core with
-the caller it takes ~1.8 ms for 4 KiB here instead of ~0.5 ms. Both sides time alike: per size, a
+through a file, not pinned: gloo moves data on a thread of its own, which pinning would squeeze
+onto the caller's core. Both sides time alike: per size, a
 barrier, then `iters` back-to-back calls, the slowest rank's time / iters; the median over
 repetitions; the whole sweep runs `rounds` times, ours and gloo alternating which goes first, and
 the figure is the median over rounds. gloo makes 1/8 of our calls per repetition (at least 2):
-its small messages take ~100x longer.
+its small messages take 2 to 3 orders of magnitude longer than ours.
   algbw = bytes / time;  busbw = algbw * 2(n-1)/n  (nccl-tests' convention)
 
 Run as `report_allreduce.py --gloo-worker JSON`, it is one gloo rank (report.py starts them).
