@@ -81,8 +81,10 @@ class Communicator {
 
 // The world of this job: MPI's when the process was started by mpirun/mpiexec/srun,
 // otherwise a group of one that needs no MPI. Initialises MPI on first use; MPI is
-// finalised at a normal (status 0) exit. A rank that exits with an error skips
-// finalisation so that mpirun ends the job instead of waiting on it.
+// finalised at a normal (status 0) exit once every world communicator is destroyed. A
+// rank that exits with an error, or exits while it still holds its world (an exit(0)
+// from the middle of a run), skips finalisation so that mpirun ends the job instead of
+// waiting on it.
 std::unique_ptr<Communicator> make_world_communicator();
 // A group of one process: collectives copy, point-to-point is an error.
 std::unique_ptr<Communicator> make_single_process_communicator();

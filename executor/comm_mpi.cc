@@ -14,6 +14,7 @@
 #include <mpi.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -25,6 +26,7 @@
 
 #include "executor/comm.h"
 #include "executor/comm_mpi.h"
+#include "executor/watchdog.h"
 
 namespace pipeshard {
 namespace {
@@ -78,11 +80,16 @@ bool mpi_is_running() {
 namespace pipeshard {
 namespace {
 
-// MPI_Finalize when the process exits normally. After a non-zero exit status MPI is left
-// alone: MPI_Finalize would wait for ranks that may in turn wait for this one, while a
-// process that exits without finalizing makes mpirun end the whole job.
+// World communicators alive: the program is done with MPI once none is.
+std::atomic<int> live_worlds{0};
+
+// MPI_Finalize when the process exits normally, having let go of its world. Otherwise
+// MPI is left alone: after a non-zero status MPI_Finalize would wait for ranks that may
+// in turn wait for this one, and an exit(0) from the middle of a run (a library's, a
+// bug's) would wait for ranks that are still training. A process that exits without
+// finalizing makes mpirun end the whole job, at once.
 void finalize_mpi_at_exit(int status, void*) {
-  if (status == 0 && mpi_is_running()) MPI_Finalize();
+  if (status == 0 && live_worlds.load() == 0 && mpi_is_running()) MPI_Finalize();
 }
 
 void initialize_mpi_once() {
@@ -128,10 +135,11 @@ class MpiRequest final : public Request {
     int peer = 0, tag = 0;
   };
 
+  // `operation` and `peers` name the wait for the watchdog (executor/watchdog.h).
   MpiRequest(std::vector<MPI_Request> requests, std::vector<Receive> receives, float* average_data,
-             int64_t average_n, int average_size)
+             int64_t average_n, int average_size, const char* operation, const std::string* peers)
       : requests_(std::move(requests)), receives_(std::move(receives)), average_data_(average_data),
-        average_n_(average_n), average_size_(average_size) {}
+        average_n_(average_n), average_size_(average_size), operation_(operation), peers_(peers) {}
   ~MpiRequest() override {
     if (!done_ && mpi_is_running()) wait();
   }
@@ -141,6 +149,7 @@ class MpiRequest final : public Request {
   void wait() override {
     if (done_) return;
     done_ = true;
+    const WatchdogWait watched(operation_, peers_);
     // One MPI_Wait per piece rather than MPI_Waitall, whose MPI_ERR_IN_STATUS hides the error.
     for (size_t i = 0; i < requests_.size(); ++i) {
       MPI_Status status;
@@ -156,6 +165,8 @@ class MpiRequest final : public Request {
   float* average_data_;            // divided by average_size_ once complete (kAverage), or null
   int64_t average_n_;
   int average_size_;
+  const char* operation_;
+  const std::string* peers_;
   bool done_ = false;
 };
 
@@ -165,6 +176,7 @@ class MpiCommunicator final : public Communicator {
  public:
   MpiCommunicator(MPI_Comm comm, Ownership ownership, int64_t max_elements_per_call)
       : comm_(comm), ownership_(ownership), max_count_(max_elements_per_call) {
+    if (ownership_ == Ownership::kBorrowed) ++live_worlds;
     PIPESHARD_MPI_CALL(MPI_Comm_set_errhandler(comm_, MPI_ERRORS_RETURN));
     PIPESHARD_MPI_CALL(MPI_Comm_rank(comm_, &rank_));
     PIPESHARD_MPI_CALL(MPI_Comm_size(comm_, &size_));
@@ -174,10 +186,12 @@ class MpiCommunicator final : public Communicator {
     int found = 0;
     PIPESHARD_MPI_CALL(MPI_Comm_get_attr(MPI_COMM_WORLD, MPI_TAG_UB, &tag_ub, &found));
     max_tag_ = found ? *tag_ub : 32767;  // the least the standard allows
+    name_ranks();
   }
   ~MpiCommunicator() override {
     // Freed only while MPI runs: a communicator that outlives MPI_Finalize has nothing to free.
     if (ownership_ == Ownership::kOwned && mpi_is_running()) PIPESHARD_MPI_CALL(MPI_Comm_free(&comm_));
+    if (ownership_ == Ownership::kBorrowed) --live_worlds;
   }
   MpiCommunicator(const MpiCommunicator&) = delete;
   MpiCommunicator& operator=(const MpiCommunicator&) = delete;
@@ -187,6 +201,7 @@ class MpiCommunicator final : public Communicator {
 
   void all_reduce(float* data, int64_t n, ReduceOp op) override {
     check_buffer(data, n);
+    const WatchdogWait watched("the all-reduce with", &others_);
     for_each_piece(n, max_count_, [&](int64_t offset, int count) {
       PIPESHARD_MPI_CALL(MPI_Allreduce(MPI_IN_PLACE, data + offset, count, MPI_FLOAT, MPI_SUM, comm_));
     });
@@ -202,10 +217,12 @@ class MpiCommunicator final : public Communicator {
       requests.push_back(request);
     });
     return std::make_unique<MpiRequest>(std::move(requests), std::vector<MpiRequest::Receive>{},
-                                        op == ReduceOp::kAverage ? data : nullptr, n, size_);
+                                        op == ReduceOp::kAverage ? data : nullptr, n, size_, "the all-reduce with",
+                                        &others_);
   }
 
   double all_reduce_sum(double value) override {
+    const WatchdogWait watched("the all-reduce with", &others_);
     PIPESHARD_MPI_CALL(MPI_Allreduce(MPI_IN_PLACE, &value, 1, MPI_DOUBLE, MPI_SUM, comm_));
     return value;
   }
@@ -220,6 +237,7 @@ class MpiCommunicator final : public Communicator {
 
   std::vector<std::string> gather_text(const std::string& text, int root) override {
     PIPESHARD_CHECK(text.size() <= static_cast<size_t>(kMaxMpiCount), "text of " + std::to_string(text.size()) + " bytes");
+    const WatchdogWait watched("the gather with", &others_);
     int length = static_cast<int>(text.size());
     std::vector<int> lengths(rank_ == root ? size_ : 0), offsets(lengths.size());
     PIPESHARD_MPI_CALL(MPI_Gather(&length, 1, MPI_INT, lengths.data(), 1, MPI_INT, root, comm_));
@@ -239,6 +257,7 @@ class MpiCommunicator final : public Communicator {
 
   void all_reduce_sum(double* data, int64_t n) override {
     check_buffer(data, n);
+    const WatchdogWait watched("the all-reduce with", &others_);
     for_each_piece(n, max_count_, [&](int64_t offset, int count) {
       PIPESHARD_MPI_CALL(MPI_Allreduce(MPI_IN_PLACE, data + offset, count, MPI_DOUBLE, MPI_SUM, comm_));
     });
@@ -247,6 +266,7 @@ class MpiCommunicator final : public Communicator {
   void all_gather(const float* send, float* recv, int64_t n) override {
     check_buffer(send, n);
     check_buffer(recv, n);
+    const WatchdogWait watched("the all-gather with", &others_);
     if (n * size_ <= max_count_) {
       // In place when this rank's block already sits where it belongs.
       const void* source = send == recv + rank_ * n ? MPI_IN_PLACE : send;
@@ -267,6 +287,7 @@ class MpiCommunicator final : public Communicator {
   void reduce_scatter(const float* send, float* recv, int64_t n, ReduceOp op) override {
     check_buffer(send, n);
     check_buffer(recv, n);
+    const WatchdogWait watched("the reduce-scatter with", &others_);
     if (n * size_ <= max_count_) {
       PIPESHARD_MPI_CALL(MPI_Reduce_scatter_block(send, recv, static_cast<int>(n), MPI_FLOAT, MPI_SUM, comm_));
     } else {
@@ -285,6 +306,7 @@ class MpiCommunicator final : public Communicator {
   void broadcast(float* data, int64_t n, int root) override {
     check_buffer(data, n);
     PIPESHARD_MPI_CHECK(root >= 0 && root < size_, "root " + std::to_string(root) + " of " + std::to_string(size_) + " ranks");
+    const WatchdogWait watched("the broadcast with", &others_);
     for_each_piece(n, max_count_, [&](int64_t offset, int count) {
       PIPESHARD_MPI_CALL(MPI_Bcast(data + offset, count, MPI_FLOAT, root, comm_));
     });
@@ -292,6 +314,7 @@ class MpiCommunicator final : public Communicator {
 
   void send(const float* data, int64_t n, int peer, int tag) override {
     check_transfer(data, n, peer, tag);
+    const WatchdogWait watched("the send to", &peer_names_[peer]);
     for_each_piece(n, max_count_, [&](int64_t offset, int count) {
       PIPESHARD_MPI_CALL(MPI_Send(data + offset, count, MPI_FLOAT, peer, tag, comm_));
     });
@@ -299,6 +322,7 @@ class MpiCommunicator final : public Communicator {
 
   void recv(float* data, int64_t n, int peer, int tag) override {
     check_transfer(data, n, peer, tag);
+    const WatchdogWait watched("the receive from", &peer_names_[peer]);
     for_each_piece(n, max_count_, [&](int64_t offset, int count) {
       MPI_Status status;
       PIPESHARD_MPI_CALL(MPI_Recv(data + offset, count, MPI_FLOAT, peer, tag, comm_, &status));
@@ -314,7 +338,8 @@ class MpiCommunicator final : public Communicator {
       PIPESHARD_MPI_CALL(MPI_Isend(data + offset, count, MPI_FLOAT, peer, tag, comm_, &request));
       requests.push_back(request);
     });
-    return std::make_unique<MpiRequest>(std::move(requests), std::vector<MpiRequest::Receive>{}, nullptr, 0, size_);
+    return std::make_unique<MpiRequest>(std::move(requests), std::vector<MpiRequest::Receive>{}, nullptr, 0, size_,
+                                        "the send to", &peer_names_[peer]);
   }
 
   std::unique_ptr<Request> recv_async(float* data, int64_t n, int peer, int tag) override {
@@ -327,14 +352,19 @@ class MpiCommunicator final : public Communicator {
       requests.push_back(request);
       receives.push_back({count, peer, tag});
     });
-    return std::make_unique<MpiRequest>(std::move(requests), std::move(receives), nullptr, 0, size_);
+    return std::make_unique<MpiRequest>(std::move(requests), std::move(receives), nullptr, 0, size_,
+                                        "the receive from", &peer_names_[peer]);
   }
 
-  void barrier() override { PIPESHARD_MPI_CALL(MPI_Barrier(comm_)); }
+  void barrier() override {
+    const WatchdogWait watched("the barrier with", &others_);
+    PIPESHARD_MPI_CALL(MPI_Barrier(comm_));
+  }
 
   std::unique_ptr<Communicator> split(int color, int key) override {
     PIPESHARD_MPI_CHECK(color >= 0, "split color " + std::to_string(color) + " (colors are ≥ 0)");
     MPI_Comm group = MPI_COMM_NULL;
+    const WatchdogWait watched("the group split with", &others_);
     PIPESHARD_MPI_CALL(MPI_Comm_split(comm_, color, key, &group));
     return std::make_unique<MpiCommunicator>(group, Ownership::kOwned, max_count_);
   }
@@ -358,11 +388,32 @@ class MpiCommunicator final : public Communicator {
     PIPESHARD_MPI_CHECK(tag >= 0 && tag <= max_tag_, "tag " + std::to_string(tag) + " outside 0.." + std::to_string(max_tag_));
   }
 
+  // World ranks, for the watchdog's messages: peer_names_[r] = "rank W" for group rank r,
+  // others_ = "rank W" or "ranks W1, W2, ..." for the group's other ranks.
+  void name_ranks() {
+    MPI_Group world_group, group;
+    PIPESHARD_MPI_CALL(MPI_Comm_group(MPI_COMM_WORLD, &world_group));
+    PIPESHARD_MPI_CALL(MPI_Comm_group(comm_, &group));
+    std::vector<int> mine(static_cast<size_t>(size_)), world(mine.size());
+    for (int r = 0; r < size_; ++r) mine[r] = r;
+    PIPESHARD_MPI_CALL(MPI_Group_translate_ranks(group, size_, mine.data(), world_group, world.data()));
+    PIPESHARD_MPI_CALL(MPI_Group_free(&group));
+    PIPESHARD_MPI_CALL(MPI_Group_free(&world_group));
+    std::string list;
+    for (int r = 0; r < size_; ++r) {
+      peer_names_.push_back("rank " + std::to_string(world[r]));
+      if (r != rank_) list += (list.empty() ? "" : ", ") + std::to_string(world[r]);
+    }
+    others_ = (size_ == 2 ? "rank " : "ranks ") + list;
+  }
+
   MPI_Comm comm_;
   Ownership ownership_;
   int64_t max_count_;  // elements (floats, or doubles for all_reduce_sum) per MPI call
   int rank_ = 0, size_ = 0;
   int max_tag_ = 32767;
+  std::vector<std::string> peer_names_;
+  std::string others_;
 };
 
 bool env_set(const char* name) {
