@@ -176,8 +176,11 @@ class Backend {
                                     double denominator) = 0;
 
   // ---- optimizers over contiguous buffers: param, grad, state [n] ----
-  virtual void sgd_step(float* param, const float* grad, float* momentum_buffer, int64_t n, const SgdStep& s) = 0;
-  virtual void adam_step(float* param, const float* grad, float* exp_avg, float* exp_avg_sq, int64_t n,
+  // Both return false when a gradient was inf or NaN (the step is applied all the same):
+  // the check rides on the pass the step makes anyway, where a separate one would cost a
+  // read of every gradient (--on-nonfinite stop, executor/trainer.h).
+  virtual bool sgd_step(float* param, const float* grad, float* momentum_buffer, int64_t n, const SgdStep& s) = 0;
+  virtual bool adam_step(float* param, const float* grad, float* exp_avg, float* exp_avg_sq, int64_t n,
                          const AdamStep& s) = 0;
 };
 

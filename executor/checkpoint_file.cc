@@ -51,6 +51,14 @@ Status parse_header(const nlohmann::json& header, int format, Checkpoint& out, s
   if (!header.contains("optimizer") || !header["optimizer"].is_string()) return corrupt_header("no optimizer name");
   if (!header.contains("tensors") || !header["tensors"].is_array()) return corrupt_header("no tensor list");
   out.step = header["step"].get<int64_t>();
+  out.updates = out.step;
+  if (header.contains("updates")) {
+    const nlohmann::json& u = header["updates"];
+    if (!u.is_number_integer() || u.get<int64_t>() < 0 || u.get<int64_t>() > out.step) {
+      return corrupt_header("an update count that is not between 0 and the step count");
+    }
+    out.updates = u.get<int64_t>();
+  }
   out.optimizer = header["optimizer"].get<std::string>();
   for (const nlohmann::json& t : header["tensors"]) {
     const bool typed = t.is_object() && t.contains("name") && t["name"].is_string() && t.contains("role") &&
@@ -72,6 +80,7 @@ std::string encode_checkpoint(const Checkpoint& checkpoint) {
   nlohmann::json header;
   header["format"] = 2;
   header["step"] = checkpoint.step;
+  header["updates"] = checkpoint.updates;
   header["optimizer"] = checkpoint.optimizer;
   header["tensors"] = nlohmann::json::array();
   size_t data_bytes = 0;

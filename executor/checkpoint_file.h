@@ -6,8 +6,10 @@
 // Format 2 (all integers little-endian):
 //   [0, 8)         magic "PSCKPT02"
 //   [8, 16)        n: the length of the header, uint64
-//   [16, 16+n)     header, JSON: {"format": 2, "step", "optimizer",
+//   [16, 16+n)     header, JSON: {"format": 2, "step", "updates", "optimizer",
 //                  "tensors": [{"name", "role", "elements", "crc32c"}, ...]}
+//                  ("updates", the steps not skipped for non-finite gradients, may be
+//                  absent: files written before it existed had no skipped steps)
 //   [16+n, 20+n)   CRC-32C (common/crc32c.h) of bytes [0, 16+n): magic, length and header
 //   [20+n, end)    the tensors' float32 data, in the header's order; each tensor's
 //                  "crc32c" is that of its 4·elements bytes. Nothing follows the last.
@@ -33,6 +35,7 @@ struct CheckpointTensor {
 
 struct Checkpoint {
   int64_t step = 0;        // optimizer steps taken
+  int64_t updates = 0;     // of those, the steps that updated the weights (not skipped)
   std::string optimizer;   // "sgd", "adam" or "adamw"
   std::vector<CheckpointTensor> tensors;
 };

@@ -350,12 +350,12 @@ class CpuBackend final : public Backend {
                             double denominator) override {
     return cpu::mean_squared_error(dpred, pred, target, n, denominator);
   }
-  void sgd_step(float* param, const float* grad, float* momentum_buffer, int64_t n, const SgdStep& s) override {
-    cpu::sgd_step(param, grad, momentum_buffer, n, s);
+  bool sgd_step(float* param, const float* grad, float* momentum_buffer, int64_t n, const SgdStep& s) override {
+    return cpu::sgd_step(param, grad, momentum_buffer, n, s);
   }
-  void adam_step(float* param, const float* grad, float* exp_avg, float* exp_avg_sq, int64_t n,
+  bool adam_step(float* param, const float* grad, float* exp_avg, float* exp_avg_sq, int64_t n,
                  const AdamStep& s) override {
-    cpu::adam_step(param, grad, exp_avg, exp_avg_sq, n, s);
+    return cpu::adam_step(param, grad, exp_avg, exp_avg_sq, n, s);
   }
 
  private:

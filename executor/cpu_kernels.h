@@ -142,8 +142,9 @@ void dropout_forward(float* y, float* mask, const float* x, int64_t n, float rat
 double cross_entropy(float* dlogits, const float* logits, const float* labels, int64_t rows, int64_t classes,
                      double denominator, bool log_probs);
 double mean_squared_error(float* dpred, const float* pred, const float* target, int64_t n, double denominator);
-void sgd_step(float* param, const float* grad, float* momentum_buffer, int64_t n, const SgdStep& s);
-void adam_step(float* param, const float* grad, float* exp_avg, float* exp_avg_sq, int64_t n, const AdamStep& s);
+// Both return false when a gradient was inf or NaN.
+bool sgd_step(float* param, const float* grad, float* momentum_buffer, int64_t n, const SgdStep& s);
+bool adam_step(float* param, const float* grad, float* exp_avg, float* exp_avg_sq, int64_t n, const AdamStep& s);
 
 }  // namespace pipeshard::cpu
 

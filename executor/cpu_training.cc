@@ -5,6 +5,7 @@
 // 1 − β₂ᵗ in Python double precision and rounds them to float when a tensor op uses them;
 // we do the same, so the remaining differences are FMA contraction in torch's vector
 // loops, a few float ulps per step.
+#include <atomic>
 #include <cmath>
 #include <type_traits>
 
@@ -135,15 +136,18 @@ void with_flags(Fn&& fn, bool flag, Rest... rest) {
 // torch.optim.SGD, dampening 0:
 //   g = grad + wd·param;  buf = g (first step) or momentum·buf + g;
 //   g = nesterov ? g + momentum·buf : buf;  param = param − lr·g
-void sgd_step(float* param, const float* grad, float* momentum_buffer, int64_t n, const SgdStep& s) {
+bool sgd_step(float* param, const float* grad, float* momentum_buffer, int64_t n, const SgdStep& s) {
   const bool use_momentum = s.momentum != 0.0f;
+  std::atomic<bool> non_finite{false};
   PIPESHARD_CHECK(!use_momentum || momentum_buffer != nullptr, "SGD with momentum needs its buffer");
   PIPESHARD_CHECK(!s.nesterov || use_momentum, "Nesterov SGD needs momentum");
   const float wd = s.weight_decay, momentum = s.momentum, neg_lr = -s.lr;
   auto loop = [&](auto decay, auto with_momentum, auto first_step, auto nesterov) {
     parallel_ranges(n, n * 4, [&](int64_t begin, int64_t end) {
+      int bad = 0;  // g·0 is 0 for finite g, NaN for inf and NaN: an int OR vectorizes, a float sum would not
       for (int64_t i = begin; i < end; ++i) {
         float g = grad[i];
+        bad |= g * 0.0f != 0.0f;
         if constexpr (decay) g = g + wd * param[i];
         if constexpr (with_momentum) {
           const float buf = first_step ? g : momentum_buffer[i] * momentum + g;
@@ -152,16 +156,19 @@ void sgd_step(float* param, const float* grad, float* momentum_buffer, int64_t n
         }
         param[i] = param[i] + neg_lr * g;
       }
+      if (bad) non_finite.store(true, std::memory_order_relaxed);
     });
   };
   with_flags(loop, wd != 0.0f, use_momentum, use_momentum && s.first_step, use_momentum && s.nesterov);
+  return !non_finite.load();
 }
 
 // torch.optim.Adam / AdamW (_single_tensor_adam, amsgrad off):
 //   AdamW: param *= 1 − lr·wd          Adam: g = grad + wd·param
 //   m.lerp_(g, 1 − β₁);  v = v·β₂ + (1 − β₂)·g·g
 //   denom = √v / √(1 − β₂ᵗ) + eps;  param += (−lr / (1 − β₁ᵗ))·m / denom
-void adam_step(float* param, const float* grad, float* exp_avg, float* exp_avg_sq, int64_t n, const AdamStep& s) {
+bool adam_step(float* param, const float* grad, float* exp_avg, float* exp_avg_sq, int64_t n, const AdamStep& s) {
+  std::atomic<bool> non_finite{false};
   PIPESHARD_CHECK(s.step >= 1, "Adam step " + std::to_string(s.step) + " (steps count from 1)");
   const double beta1 = s.beta1, beta2 = s.beta2, step = static_cast<double>(s.step);
   const float neg_step_size = static_cast<float>(-(s.lr / (1.0 - std::pow(beta1, step))));
@@ -174,9 +181,11 @@ void adam_step(float* param, const float* grad, float* exp_avg, float* exp_avg_s
   auto loop = [&](auto decay, auto decoupled, auto lerp_from_start) {
     // By value: with the scalars behind references GCC could not prove that the stores
     // to param leave them alone, and did not vectorize.
-    parallel_ranges(n, n * 12, [=](int64_t begin, int64_t end) {
+    parallel_ranges(n, n * 12, [=, &non_finite](int64_t begin, int64_t end) {
+      int bad = 0;  // g·0 is 0 for finite g, NaN for inf and NaN: an int OR vectorizes, a float sum would not
       for (int64_t i = begin; i < end; ++i) {
         float p = param[i], g = grad[i];
+        bad |= g * 0.0f != 0.0f;
         if constexpr (decay) {
           if constexpr (decoupled) {
             p = p * decay_factor;
@@ -193,9 +202,11 @@ void adam_step(float* param, const float* grad, float* exp_avg, float* exp_avg_s
         exp_avg_sq[i] = v;
         param[i] = p + neg_step_size * m / denom;
       }
+      if (bad) non_finite.store(true, std::memory_order_relaxed);
     });
   };
   with_flags(loop, wd != 0.0f, s.decoupled, small_lerp);
+  return !non_finite.load();
 }
 
 }  // namespace pipeshard::cpu

@@ -19,17 +19,17 @@ Optimizer::Optimizer(Backend& backend, const OptimizerConfig& config, int64_t n)
   for (int s = 0; s < slots; ++s) state_.emplace_back(backend, std::max<int64_t>(n, 1));
 }
 
-void Optimizer::step(float* params, const float* grads, float lr) {
+bool Optimizer::step(float* params, const float* grads, float lr) {
   ++steps_;
+  ++updates_;
   if (config_.kind == OptimizerKind::kSgd) {
     SgdStep s;
     s.lr = lr;
     s.momentum = config_.momentum;
     s.weight_decay = config_.weight_decay;
     s.nesterov = config_.nesterov;
-    s.first_step = steps_ == 1;
-    backend_.sgd_step(params, grads, state_.empty() ? nullptr : state_[0].data(), n_, s);
-    return;
+    s.first_step = updates_ == 1;
+    return backend_.sgd_step(params, grads, state_.empty() ? nullptr : state_[0].data(), n_, s);
   }
   AdamStep s;
   s.lr = lr;
@@ -38,8 +38,8 @@ void Optimizer::step(float* params, const float* grads, float lr) {
   s.eps = config_.eps;
   s.weight_decay = config_.weight_decay;
   s.decoupled = config_.kind == OptimizerKind::kAdamW;
-  s.step = steps_;
-  backend_.adam_step(params, grads, state_[0].data(), state_[1].data(), n_, s);
+  s.step = updates_;
+  return backend_.adam_step(params, grads, state_[0].data(), state_[1].data(), n_, s);
 }
 
 std::vector<std::vector<float>> Optimizer::state() const {
@@ -51,9 +51,11 @@ std::vector<std::vector<float>> Optimizer::state() const {
   return out;
 }
 
-void Optimizer::restore(int64_t steps, const std::vector<std::vector<float>>& slots) {
+void Optimizer::restore(int64_t steps, int64_t updates, const std::vector<std::vector<float>>& slots) {
   PIPESHARD_CHECK(slots.size() == state_.size(), "optimizer state slots");
+  PIPESHARD_CHECK(updates >= 0 && updates <= steps, "updates " + std::to_string(updates) + " of " + std::to_string(steps));
   steps_ = steps;
+  updates_ = updates;
   for (size_t s = 0; s < slots.size(); ++s) backend_.upload(state_[s].data(), slots[s].data(), n_);
 }
 

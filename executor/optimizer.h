@@ -31,14 +31,20 @@ class Optimizer {
  public:
   // State for `n` parameters in `backend` memory (momentum, or exp_avg and exp_avg_sq).
   Optimizer(Backend& backend, const OptimizerConfig& config, int64_t n);
-  // One step: params[n] -= update(grads[n]) at learning rate `lr`.
-  void step(float* params, const float* grads, float lr);
+  // One step: params[n] -= update(grads[n]) at learning rate `lr`. Returns false when a
+  // gradient was inf or NaN (the step is taken all the same).
+  bool step(float* params, const float* grads, float lr);
+  // A step that changes nothing (its gradients were not finite): it counts as taken, not
+  // as an update, so Adam's bias correction and SGD's first momentum step see only updates.
+  void skip_step() { ++steps_; }
   int64_t steps_taken() const { return steps_; }
+  int64_t updates() const { return updates_; }  // steps taken less those skipped
 
   // State as host arrays, for checkpoints: the step count and one [n] array per slot.
   std::vector<std::vector<float>> state() const;
-  // Restores what state() returned (same config and n).
-  void restore(int64_t steps, const std::vector<std::vector<float>>& slots);
+  // Restores what state() returned (same config and n), after `steps` steps of which
+  // `updates` were not skipped.
+  void restore(int64_t steps, int64_t updates, const std::vector<std::vector<float>>& slots);
   int slots() const { return static_cast<int>(state_.size()); }
 
  private:
@@ -46,6 +52,7 @@ class Optimizer {
   OptimizerConfig config_;
   int64_t n_;
   int64_t steps_ = 0;
+  int64_t updates_ = 0;
   std::vector<DeviceBuffer> state_;  // SGD with momentum: 1 slot; Adam/AdamW: 2
 };
 

@@ -3,12 +3,15 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
+#include <cstdio>
 #include <filesystem>
 #include <fstream>
 #include <unordered_map>
 
 #include "common/atomic_file.h"
 #include "executor/checkpoint_file.h"
+#include "executor/fault_injection.h"
+#include "executor/watchdog.h"
 
 namespace pipeshard {
 namespace {
@@ -24,6 +27,27 @@ uint64_t batch_seed(uint64_t seed, int64_t batch) {
   return z ^ (z >> 31);
 }
 
+// A sort key for (stage, node): fixed-width decimals compare as text.
+constexpr size_t kKeyWidth = 20;
+std::string fmt_key(int stage, size_t node) {
+  char key[kKeyWidth + 1];
+  std::snprintf(key, sizeof key, "%09d %010zu", stage, node);
+  return key;
+}
+
+// How the stages are cut, and what the memory estimate assumes: the replica's batch, its
+// micro-batches, the schedule and the optimizer's state per parameter.
+PartitionOptions partition_options(const TrainConfig& config, int64_t local_batch) {
+  PartitionOptions o;
+  o.balance = config.balance;
+  o.batch_size = local_batch;
+  o.micro_batches = config.micro_batches;
+  o.schedule = config.pipeline_schedule;
+  const OptimizerConfig& opt = config.optimizer;
+  o.optimizer_slots = opt.kind != OptimizerKind::kSgd ? 2 : opt.momentum != 0.0f ? 1 : 0;
+  return o;
+}
+
 const char* optimizer_name(OptimizerKind k) {
   switch (k) {
     case OptimizerKind::kSgd: return "sgd";
@@ -34,6 +58,20 @@ const char* optimizer_name(OptimizerKind k) {
 }
 
 }  // namespace
+
+std::vector<int64_t> Trainer::memory_per_stage(const Graph& graph, const TrainConfig& config, const ProcessLayout& layout) {
+  const int64_t d = layout.replicas, m = config.micro_batches;
+  // A batch that does not divide is create()'s to refuse, with its own message.
+  if (config.batch_size % d != 0 || m < 1 || (config.batch_size / d) % m != 0) return {};
+  PartitionOptions o = partition_options(config, config.batch_size / d);
+  o.stages = layout.stages;
+  o.tensor_parallel = layout.shards;
+  Result<Plan> plan = make_plan(graph, "", o);
+  if (!plan) return {};
+  std::vector<int64_t> bytes;
+  for (const StagePlan& s : plan->stages) bytes.push_back(s.memory_bytes);
+  return bytes;
+}
 
 Trainer::Trainer(const Dataset& data, Backend& backend, const TrainConfig& config, RankModel rank)
     : data_(data), backend_(backend), config_(config), rank_(std::move(rank)),
@@ -84,12 +122,7 @@ Result<std::unique_ptr<Trainer>> Trainer::create(const Graph& graph, const Datas
   if (layout.stages > 1 || layout.shards > 1) {
     PIPESHARD_CHECK(parallel.model != nullptr && &parallel.model->graph == &graph,
                     "cutting stages needs the ImportedModel the graph belongs to");
-    PartitionOptions options;
-    options.balance = config.balance;
-    options.batch_size = local_batch;
-    options.micro_batches = static_cast<int>(m);
-    options.schedule = config.pipeline_schedule;
-    Result<RankModel> cut = RankModel::create(*parallel.model, layout, options);
+    Result<RankModel> cut = RankModel::create(*parallel.model, layout, partition_options(config, local_batch));
     if (!cut) return cut.status();
     rank = std::move(*cut);
   }
@@ -255,10 +288,17 @@ double Trainer::run_schedule(bool last_micro_step, uint64_t seed, int64_t first_
   const bool first = stage == 0, last = stage == layout.stages - 1;
   const int64_t global = config_.batch_size * config_.grad_accum;
   double loss = 0;
+  static constexpr const char* kNames[] = {"forward", "backward", "send activation", "recv activation",
+                                           "send gradient", "recv gradient"};
+  static constexpr const char* kCategories[] = {"compute", "compute", "send", "recv", "send", "recv"};
   const double schedule_begin = tracer_.now_us();
   for (const Action& a : schedule_.actions[stage]) {
     const int k = a.micro_batch, slot = k % program_->slots();
+    const int kind = static_cast<int>(a.kind);
     program_->select_slot(slot);
+    watchdog_activity(tracing_step_, kNames[kind], k);
+    if (k == 0 && a.kind == ActionKind::kForward) fault_point(FaultWhere::kForward, tracing_step_);
+    if (k == 0 && a.kind == ActionKind::kBackward) fault_point(FaultWhere::kBackward, tracing_step_);
     const double begin = tracer_.now_us();
     switch (a.kind) {
       case ActionKind::kRecvActivation:
@@ -310,14 +350,11 @@ double Trainer::run_schedule(bool last_micro_step, uint64_t seed, int64_t first_
         }
         break;
     }
-    static constexpr const char* kNames[] = {"forward", "backward", "send activation", "recv activation",
-                                             "send gradient", "recv gradient"};
-    static constexpr const char* kCategories[] = {"compute", "compute", "send", "recv", "send", "recv"};
-    const int kind = static_cast<int>(a.kind);
     if (a.kind == ActionKind::kForward || a.kind == ActionKind::kBackward) tracer_.add_busy(tracer_.now_us() - begin);
     tracer_.add(kNames[kind], kCategories[kind], begin, tracing_step_, k);
   }
   const double drain = tracer_.now_us();
+  watchdog_activity(tracing_step_, "wait for sends");
   for (int s = 0; s < program_->slots(); ++s) wait_slot(s);
   if (pipeline_) tracer_.add("wait for sends", "send", drain, tracing_step_, -1);
   tracer_.add_schedule(tracer_.now_us() - schedule_begin);
@@ -348,6 +385,8 @@ StepResult Trainer::step() {
     r.loss += run_schedule(micro == k - 1, seed, layout.replica * b);
   }
   double begin = tracer_.now_us();
+  watchdog_activity(r.step, "gradient and loss all-reduce");
+  fault_point(FaultWhere::kAllReduce, r.step);
   if (replicas_) {
     for (const Bucket& b : buckets_) {
       if (b.ready_after == buckets_.back().ready_after) {
@@ -360,14 +399,28 @@ StepResult Trainer::step() {
   }
   if (pipeline_) r.loss = pipeline_->all_reduce_sum(r.loss);  // the last stage has it
   if (replicas_) r.loss = replicas_->all_reduce_sum(r.loss);
+  // Inf or NaN. Every rank sees a bad loss alike. Bad gradients only the ranks holding
+  // them see: under kSkip all ranks check before the update and agree (a read of every
+  // gradient and one all-reduce); under kStop the optimizer notices as it goes, and the
+  // caller agrees after the step (StepResult::gradients_finite).
+  const bool skip = config_.on_nonfinite == NonFinite::kSkip;
+  watchdog_activity(r.step, "checking gradients");
+  if (!std::isfinite(r.loss) || (skip && gradients_non_finite_anywhere())) {
+    r.non_finite = true;
+    r.first_non_finite = first_non_finite_gradient();
+    if (skip) optimizer_->skip_step();
+    return r;
+  }
   begin = tracer_.now_us();
+  watchdog_activity(r.step, "optimizer");
+  fault_point(FaultWhere::kOptimizer, r.step);
   if (config_.clip_grad_norm > 0) {
     r.grad_norm = clip_gradients();
     tracer_.add("clip gradients", "optimizer", begin, r.step, -1);
   }
   r.lr = config_.optimizer.lr * lr_factor(config_.schedule, r.step, config_.warmup_steps, config_.total_steps);
   begin = tracer_.now_us();
-  optimizer_->step(program_->parameters(), program_->gradients(), static_cast<float>(r.lr));
+  r.gradients_finite = optimizer_->step(program_->parameters(), program_->gradients(), static_cast<float>(r.lr));
   tracer_.add("optimizer step", "optimizer", begin, r.step, -1);
   return r;
 }
@@ -412,6 +465,36 @@ Trainer::StageTimes Trainer::stage_times() {
     t.schedule_us.push_back(sums[l.stages + p] / ranks_per_stage);
   }
   return t;
+}
+
+bool Trainer::gradients_non_finite_anywhere() {
+  const bool mine = backend_.any_non_finite(program_->gradients(), program_->trainable_elements());
+  if (!world_ || world_->size() == 1) return mine;
+  return world_->all_reduce_sum(mine ? 1.0 : 0.0) > 0;
+}
+
+std::string Trainer::first_non_finite_gradient() {
+  // Backward runs the last stage first and each stage's nodes last to first: the first
+  // gradient to go bad is the one of the highest stage, latest node.
+  std::string found;  // "<stage> <node> <description>" for the comparison on rank 0
+  const Graph& g = rank_.graph();
+  for (size_t i = g.nodes.size(); i-- > 0 && found.empty();) {
+    for (int q : g.node_params(g.nodes[i])) {
+      const int64_t at = program_->parameter_offset(q);
+      if (at < 0 || !backend_.any_non_finite(program_->gradients() + at, g.params[q].elements())) continue;
+      const int stage = rank_.layout().stage;
+      found = fmt_key(stage, i) + " '" + rank_.full().params[rank_.full_param(q)].name + "' (node '" + g.nodes[i].name +
+              "'" + (rank_.layout().stages > 1 ? ", stage " + std::to_string(stage) : "") + ")";
+      break;
+    }
+  }
+  const std::vector<std::string> all = world_ && world_->size() > 1 ? world_->gather_text(found, 0)
+                                                                    : std::vector<std::string>{found};
+  std::string first;
+  for (const std::string& f : all) {
+    if (!f.empty() && (first.empty() || f.substr(0, kKeyWidth) > first.substr(0, kKeyWidth))) first = f;
+  }
+  return first.empty() ? first : first.substr(kKeyWidth + 1);
 }
 
 // torch's clip_grad_norm_ over the whole model: each stage adds its parameters' squares,
@@ -533,7 +616,10 @@ Status Trainer::save_checkpoint(const std::string& dir, const CrashPoint& crash)
     }
   }
   if (world_ && world_->rank() != 0) return Status::ok();
-  Checkpoint c{steps_done(), optimizer_name(config_.optimizer.kind), {}};
+  Checkpoint c{.step = steps_done(),
+               .updates = optimizer_->updates(),
+               .optimizer = optimizer_name(config_.optimizer.kind),
+               .tensors = {}};
   // Parameters no node uses keep their file values.
   for (size_t p = 0; p < full.params.size(); ++p) {
     c.tensors.push_back({full.params[p].name, "value", values[p].empty() ? full.params[p].data : std::move(values[p])});
@@ -622,7 +708,7 @@ Status Trainer::restore(const Checkpoint& c) {
     }
   }
   program_->upload_parameters(local);
-  optimizer_->restore(c.step, slots);
+  optimizer_->restore(c.step, c.updates, slots);
   return Status::ok();
 }
 

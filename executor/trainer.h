@@ -32,6 +32,11 @@
 
 namespace pipeshard {
 
+// What a step does when its loss or a gradient is inf or NaN: it never updates the
+// weights; kStop then reports it (StepResult::non_finite) for the caller to stop, kSkip
+// goes on with the next step, counting this one as taken (what fp16 loss scaling does).
+enum class NonFinite { kStop, kSkip };
+
 struct TrainConfig {
   LossKind loss = LossKind::kCrossEntropy;
   OptimizerConfig optimizer;
@@ -48,6 +53,7 @@ struct TrainConfig {
   ScheduleKind pipeline_schedule = ScheduleKind::k1F1B;
   BalanceBy balance = BalanceBy::kParams;  // how stages are cut
   bool sync_batchnorm = false;  // BatchNorm statistics over all replicas, not each replica's slice
+  NonFinite on_nonfinite = NonFinite::kStop;  // a step whose loss or gradients are not finite
 };
 
 // Where a Trainer sits in a multi-process job. All null: one process.
@@ -65,6 +71,14 @@ struct StepResult {
   double loss = 0;    // mean over the step's samples, from its forward pass (before the update)
   double lr = 0;      // the learning rate the step used
   double grad_norm = 0;  // global L2 norm of the gradient before clipping (0 when clipping is off)
+  // The loss was inf or NaN, or (NonFinite::kSkip) a gradient on any rank: the step left
+  // the weights and the optimizer state alone. The same on every rank.
+  bool non_finite = false;
+  // With non_finite, on world rank 0: first_non_finite_gradient().
+  std::string first_non_finite;
+  // This rank's gradients were all finite (NonFinite::kStop: checked by the optimizer as it
+  // updated; the caller agrees over the ranks, and stops when one says false).
+  bool gradients_finite = true;
 };
 
 struct EvalResult {
@@ -82,6 +96,13 @@ class Trainer {
                                                  const TrainConfig& config, const Parallel& parallel = {});
   ~Trainer();
 
+  // What one rank of each stage will hold while training (parameters, gradients,
+  // optimizer state, the activations its schedule keeps in flight), in bytes, as the
+  // partitioner estimates it (partitioner/plan.h); empty when create() would refuse the
+  // configuration anyway. No allocation: for the check before create().
+  static std::vector<int64_t> memory_per_stage(const Graph& graph, const TrainConfig& config,
+                                               const ProcessLayout& layout);
+
   // Neighbouring pipeline stages check that they agree on what crosses their cut (sizes,
   // which gradients travel back). Collective over the pipeline: call once on every rank
   // after create() succeeded on all of them, before the first step.
@@ -89,6 +110,10 @@ class Trainer {
 
   // Runs optimizer step steps_done() + 1 (collective: every rank calls it).
   StepResult step();
+  // On world rank 0, the parameter whose gradient went inf or NaN first in backward order
+  // (the highest stage's latest node), as "'fc2.weight' (node 'fc2', stage 1)"; empty when
+  // every gradient is finite, and elsewhere. Collective over the world.
+  std::string first_non_finite_gradient();
   int64_t steps_done() const { return optimizer_->steps_taken(); }
   int64_t batches_per_epoch() const { return order_.batches_per_epoch(); }
   const PipelineSchedule& schedule() const { return schedule_; }
@@ -149,6 +174,8 @@ class Trainer {
   float* link_value(const LinkValue& l);
   float* link_gradient(const LinkValue& l, bool received);
   double clip_gradients();
+  // Whether any rank holds an inf or NaN gradient. Collective over the world.
+  bool gradients_non_finite_anywhere();
   // Host copies of this rank's parameters (values) or of optimizer slot s.
   std::vector<std::vector<float>> local_values() const;
   std::vector<std::vector<float>> local_slot(int s) const;

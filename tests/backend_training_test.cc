@@ -205,6 +205,27 @@ TEST_F(BackendTest, AdamAndAdamWMatchTorchOptimForThreeSteps) {
   }
 }
 
+// The optimizers say whether every gradient was finite (--on-nonfinite stop rides on it),
+// wherever the bad one sits, threaded pieces included.
+TEST_F(BackendTest, OptimizersReportAnInfOrNanGradient) {
+  const int64_t n = 100000;
+  cpu::ScopedParallelMinWork threaded(1);
+  for (int64_t at : {int64_t{0}, n / 2, n - 1}) {
+    for (float bad : {INFINITY, -INFINITY, NAN, 1.0f}) {
+      Floats g = random(n);
+      g[at] = bad;
+      DeviceBuffer p = buffer(random(n)), bg = buffer(g), m = zeros(n), v = zeros(n);
+      const bool finite = bad == 1.0f;
+      EXPECT_EQ(be_->sgd_step(p.data(), bg.data(), m.data(), n, SgdStep{0.1f, 0.9f, 0.0f, false, true}), finite)
+          << "sgd, " << bad << " at " << at;
+      EXPECT_EQ(be_->adam_step(p.data(), bg.data(), m.data(), v.data(), n,
+                               AdamStep{0.01f, 0.9f, 0.999f, 1e-8f, 0.0f, false, 1}),
+                finite)
+          << "adam, " << bad << " at " << at;
+    }
+  }
+}
+
 TEST_F(BackendTest, AdamFirstStepMovesEachWeightByLr) {
   // Bias correction makes step 1 move every weight by lr·sign(g) (up to eps).
   DeviceBuffer p = buffer({1.0f, -2.0f}), g = buffer({0.3f, -7.0f}), m = zeros(2), v = zeros(2);

@@ -126,8 +126,13 @@ TEST(CheckpointKill, EveryCrashDuringAWriteLeavesACheckpointThatResumesTheSameRu
 TEST(CheckpointKill, AnUnknownFaultIsABadArgument) {
   const auto r = run_command("PIPESHARD_FAULT_AT=checkpoint:soon " + train_command(""));
   EXPECT_EQ(r.exit_code, 2) << r.err;
-  EXPECT_EQ(r.err, "train: error: PIPESHARD_FAULT_AT='checkpoint:soon': expected checkpoint:BYTES, checkpoint:synced or "
-                   "checkpoint:renamed\n");
+  EXPECT_EQ(r.err, "train: error: PIPESHARD_FAULT_AT='checkpoint:soon': expected checkpoint:BYTES, checkpoint:synced, "
+                   "checkpoint:renamed or WHERE:STEP:HOW:RANK with WHERE forward, backward, all-reduce or optimizer and "
+                   "HOW kill, abort, exit or hang\n");
+  for (const char* bad : {"backward:0:kill:1", "backward:3:explode:1", "sideways:3:kill:1", "backward:3:kill"}) {
+    const auto s = run_command(std::string("PIPESHARD_FAULT_AT=") + bad + " " + train_command(""));
+    EXPECT_EQ(s.exit_code, 2) << bad << ": " << s.err;
+  }
 }
 
 }  // namespace

@@ -9,6 +9,7 @@
 #include <fmt/core.h>
 
 #include "common/cli.h"
+#include "common/host_memory.h"
 #include "executor/schedule.h"
 #include "importer/onnx_importer.h"
 #include "partitioner/plan.h"
@@ -29,14 +30,6 @@ std::string with_commas(int64_t v) {
     out += digits[i];
   }
   return v < 0 ? "-" + out : out;
-}
-
-std::string bytes_text(int64_t b) {
-  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
-  double v = static_cast<double>(b);
-  int u = 0;
-  while (v >= 1024.0 && u < 4) { v /= 1024.0; ++u; }
-  return u == 0 ? fmt::format("{} B", b) : fmt::format("{:.1f} {}", v, units[u]);
 }
 
 // "Linear Relu Linear" or, for long stages, "Linear Relu … Linear (40 nodes)".

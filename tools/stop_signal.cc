@@ -25,9 +25,11 @@ StopSignals::~StopSignals() {
   sigaction(SIGTERM, &old_term_, nullptr);
 }
 
-int StopSignals::agreed(Communicator& world) const {
-  double seen[2] = {static_cast<double>(got_sigint), static_cast<double>(got_sigterm)};  // [SIGINT, SIGTERM]
-  if (world.size() > 1) world.all_reduce_sum(seen, 2);
+int StopSignals::agreed(Communicator& world, bool& flag) const {
+  // [SIGINT, SIGTERM, flag]
+  double seen[3] = {static_cast<double>(got_sigint), static_cast<double>(got_sigterm), flag ? 1.0 : 0.0};
+  if (world.size() > 1) world.all_reduce_sum(seen, 3);
+  flag = seen[2] > 0;
   return seen[1] > 0 ? SIGTERM : seen[0] > 0 ? SIGINT : 0;
 }
 

@@ -28,8 +28,10 @@ class StopSignals {
   StopSignals& operator=(const StopSignals&) = delete;
 
   // The signal to stop for, or 0 to go on: SIGTERM if any rank has received one, else
-  // SIGINT if any has. Collective over `world` when it has more than one rank.
-  int agreed(Communicator& world) const;
+  // SIGINT if any has. Collective over `world` when it has more than one rank. `flag`
+  // rides on the same all-reduce: it comes back true when it was true on any rank (the
+  // training loop's "a gradient was not finite here", which costs no collective of its own).
+  int agreed(Communicator& world, bool& flag) const;
 
  private:
   struct sigaction old_int_ {}, old_term_ {};

@@ -21,11 +21,14 @@
 #include <nlohmann/json.hpp>
 
 #include "common/cli.h"
+#include "common/host_memory.h"
 #include "executor/backend.h"
 #include "executor/comm.h"
 #include "executor/dataset.h"
+#include "executor/fault_injection.h"
 #include "executor/trainer.h"
 #include "executor/training_board.h"
+#include "executor/watchdog.h"
 #include "importer/onnx_importer.h"
 #include "importer/onnx_writer.h"
 #include "tools/pictures.h"
@@ -41,11 +44,12 @@ int fail(const std::string& message) { return report_bad_input("train", message)
 struct Args {
   std::string model, data, labels, eval_data, eval_labels, metrics, save, checkpoint, resume, trace;
   std::string loss = "cross-entropy", optimizer = "sgd", schedule = "constant", betas, device = "cpu";
-  std::string pipeline_schedule = "1f1b", balance = "params";
+  std::string pipeline_schedule = "1f1b", balance = "params", on_nonfinite = "stop";
   std::string tensorboard;  // --tensorboard DIR
   int micro_batches = 1;
   bool sync_batchnorm = false;
   double bucket_mb = 25;
+  double comm_timeout = 60;
   double lr = 0, momentum = 0, eps = 0, weight_decay = 0, clip = 0;
   bool lr_given = false, momentum_given = false, eps_given = false, weight_decay_given = false;
   bool nesterov = false, no_shuffle = false;
@@ -112,6 +116,15 @@ void define(CLI::App& app, Args& a) {
   app.add_option("--bucket-mb", a.bucket_mb,
                  "data parallel: all-reduce gradients in buckets of this many MB while backward runs (default 25, "
                  "as PyTorch DDP; a size above the model's gradients gives one all-reduce after backward)");
+  app.add_option("--comm-timeout", a.comm_timeout,
+                 "under mpirun: a rank that waits this many seconds on others during a step ends the job, naming "
+                 "what it waited for and on which ranks (evaluation and checkpoints get 10 times as long; default "
+                 "60, 0: wait forever)");
+  app.add_option("--on-nonfinite", a.on_nonfinite,
+                 "when the loss or a gradient is inf or NaN: stop (default), naming the step and the first layer in "
+                 "backward order whose gradient went bad, or skip the step and go on; either way the step changes "
+                 "no weight")
+      ->check(CLI::IsMember({"stop", "skip"}));
   app.add_flag("--sync-batchnorm", a.sync_batchnorm,
                "BatchNorm statistics over the global batch of all replicas (default: each replica's slice)");
 }
@@ -158,6 +171,7 @@ Result<TrainConfig> make_config(const Args& a) {
   c.pipeline_schedule = a.pipeline_schedule == "gpipe" ? ScheduleKind::kGPipe : ScheduleKind::k1F1B;
   c.balance = a.balance == "flops" ? BalanceBy::kFlops : a.balance == "memory" ? BalanceBy::kMemory : BalanceBy::kParams;
   c.sync_batchnorm = a.sync_batchnorm;
+  c.on_nonfinite = a.on_nonfinite == "skip" ? NonFinite::kSkip : NonFinite::kStop;
   if (!(a.bucket_mb > 0) || a.bucket_mb > 1e6) return Status::error("--bucket-mb must be a positive size in MB");
   c.bucket_bytes = static_cast<int64_t>(a.bucket_mb * (1 << 20));
   if (a.micro_batches < 1) return Status::error("--micro-batches must be at least 1");
@@ -176,6 +190,7 @@ int check_equivalence(const Graph& graph, const Dataset& data, const TrainConfig
   Graph ours = graph;
   distributed.download_parameters(ours);
   double loss_diff = 0, weight_diff = 0;
+  const WatchdogSlowPhase solo("the one-process reference run on rank 0");
   if (world.rank() == 0) {
     std::unique_ptr<Backend> backend = make_cpu_backend();
     TrainConfig one = config;  // the whole batch at once, as one process would train it
@@ -219,31 +234,8 @@ struct Run {
   std::unique_ptr<Trainer> trainer;
   std::ofstream metrics;
   std::unique_ptr<TrainingBoard> board;
-  CrashPoint checkpoint_crash;  // PIPESHARD_FAULT_AT: crash tests only
+  CrashPoint checkpoint_crash;  // PIPESHARD_FAULT_AT: crash tests only (executor/fault_injection.h)
 };
-
-// PIPESHARD_FAULT_AT, for crash tests only (tests/checkpoint_kill_test.cc): train kills
-// itself with SIGKILL inside its first checkpoint write, after K bytes of the temporary
-// file ("checkpoint:K"), once that file is complete and fsynced but not renamed
-// ("checkpoint:synced"), or right after the rename ("checkpoint:renamed").
-Result<CrashPoint> checkpoint_crash_from_environment() {
-  const char* value = std::getenv("PIPESHARD_FAULT_AT");
-  if (value == nullptr || *value == 0) return CrashPoint{};
-  const std::string v = value, prefix = "checkpoint:";
-  const std::string point = v.rfind(prefix, 0) == 0 ? v.substr(prefix.size()) : "";
-  CrashPoint c;
-  if (point == "synced") {
-    c.where = CrashPoint::Where::kBeforeRename;
-  } else if (point == "renamed") {
-    c.where = CrashPoint::Where::kAfterRename;
-  } else if (!point.empty() && point.size() <= 18 && point.find_first_not_of("0123456789") == std::string::npos) {
-    c.where = CrashPoint::Where::kAfterBytes;
-    c.bytes = std::stoll(point);
-  } else {
-    return Status::error("PIPESHARD_FAULT_AT='" + v + "': expected checkpoint:BYTES, checkpoint:synced or checkpoint:renamed");
-  }
-  return c;
-}
 
 // A file a flag will write at the end of the run: its folder must exist and it must not
 // be a folder itself. Checked before any work, so a typo never costs a finished run.
@@ -278,9 +270,11 @@ Status set_up(const Args& a, Communicator& world, Run& run) {
   Result<TrainConfig> config = make_config(a);
   if (!config) return config.status();
   run.config = *config;
-  Result<CrashPoint> crash = checkpoint_crash_from_environment();
-  if (!crash) return crash.status();
-  run.checkpoint_crash = *crash;
+  if (!(a.comm_timeout >= 0) || a.comm_timeout > 1e7) return Status::error("--comm-timeout must be 0 or a number of seconds");
+  Result<InjectedFaults> faults = faults_from_environment();
+  if (!faults) return faults.status();
+  run.checkpoint_crash = faults->checkpoint;
+  set_training_fault(*faults, world.rank());
   Result<ImportedModel> model = import_onnx_file(a.model);
   if (!model) return model.status();
   run.model = std::move(*model);
@@ -299,12 +293,47 @@ Status set_up(const Args& a, Communicator& world, Run& run) {
   const int64_t batches_per_epoch = run.data->samples / run.config.batch_size;
   run.steps_per_epoch = std::max<int64_t>(1, batches_per_epoch / run.config.grad_accum);
   run.config.total_steps = a.steps > 0 ? a.steps : std::max<int64_t>(a.epochs, 1) * run.steps_per_epoch;
+  return Status::ok();
+}
+
+// Before anything big is allocated: the ranks on this machine together must fit in the
+// memory it has left (its MemAvailable, or its cgroup's limit less usage when lower), by
+// the partitioner's estimate of each rank's parameters, gradients, optimizer state and
+// activations in flight. Collective over `world`: the ranks of one machine add up their
+// needs (a machine is the ranks that share a host name).
+Status check_memory(Communicator& world, const Run& run) {
+  const std::vector<int64_t> per_stage = Trainer::memory_per_stage(run.model->graph, run.config, run.layout);
+  const int64_t mine = per_stage.empty() ? 0 : per_stage[run.layout.stage];
+  char host[256] = {};
+  ::gethostname(host, sizeof host - 1);
+  const uint64_t color = std::hash<std::string>{}(host) & 0x3fffffff;
+  std::unique_ptr<Communicator> machine = world.split(static_cast<int>(color), world.rank());
+  const double here = machine->all_reduce_sum(static_cast<double>(mine));
+  const HostMemory memory = read_host_memory();
+  if (memory.available < 0 || here <= static_cast<double>(memory.available)) return Status::ok();
+  const int ranks = machine->size();
+  std::string where = memory.cgroup_room >= 0 && memory.cgroup_room == memory.available
+                          ? "its cgroup " + memory.cgroup_path + " has room for"
+                          : "it has";
+  return Status::error(fmt::format(
+      "training needs about {} on this machine ({}; the partitioner's estimate of parameters, gradients, optimizer "
+      "state and activations in flight) but {} {}: spread it over more machines (--stages, --tensor-parallel), a "
+      "smaller --batch-size or more --micro-batches",
+      bytes_text(static_cast<int64_t>(here)),
+      ranks == 1 ? "one process" : fmt::format("{} processes, {} for this one", ranks, bytes_text(mine)), where,
+      bytes_text(memory.available)));
+}
+
+// The trainer, which allocates the parameters, gradients, optimizer state and
+// activations; then --resume, and the files the run writes as it goes.
+Status create_trainer(const Args& a, Communicator& world, Run& run) {
   run.backend = make_cpu_backend();
   const Parallel parallel{&world, &run.groups, &*run.model};
   Result<std::unique_ptr<Trainer>> trainer = Trainer::create(run.model->graph, *run.data, *run.backend, run.config, parallel);
   if (!trainer) return trainer.status();
   run.trainer = std::move(*trainer);
   if (!a.resume.empty()) PIPESHARD_RETURN_IF_ERROR(run.trainer->load_checkpoint(a.resume));
+  const bool root = world.rank() == 0;
   if (!a.metrics.empty() && root) {
     run.metrics.open(a.metrics, std::ios::trunc);
     if (!run.metrics) return Status::error("cannot write metrics file '" + a.metrics + "'");
@@ -345,6 +374,17 @@ bool agree_on_set_up(Communicator& world, const Status& mine) {
   return false;
 }
 
+// "step 7: the gradient of 'fc2.weight' (node 'fc2') became inf or NaN first, in backward
+// order (loss 2.31)", or "step 7: the loss became nan (...)".
+std::string non_finite_message(const StepResult& r) {
+  const std::string first = r.first_non_finite.empty() ? "" : "the gradient of " + r.first_non_finite;
+  if (!std::isfinite(r.loss)) {
+    return fmt::format("step {}: the loss became {}{}", r.step, r.loss,
+                       first.empty() ? "" : " (first non-finite gradient in backward order: " + r.first_non_finite + ")");
+  }
+  return fmt::format("step {}: {} became inf or NaN, the first in backward order (loss {:.4g})", r.step, first, r.loss);
+}
+
 const char* signal_name(int signal) { return signal == SIGINT ? "SIGINT" : "SIGTERM"; }
 
 // The end of a run that SIGINT or SIGTERM stopped after `step`: a checkpoint, unless
@@ -354,6 +394,7 @@ const char* signal_name(int signal) { return signal == SIGINT ? "SIGINT" : "SIGT
 int stop_on_signal(int signal, int64_t step, int64_t total_steps, bool checkpointed, const Args& a, Run& run,
                    Communicator& world) {
   const bool root = world.rank() == 0;
+  const WatchdogSlowPhase slow("checkpoint after a signal");
   if (!a.checkpoint.empty() && !checkpointed) {
     if (Status s = run.trainer->save_checkpoint(a.checkpoint, run.checkpoint_crash); !s) {
       return root ? fail(s.message()) : kExitBadInput;
@@ -399,6 +440,13 @@ int main(int argc, char** argv) {
   a.weight_decay_given = app.count("--weight-decay") > 0;
   Run run;
   if (!agree_on_set_up(*world, parsed ? set_up(a, *world, run) : parsed)) return kExitBadInput;
+  if (!agree_on_set_up(*world, check_memory(*world, run))) return kExitBadInput;
+  if (!agree_on_set_up(*world, create_trainer(a, *world, run))) return kExitBadInput;
+  if (world->size() > 1) {  // from here on, a rank left waiting on a lost one ends the job
+    const ProcessLayout& l = run.layout;
+    watchdog_arm(a.comm_timeout, "train",
+                 fmt::format("rank {} (stage {}, replica {}, shard {})", world->rank(), l.stage, l.replica, l.shard));
+  }
   // What only a neighbour can tell: the rank that finds a mismatch says so, and its exit
   // ends the job.
   if (Status s = run.trainer->check_links(); !s) return fail(s.message());
@@ -441,23 +489,46 @@ int main(int argc, char** argv) {
   auto stop = [&](const std::string& message) { return root ? fail(message) : kExitBadInput; };
   double epoch_loss = 0;
   int64_t epoch_steps = 0, current_epoch = 0;
+  int64_t skipped = 0;  // --on-nonfinite skip
+  constexpr int64_t kSkipsToReport = 10;
   std::optional<StopSignals> signals(std::in_place);  // SIGINT and SIGTERM end the loop after a step
   const auto started = std::chrono::steady_clock::now();
   auto last = started;
   while (trainer.steps_done() < config.total_steps) {
     StepResult r = trainer.step();
+    // One all-reduce per step agrees on signals and on gradients that went bad.
+    watchdog_activity(r.step, "end of step");
+    bool bad_gradients = !r.gradients_finite;  // --on-nonfinite stop: the optimizer's check
+    const int signal = signals->agreed(*world, bad_gradients);
+    if (bad_gradients) {  // before anything could save the weights this step spoiled
+      const std::string first = trainer.first_non_finite_gradient();
+      stop(fmt::format("step {}: the gradient of {} became inf or NaN, the first in backward order (loss {:.4g}); "
+                       "stopped before saving anything of this step. Lower --lr, clip with --clip-grad-norm, or go on "
+                       "past such steps with --on-nonfinite skip", r.step, first, r.loss));
+      world->barrier();
+      return kExitBadInput;
+    }
     const auto now = std::chrono::steady_clock::now();
     const double seconds = std::chrono::duration<double>(now - last).count();
     last = now;
     const double samples_per_s = config.batch_size * config.grad_accum / std::max(seconds, 1e-9);
-    if (!std::isfinite(r.loss)) {  // every rank has the same loss: all stop here, after rank 0 has said why
-      stop(fmt::format("the loss became {} at step {}; lower --lr or clip gradients", r.loss, r.step));
-      world->barrier();
-      return kExitBadInput;
+    if (r.non_finite) {  // every rank knows: all stop here or skip, after rank 0 has said why
+      const std::string what = non_finite_message(r);
+      if (config.on_nonfinite == NonFinite::kStop) {
+        stop(what + "; nothing of this step was applied. Lower --lr, clip with --clip-grad-norm, or go on past such "
+                    "steps with --on-nonfinite skip");
+        world->barrier();
+        return kExitBadInput;
+      }
+      if (log && ++skipped <= kSkipsToReport) {
+        fmt::print(stderr, "{}{}; step skipped{}\n", live ? "\r\x1b[K" : "", what,
+                   skipped == kSkipsToReport ? " (further skips are only counted)" : "");
+      }
     }
     if (run.metrics.is_open()) {
-      run.metrics << nlohmann::json{{"step", r.step}, {"epoch", r.epoch}, {"loss", r.loss}, {"lr", r.lr}, {"samples_per_s", samples_per_s}}.dump()
-                  << "\n" << std::flush;
+      nlohmann::json row{{"step", r.step}, {"epoch", r.epoch}, {"loss", r.loss}, {"lr", r.lr}, {"samples_per_s", samples_per_s}};
+      if (r.non_finite) row["skipped"] = true;
+      run.metrics << row.dump() << "\n" << std::flush;
     }
     if (run.board) {
       if (Status s = run.board->add_step(trainer, r, samples_per_s); !s) return stop(s.message());
@@ -467,9 +538,11 @@ int main(int argc, char** argv) {
       epoch_loss = 0;
       epoch_steps = 0;
     }
-    epoch_loss += r.loss;
-    if (curves) curves->add_step(r.step, r.loss);
-    ++epoch_steps;
+    if (std::isfinite(r.loss)) {  // a skipped step's NaN would poison the epoch's mean and the plot
+      epoch_loss += r.loss;
+      if (curves) curves->add_step(r.step, r.loss);
+      ++epoch_steps;
+    }
     const std::string line = fmt::format("step {}/{}  epoch {}  loss {:.4f}  lr {:.3g}  {:.0f} samples/s", r.step,
                                          config.total_steps, r.epoch, r.loss, r.lr, samples_per_s);
     if (live) {
@@ -479,6 +552,7 @@ int main(int argc, char** argv) {
     }
     const bool epoch_end = r.step % steps_per_epoch == 0;
     if (epoch_end && run.eval) {
+      const WatchdogSlowPhase slow("evaluation");
       EvalResult e = trainer.evaluate(*run.eval);  // every rank takes part; rank 0 reports
       if (log) fmt::print(stderr, "{}epoch {}: train loss {:.4f}  eval loss {:.4f}{}\n", live ? "\r\x1b[K" : "", r.epoch,
                  epoch_loss / epoch_steps, e.loss,
@@ -490,16 +564,21 @@ int main(int argc, char** argv) {
     }
     const bool checkpointed = !a.checkpoint.empty() && (r.step % checkpoint_every == 0 || r.step == config.total_steps);
     if (checkpointed) {
+      const WatchdogSlowPhase slow("checkpoint");
       if (Status s = trainer.save_checkpoint(a.checkpoint, run.checkpoint_crash); !s) return stop(s.message());
     }
-    if (const int signal = signals->agreed(*world); signal != 0) {
+    if (signal != 0) {
       return stop_on_signal(signal, r.step, config.total_steps, checkpointed, a, run, *world);
     }
   }
   signals.reset();  // from here on, a signal ends the process at once
   if (live) fmt::print(stderr, "\n");
   const double total = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
-  if (log) fmt::print(stderr, "done: {} steps in {:.2f} s\n", config.total_steps, total);
+  if (log) {
+    fmt::print(stderr, "done: {} steps{} in {:.2f} s\n", config.total_steps,
+               skipped > 0 ? fmt::format(" ({} skipped: loss or gradients not finite)", skipped) : "", total);
+  }
+  const WatchdogSlowPhase slow("writing results");  // rank 0 writes, the others wait
   // The trained model first: what follows only describes the run.
   if (!a.save.empty()) {
     trainer.download_parameters(scratch);  // gathers every stage and shard on rank 0
