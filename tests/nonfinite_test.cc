@@ -106,6 +106,7 @@ TEST_F(NonFinite, StopNamesTheLayerWhoseGradientOverflowedUnderAFiniteLoss) {
             std::string::npos)
       << r.err;
   EXPECT_FALSE(std::filesystem::exists(dir_ / "ckpt/checkpoint.pipeshard")) << "a spoilt step was saved";
+  std::printf("%s", r.err.c_str());
 }
 
 // A skipped step changes no weight and no optimizer state, and Adam counts only updates:
