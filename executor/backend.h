@@ -41,6 +41,20 @@ enum class GradWrite { kAdd, kOverwrite };
 // it the same number of times with the same n.
 using ChannelReducer = std::function<void(double* data, int64_t n)>;
 
+// What a backend computes in: the CPU backend fp32 only; the CUDA backend also TF32
+// GEMMs (fp32 storage, tensor-core products with 10-bit mantissas, fp32 accumulation).
+// bf16 and fp16 (fp32 master weights, loss scaling for fp16) are the CUDA issue's next step.
+enum class Precision { kFp32, kTf32, kBf16, kFp16 };
+inline const char* precision_name(Precision p) {
+  switch (p) {
+    case Precision::kFp32: return "fp32";
+    case Precision::kTf32: return "tf32";
+    case Precision::kBf16: return "bf16";
+    case Precision::kFp16: return "fp16";
+  }
+  return "?";
+}
+
 struct Activation {
   ActivationKind kind = ActivationKind::kRelu;
   float alpha = 0.01f;  // LeakyRelu's negative slope

@@ -1,0 +1,183 @@
+// The CudaBackend: memory from the caching allocator, one stream for everything, and each
+// primitive forwarded to its launcher (launchers.h). Host results (sums, losses, the
+// optimizers' finiteness) synchronise the stream; nothing else does, so a step queues its
+// kernels without waiting and the host runs ahead to the next host value.
+#include "executor/cuda/cuda_backend.h"
+
+#include <algorithm>
+#include <string>
+
+#include "executor/cuda/allocator.h"
+#include "executor/cuda/cuda_check.h"
+#include "executor/cuda/launchers.h"
+
+namespace pipeshard {
+namespace {
+
+class CudaBackend final : public Backend {
+ public:
+  CudaBackend(int device, Precision precision) : device_(device) {
+    PIPESHARD_CUDA_CHECK(cudaSetDevice(device_));
+    PIPESHARD_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+    linear_ = cuda::create_linear_context(precision == Precision::kTf32);
+    scratch_ = allocator_.allocate(cuda::reduce_scratch_bytes());
+  }
+  ~CudaBackend() override {
+    cudaStreamSynchronize(stream_);
+    cuda::destroy_linear_context(linear_);
+    allocator_.deallocate(scratch_);
+    cudaStreamDestroy(stream_);
+  }
+  CudaBackend(const CudaBackend&) = delete;
+  CudaBackend& operator=(const CudaBackend&) = delete;
+
+  const char* name() const override { return "cuda"; }
+
+  float* allocate(int64_t n) override {
+    PIPESHARD_CHECK(n >= 0, "allocate(" + std::to_string(n) + ")");
+    const size_t bytes = static_cast<size_t>(std::max<int64_t>(n, 1)) * sizeof(float);
+    auto* p = static_cast<float*>(allocator_.allocate(bytes));
+    PIPESHARD_CUDA_CHECK(cudaMemsetAsync(p, 0, bytes, stream_));  // the contract: zero-filled
+    return p;
+  }
+  void deallocate(float* p) override { allocator_.deallocate(p); }  // stream order keeps reuse safe
+  void upload(float* dst, const float* host, int64_t n) override {
+    if (n > 0) PIPESHARD_CUDA_CHECK(cudaMemcpyAsync(dst, host, bytes(n), cudaMemcpyHostToDevice, stream_));
+    // The caller may change `host` as soon as we return: pageable copies are staged by the
+    // driver before cudaMemcpyAsync returns, so no synchronisation is needed for them.
+  }
+  void download(float* host, const float* src, int64_t n) override {
+    if (n > 0) PIPESHARD_CUDA_CHECK(cudaMemcpyAsync(host, src, bytes(n), cudaMemcpyDeviceToHost, stream_));
+    PIPESHARD_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  }
+  void fill(float* dst, float value, int64_t n) override { cuda::fill(dst, value, n, stream_); }
+  void copy(float* dst, const float* src, int64_t n) override {
+    if (n > 0) PIPESHARD_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes(n), cudaMemcpyDeviceToDevice, stream_));
+  }
+  void axpy(float* y, float a, const float* x, int64_t n) override { cuda::axpy(y, a, x, n, stream_); }
+  void scale(float* x, float a, int64_t n) override { cuda::scale(x, a, n, stream_); }
+  void copy_rows(float* dst, int64_t dst_stride, const float* src, int64_t src_stride, int64_t rows, int64_t width,
+                 bool add) override {
+    cuda::copy_rows(dst, dst_stride, src, src_stride, rows, width, add, stream_);
+  }
+  void add_bias(float* y, const float* b, int64_t rows, int64_t width) override {
+    cuda::add_bias(y, b, rows, width, stream_);
+  }
+  void bias_backward(float* db, const float* dy, int64_t rows, int64_t width) override {
+    cuda::bias_backward(db, dy, rows, width, stream_);
+  }
+  double sum_squares(const float* x, int64_t n) override { return cuda::sum_squares(x, n, scratch_, stream_); }
+  bool any_non_finite(const float* x, int64_t n) override { return cuda::any_non_finite(x, n, scratch_, stream_); }
+
+  void linear_forward(float* y, const float* x, const float* w, const float* b, const LinearShape& s,
+                      const Activation* epilogue, float* pre) override {
+    cuda::linear_forward(linear_, y, x, w, b, s, epilogue, pre, stream_);
+  }
+  void linear_backward(float* dx, float* dw, float* db, const float* dy, const float* x, const float* w,
+                       const LinearShape& s, GradWrite param_grads, GradWrite input_grad) override {
+    cuda::linear_backward(linear_, dx, dw, db, dy, x, w, s, param_grads, input_grad, stream_);
+  }
+
+  void activation_forward(float* y, const float* x, int64_t n, const Activation& a) override {
+    cuda::activation_forward(y, x, n, a, stream_);
+  }
+  void activation_backward(float* dx, const float* dy, const float* x, const float* y, int64_t n,
+                           const Activation& a) override {
+    cuda::activation_backward(dx, dy, x, y, n, a, stream_);
+  }
+  void add_forward(float* y, const float* a, const float* b, int64_t n) override { cuda::add(y, a, b, n, stream_); }
+
+  void softmax_forward(float* y, const float* x, int64_t rows, int64_t width, bool log) override {
+    cuda::softmax_forward(y, x, rows, width, log, stream_);
+  }
+  void softmax_backward(float* dx, const float* dy, const float* y, int64_t rows, int64_t width, bool log) override {
+    cuda::softmax_backward(dx, dy, y, rows, width, log, stream_);
+  }
+
+  void layernorm_forward(float* y, float* mean, float* rstd, const float* x, const float* w, const float* b,
+                         int64_t rows, int64_t width, float eps) override {
+    cuda::layernorm_forward(y, mean, rstd, x, w, b, rows, width, eps, stream_);
+  }
+  void layernorm_backward(float* dx, float* dw, float* db, const float* dy, const float* x, const float* w,
+                          const float* mean, const float* rstd, int64_t rows, int64_t width) override {
+    cuda::layernorm_backward(dx, dw, db, dy, x, w, mean, rstd, rows, width, stream_);
+  }
+
+  void batchnorm_forward(float* y, float* mean, float* rstd, float* running_mean, float* running_var, const float* x,
+                         const float* w, const float* b, int64_t batch, int64_t channels, int64_t inner, float eps,
+                         float momentum, bool training, const ChannelReducer* reduce) override {
+    cuda::batchnorm_forward(y, mean, rstd, running_mean, running_var, x, w, b, batch, channels, inner, eps, momentum,
+                            training, reduce, stream_);
+  }
+  void batchnorm_backward(float* dx, float* dw, float* db, const float* dy, const float* x, const float* w,
+                          const float* mean, const float* rstd, int64_t batch, int64_t channels, int64_t inner,
+                          bool training, const ChannelReducer* reduce) override {
+    cuda::batchnorm_backward(dx, dw, db, dy, x, w, mean, rstd, batch, channels, inner, training, reduce, stream_);
+  }
+
+  void dropout_forward(float* y, float* mask, const float* x, int64_t n, float ratio, uint64_t seed,
+                       uint64_t offset) override {
+    cuda::dropout_forward(y, mask, x, n, ratio, seed, offset, stream_);
+  }
+  void dropout_backward(float* dx, const float* dy, const float* mask, int64_t n) override {
+    cuda::dropout_backward(dx, dy, mask, n, stream_);
+  }
+
+  double cross_entropy(float* dlogits, const float* logits, const float* labels, int64_t rows, int64_t classes,
+                       double denominator, bool log_probs) override {
+    return cuda::cross_entropy(dlogits, logits, labels, rows, classes, denominator, log_probs, scratch_, stream_);
+  }
+  double mean_squared_error(float* dpred, const float* pred, const float* target, int64_t n,
+                            double denominator) override {
+    return cuda::mean_squared_error(dpred, pred, target, n, denominator, scratch_, stream_);
+  }
+
+  bool sgd_step(float* param, const float* grad, float* momentum_buffer, int64_t n, const SgdStep& s) override {
+    return cuda::sgd_step(param, grad, momentum_buffer, n, s, scratch_, stream_);
+  }
+  bool adam_step(float* param, const float* grad, float* exp_avg, float* exp_avg_sq, int64_t n,
+                 const AdamStep& s) override {
+    return cuda::adam_step(param, grad, exp_avg, exp_avg_sq, n, s, scratch_, stream_);
+  }
+
+ private:
+  static size_t bytes(int64_t n) { return static_cast<size_t>(n) * sizeof(float); }
+
+  int device_;
+  cudaStream_t stream_ = nullptr;
+  cuda::CachingAllocator allocator_;
+  cuda::LinearContext* linear_ = nullptr;
+  void* scratch_ = nullptr;  // for the reductions that return host values
+};
+
+}  // namespace
+
+int usable_gpus(std::string* why) {
+  int count = 0;
+  const cudaError_t rc = cudaGetDeviceCount(&count);
+  if (rc != cudaSuccess) {
+    if (why) *why = std::string("cudaGetDeviceCount: error ") + std::to_string(static_cast<int>(rc)) + ", " +
+                    cudaGetErrorString(rc);
+    cudaGetLastError();  // not sticky for the next caller
+    return 0;
+  }
+  if (count == 0 && why) *why = "the driver reports no GPU";
+  return count;
+}
+
+Result<std::unique_ptr<Backend>> make_cuda_backend(int device, Precision precision) {
+  std::string why;
+  const int count = usable_gpus(&why);
+  if (count == 0) return Status::error("--device cuda: no usable GPU (" + why + ")");
+  if (device < 0 || device >= count) {
+    return Status::error("--device cuda: GPU " + std::to_string(device) + " asked for, but " + std::to_string(count) +
+                         " visible");
+  }
+  if (precision != Precision::kFp32 && precision != Precision::kTf32) {
+    return Status::error(std::string("--precision ") + precision_name(precision) +
+                         ": the CUDA backend computes in fp32 or tf32 so far");
+  }
+  return std::unique_ptr<Backend>(new CudaBackend(device, precision));
+}
+
+}  // namespace pipeshard

@@ -1,0 +1,27 @@
+// The CUDA backend: a second implementation of Backend (executor/backend.h) on one GPU,
+// tested against the CPU backend (the reference) by the same suites. No CUDA header is
+// included here, so the trainer and the tools build the same with or without CUDA.
+#ifndef PIPESHARD_EXECUTOR_CUDA_CUDA_BACKEND_H_
+#define PIPESHARD_EXECUTOR_CUDA_CUDA_BACKEND_H_
+
+#include <memory>
+#include <string>
+
+#include "common/status.h"
+#include "executor/backend.h"
+
+namespace pipeshard {
+
+// A backend on GPU `device` (0-based among the visible ones), computing in `precision`:
+// kFp32, or kTf32 (GEMMs on tensor cores with TF32 inputs and fp32 accumulation). Errors:
+// no usable GPU (the driver's reason), a device index beyond the count, a precision this
+// backend cannot do yet.
+Result<std::unique_ptr<Backend>> make_cuda_backend(int device, Precision precision);
+
+// GPUs this process can use; 0 with the driver's reason in `why` (cudaGetDeviceCount
+// fails with error 35, cudaErrorInsufficientDriver, on a machine without a driver).
+int usable_gpus(std::string* why);
+
+}  // namespace pipeshard
+
+#endif  // PIPESHARD_EXECUTOR_CUDA_CUDA_BACKEND_H_
