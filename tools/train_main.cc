@@ -25,6 +25,9 @@
 #include "executor/backend.h"
 #include "executor/comm.h"
 #include "executor/dataset.h"
+#ifdef PIPESHARD_HAVE_CUDA
+#include "executor/cuda/cuda_backend.h"
+#endif
 #include "executor/fault_injection.h"
 #include "executor/trainer.h"
 #include "executor/training_board.h"
@@ -44,7 +47,7 @@ int fail(const std::string& message) { return report_bad_input("train", message)
 struct Args {
   std::string model, data, labels, eval_data, eval_labels, metrics, save, checkpoint, resume, trace;
   std::string loss = "cross-entropy", optimizer = "sgd", schedule = "constant", betas, device = "cpu";
-  std::string pipeline_schedule = "1f1b", balance = "params", on_nonfinite = "stop";
+  std::string pipeline_schedule = "1f1b", balance = "params", on_nonfinite = "stop", precision = "fp32";
   std::string tensorboard;  // --tensorboard DIR
   int micro_batches = 1;
   bool sync_batchnorm = false;
@@ -91,7 +94,12 @@ void define(CLI::App& app, Args& a) {
                  "step and stops (exit status 130 or 143)");
   app.add_option("--checkpoint-every", a.checkpoint_every, "steps between checkpoints (default: once per epoch and at the end)");
   app.add_option("--resume", a.resume, "continue the run saved in this checkpoint folder");
-  app.add_option("--device", a.device, "cpu (default) or cuda")->check(CLI::IsMember({"cpu", "cuda"}));
+  app.add_option("--device", a.device, "cpu (default) or cuda: one GPU per process, picked by its rank on the machine")
+      ->check(CLI::IsMember({"cpu", "cuda"}));
+  app.add_option("--precision", a.precision,
+                 "fp32 (default) or, with --device cuda, tf32 (tensor-core GEMMs, fp32 accumulation); bf16 and fp16 "
+                 "are not there yet")
+      ->check(CLI::IsMember({"fp32", "tf32", "bf16", "fp16"}));
   app.add_option("--check-equivalence", a.check_equivalence,
                  "train K steps in this layout and in one process on the same data, print the largest "
                  "loss and weight difference, and stop");
@@ -248,6 +256,44 @@ Status check_output_file(const std::string& flag, const std::string& path) {
   return Status::ok();
 }
 
+Precision precision_of(const Args& a) {
+  return a.precision == "tf32" ? Precision::kTf32
+         : a.precision == "bf16" ? Precision::kBf16
+         : a.precision == "fp16" ? Precision::kFp16
+                                 : Precision::kFp32;
+}
+
+// The process's rank among those of its machine, from the launcher: it picks the GPU.
+int local_rank() {
+  for (const char* name : {"OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "SLURM_LOCALID"}) {
+    const char* v = std::getenv(name);
+    if (v != nullptr && *v != 0) return std::atoi(v);
+  }
+  return 0;
+}
+
+// --device and --precision, before anything is loaded.
+Status check_device(const Args& a, const Communicator& world) {
+  if (a.device == "cpu") {
+    if (a.precision != "fp32") {
+      return Status::error("--precision " + a.precision + " needs --device cuda: the CPU backend computes in fp32");
+    }
+    return Status::ok();
+  }
+#ifdef PIPESHARD_HAVE_CUDA
+  std::string why;
+  const int gpus = usable_gpus(&why);
+  if (gpus == 0) return Status::error("--device cuda: no usable GPU (" + why + ")");
+  if (world.size() > 1) {
+    return Status::error("--device cuda runs one process so far: the NCCL communicator is not wired in yet");
+  }
+  return Status::ok();
+#else
+  (void)world;
+  return Status::error("--device cuda: this build has no CUDA (no toolkit was found when it was built)");
+#endif
+}
+
 // Everything before the first step. Every rank runs it and stops at its first error. The
 // one collective inside, splitting the world into groups, comes right after the layout,
 // which the flags alone decide: every rank reaches it or none does.
@@ -257,7 +303,7 @@ Status set_up(const Args& a, Communicator& world, Run& run) {
   run.layout = *layout;
   run.groups = make_process_groups(world, run.layout);
   const bool root = world.rank() == 0;
-  if (a.device == "cuda") return Status::error("--device cuda: this build trains on the CPU only so far");
+  PIPESHARD_RETURN_IF_ERROR(check_device(a, world));
   if (a.eval_data.empty() != a.eval_labels.empty()) return Status::error("--eval-data and --eval-labels go together");
   if (!a.save.empty()) PIPESHARD_RETURN_IF_ERROR(check_output_file("--save", a.save));
   if (!a.trace.empty()) PIPESHARD_RETURN_IF_ERROR(check_output_file("--trace", a.trace));
@@ -301,9 +347,26 @@ Status set_up(const Args& a, Communicator& world, Run& run) {
 // the partitioner's estimate of each rank's parameters, gradients, optimizer state and
 // activations in flight. Collective over `world`: the ranks of one machine add up their
 // needs (a machine is the ranks that share a host name).
-Status check_memory(Communicator& world, const Run& run) {
+Status check_memory(const Args& a, Communicator& world, const Run& run) {
   const std::vector<int64_t> per_stage = Trainer::memory_per_stage(run.model->graph, run.config, run.layout);
   const int64_t mine = per_stage.empty() ? 0 : per_stage[run.layout.stage];
+#ifdef PIPESHARD_HAVE_CUDA
+  if (a.device == "cuda") {  // one GPU per process: the estimate is this rank's alone
+    std::string why;
+    const int gpu = local_rank() % std::max(1, usable_gpus(&why));
+    int64_t free = 0, total = 0;
+    if (gpu_memory(gpu, &free, &total) && mine > free) {
+      return Status::error(fmt::format(
+          "training needs about {} on GPU {} (the partitioner's estimate of parameters, gradients, optimizer state "
+          "and activations in flight) but it has {} free of {}: use more GPUs (--stages, --tensor-parallel), a "
+          "smaller --batch-size or more --micro-batches",
+          bytes_text(mine), gpu, bytes_text(free), bytes_text(total)));
+    }
+    return Status::ok();
+  }
+#else
+  (void)a;
+#endif
   char host[256] = {};
   ::gethostname(host, sizeof host - 1);
   const uint64_t color = std::hash<std::string>{}(host) & 0x3fffffff;
@@ -327,7 +390,16 @@ Status check_memory(Communicator& world, const Run& run) {
 // The trainer, which allocates the parameters, gradients, optimizer state and
 // activations; then --resume, and the files the run writes as it goes.
 Status create_trainer(const Args& a, Communicator& world, Run& run) {
-  run.backend = make_cpu_backend();
+  if (a.device == "cuda") {
+#ifdef PIPESHARD_HAVE_CUDA
+    std::string why;
+    Result<std::unique_ptr<Backend>> gpu = make_cuda_backend(local_rank() % std::max(1, usable_gpus(&why)), precision_of(a));
+    if (!gpu) return gpu.status();
+    run.backend = std::move(*gpu);
+#endif
+  } else {
+    run.backend = make_cpu_backend();
+  }
   const Parallel parallel{&world, &run.groups, &*run.model};
   Result<std::unique_ptr<Trainer>> trainer = Trainer::create(run.model->graph, *run.data, *run.backend, run.config, parallel);
   if (!trainer) return trainer.status();
@@ -440,7 +512,7 @@ int main(int argc, char** argv) {
   a.weight_decay_given = app.count("--weight-decay") > 0;
   Run run;
   if (!agree_on_set_up(*world, parsed ? set_up(a, *world, run) : parsed)) return kExitBadInput;
-  if (!agree_on_set_up(*world, check_memory(*world, run))) return kExitBadInput;
+  if (!agree_on_set_up(*world, check_memory(a, *world, run))) return kExitBadInput;
   if (!agree_on_set_up(*world, create_trainer(a, *world, run))) return kExitBadInput;
   if (world->size() > 1) {  // from here on, a rank left waiting on a lost one ends the job
     const ProcessLayout& l = run.layout;

@@ -165,6 +165,21 @@ int usable_gpus(std::string* why) {
   return count;
 }
 
+bool gpu_memory(int device, int64_t* free_bytes, int64_t* total_bytes) {
+  int previous = 0;
+  if (cudaGetDevice(&previous) != cudaSuccess || cudaSetDevice(device) != cudaSuccess) {
+    cudaGetLastError();
+    return false;
+  }
+  size_t free = 0, total = 0;
+  const bool ok = cudaMemGetInfo(&free, &total) == cudaSuccess;
+  cudaGetLastError();
+  cudaSetDevice(previous);
+  *free_bytes = static_cast<int64_t>(free);
+  *total_bytes = static_cast<int64_t>(total);
+  return ok;
+}
+
 Result<std::unique_ptr<Backend>> make_cuda_backend(int device, Precision precision) {
   std::string why;
   const int count = usable_gpus(&why);

@@ -22,6 +22,10 @@ Result<std::unique_ptr<Backend>> make_cuda_backend(int device, Precision precisi
 // fails with error 35, cudaErrorInsufficientDriver, on a machine without a driver).
 int usable_gpus(std::string* why);
 
+// Free and total memory of GPU `device` (cudaMemGetInfo), in bytes; false when it cannot
+// be asked.
+bool gpu_memory(int device, int64_t* free_bytes, int64_t* total_bytes);
+
 }  // namespace pipeshard
 
 #endif  // PIPESHARD_EXECUTOR_CUDA_CUDA_BACKEND_H_
