@@ -17,6 +17,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdlib>
 #include <functional>
 #include <memory>
 #include <random>
@@ -24,6 +25,9 @@
 #include <vector>
 
 #include "executor/backend.h"
+#ifdef PIPESHARD_HAVE_CUDA
+#include "executor/cuda/cuda_backend.h"
+#endif
 
 namespace pipeshard::testing {
 
@@ -101,10 +105,32 @@ inline void expect_doubled(const Floats& once, const Floats& twice, const std::s
   }
 }
 
-// Tests see the backend only through be_ (the CPU one; a device suite can derive and
-// replace it) and host vectors.
+// The backend the suites test: the CPU one, or with PIPESHARD_TEST_BACKEND=cuda (the
+// "gpu"-labelled copies of the suites in tests/CMakeLists.txt) the CUDA one on GPU 0,
+// held to the same double-precision references. Null, with the reason in `why`, when
+// that backend cannot be had here.
+inline std::unique_ptr<Backend> backend_under_test(std::string* why) {
+  const char* wanted = std::getenv("PIPESHARD_TEST_BACKEND");
+  if (wanted == nullptr || std::string(wanted) == "cpu") return make_cpu_backend();
+#ifdef PIPESHARD_HAVE_CUDA
+  if (std::string(wanted) == "cuda") {
+    Result<std::unique_ptr<Backend>> gpu = make_cuda_backend(0, Precision::kFp32);
+    if (gpu) return std::move(*gpu);
+    *why = gpu.status().message() + "; the GPU check runs these on a machine with one";
+    return nullptr;
+  }
+#endif
+  *why = std::string("PIPESHARD_TEST_BACKEND=") + wanted + ": no such backend in this build";
+  return nullptr;
+}
+
+// Tests see the backend only through be_ and host vectors.
 class BackendTest : public ::testing::Test {
  protected:
+  void SetUp() override {
+    if (!be_) GTEST_SKIP() << skip_;
+  }
+
   Floats random(int64_t n, float lo = -1.0f, float hi = 1.0f) {
     std::uniform_real_distribution<float> dist(lo, hi);
     Floats v(n);
@@ -130,7 +156,8 @@ class BackendTest : public ::testing::Test {
     return v;
   }
 
-  std::unique_ptr<Backend> be_ = make_cpu_backend();
+  std::string skip_;
+  std::unique_ptr<Backend> be_ = backend_under_test(&skip_);
   std::mt19937 rng_{20240611};
 };
 
