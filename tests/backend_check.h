@@ -25,9 +25,7 @@
 #include <vector>
 
 #include "executor/backend.h"
-#ifdef PIPESHARD_HAVE_CUDA
-#include "executor/cuda/cuda_backend.h"
-#endif
+#include "executor/gpu.h"
 
 namespace pipeshard::testing {
 
@@ -112,14 +110,14 @@ inline void expect_doubled(const Floats& once, const Floats& twice, const std::s
 inline std::unique_ptr<Backend> backend_under_test(std::string* why) {
   const char* wanted = std::getenv("PIPESHARD_TEST_BACKEND");
   if (wanted == nullptr || std::string(wanted) == "cpu") return make_cpu_backend();
-#ifdef PIPESHARD_HAVE_CUDA
   if (std::string(wanted) == "cuda") {
-    Result<std::unique_ptr<Backend>> gpu = make_cuda_backend(0, Precision::kFp32);
+    std::string reason;
+    Result<std::unique_ptr<Backend>> gpu = usable_gpus(&reason) > 0 ? make_gpu_backend(0, Precision::kFp32)
+                                                                      : Status::error("no usable GPU: " + reason);
     if (gpu) return std::move(*gpu);
     *why = gpu.status().message() + "; the GPU check runs these on a machine with one";
     return nullptr;
   }
-#endif
   *why = std::string("PIPESHARD_TEST_BACKEND=") + wanted + ": no such backend in this build";
   return nullptr;
 }

@@ -25,10 +25,8 @@
 #include "executor/backend.h"
 #include "executor/comm.h"
 #include "executor/dataset.h"
-#ifdef PIPESHARD_HAVE_CUDA
-#include "executor/cuda/cuda_backend.h"
-#endif
 #include "executor/fault_injection.h"
+#include "executor/gpu.h"
 #include "executor/trainer.h"
 #include "executor/training_board.h"
 #include "executor/watchdog.h"
@@ -280,18 +278,12 @@ Status check_device(const Args& a, const Communicator& world) {
     }
     return Status::ok();
   }
-#ifdef PIPESHARD_HAVE_CUDA
   std::string why;
-  const int gpus = usable_gpus(&why);
-  if (gpus == 0) return Status::error("--device cuda: no usable GPU (" + why + ")");
+  if (usable_gpus(&why) == 0) return Status::error("--device cuda: no usable GPU (" + why + ")");
   if (world.size() > 1) {
     return Status::error("--device cuda runs one process so far: the NCCL communicator is not wired in yet");
   }
   return Status::ok();
-#else
-  (void)world;
-  return Status::error("--device cuda: this build has no CUDA (no toolkit was found when it was built)");
-#endif
 }
 
 // Everything before the first step. Every rank runs it and stops at its first error. The
@@ -350,10 +342,8 @@ Status set_up(const Args& a, Communicator& world, Run& run) {
 Status check_memory(const Args& a, Communicator& world, const Run& run) {
   const std::vector<int64_t> per_stage = Trainer::memory_per_stage(run.model->graph, run.config, run.layout);
   const int64_t mine = per_stage.empty() ? 0 : per_stage[run.layout.stage];
-#ifdef PIPESHARD_HAVE_CUDA
   if (a.device == "cuda") {  // one GPU per process: the estimate is this rank's alone
-    std::string why;
-    const int gpu = local_rank() % std::max(1, usable_gpus(&why));
+    const int gpu = local_rank() % std::max(1, usable_gpus(nullptr));
     int64_t free = 0, total = 0;
     if (gpu_memory(gpu, &free, &total) && mine > free) {
       return Status::error(fmt::format(
@@ -364,9 +354,6 @@ Status check_memory(const Args& a, Communicator& world, const Run& run) {
     }
     return Status::ok();
   }
-#else
-  (void)a;
-#endif
   char host[256] = {};
   ::gethostname(host, sizeof host - 1);
   const uint64_t color = std::hash<std::string>{}(host) & 0x3fffffff;
@@ -391,12 +378,9 @@ Status check_memory(const Args& a, Communicator& world, const Run& run) {
 // activations; then --resume, and the files the run writes as it goes.
 Status create_trainer(const Args& a, Communicator& world, Run& run) {
   if (a.device == "cuda") {
-#ifdef PIPESHARD_HAVE_CUDA
-    std::string why;
-    Result<std::unique_ptr<Backend>> gpu = make_cuda_backend(local_rank() % std::max(1, usable_gpus(&why)), precision_of(a));
+    Result<std::unique_ptr<Backend>> gpu = make_gpu_backend(local_rank() % std::max(1, usable_gpus(nullptr)), precision_of(a));
     if (!gpu) return gpu.status();
     run.backend = std::move(*gpu);
-#endif
   } else {
     run.backend = make_cpu_backend();
   }

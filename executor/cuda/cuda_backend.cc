@@ -152,7 +152,7 @@ class CudaBackend final : public Backend {
 
 }  // namespace
 
-int usable_gpus(std::string* why) {
+int cuda_usable_gpus(std::string* why) {
   int count = 0;
   const cudaError_t rc = cudaGetDeviceCount(&count);
   if (rc != cudaSuccess) {
@@ -165,7 +165,7 @@ int usable_gpus(std::string* why) {
   return count;
 }
 
-bool gpu_memory(int device, int64_t* free_bytes, int64_t* total_bytes) {
+bool cuda_gpu_memory(int device, int64_t* free_bytes, int64_t* total_bytes) {
   int previous = 0;
   if (cudaGetDevice(&previous) != cudaSuccess || cudaSetDevice(device) != cudaSuccess) {
     cudaGetLastError();
@@ -182,7 +182,7 @@ bool gpu_memory(int device, int64_t* free_bytes, int64_t* total_bytes) {
 
 Result<std::unique_ptr<Backend>> make_cuda_backend(int device, Precision precision) {
   std::string why;
-  const int count = usable_gpus(&why);
+  const int count = cuda_usable_gpus(&why);
   if (count == 0) return Status::error("--device cuda: no usable GPU (" + why + ")");
   if (device < 0 || device >= count) {
     return Status::error("--device cuda: GPU " + std::to_string(device) + " asked for, but " + std::to_string(count) +

@@ -1,6 +1,6 @@
 // The CUDA backend: a second implementation of Backend (executor/backend.h) on one GPU,
-// tested against the CPU backend (the reference) by the same suites. No CUDA header is
-// included here, so the trainer and the tools build the same with or without CUDA.
+// tested against the CPU backend (the reference) by the same suites. It is built into a
+// plugin (plugin.cc) that the tools open only when asked for a GPU: use executor/gpu.h.
 #ifndef PIPESHARD_EXECUTOR_CUDA_CUDA_BACKEND_H_
 #define PIPESHARD_EXECUTOR_CUDA_CUDA_BACKEND_H_
 
@@ -20,11 +20,11 @@ Result<std::unique_ptr<Backend>> make_cuda_backend(int device, Precision precisi
 
 // GPUs this process can use; 0 with the driver's reason in `why` (cudaGetDeviceCount
 // fails with error 35, cudaErrorInsufficientDriver, on a machine without a driver).
-int usable_gpus(std::string* why);
+int cuda_usable_gpus(std::string* why);
 
 // Free and total memory of GPU `device` (cudaMemGetInfo), in bytes; false when it cannot
 // be asked.
-bool gpu_memory(int device, int64_t* free_bytes, int64_t* total_bytes);
+bool cuda_gpu_memory(int device, int64_t* free_bytes, int64_t* total_bytes);
 
 }  // namespace pipeshard
 
