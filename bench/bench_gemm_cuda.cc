@@ -214,7 +214,7 @@ int run(int argc, char** argv) {
               {"formula", "GFLOP/s = 2*M*N*K / median seconds of one Backend::linear_forward / 1e9"},
               {"op", "y[M,N] = x[M,K] * W^T + b, W [N,K] (kOutIn), through make_cuda_backend"}};
   std::string why;
-  if (usable_gpus(&why) <= o.device) {
+  if (cuda_usable_gpus(&why) <= o.device) {
     out["error"] = "no usable GPU " + std::to_string(o.device) + ": " + (why.empty() ? "fewer GPUs visible" : why);
     std::printf("%s\n", out.dump(2).c_str());
     return 2;
