@@ -1,8 +1,9 @@
 // Communicators: collectives and point-to-point transfers on a process group.
 //
-// One interface, two implementations: MPI on host memory (executor/comm_mpi.cc) and,
-// with the CUDA issue, NCCL on device memory. Buffers live in the memory the
-// communicator works on and hold float32, but for the double-precision sums. Operations
+// One interface, two implementations: MPI on host memory (executor/comm_mpi.cc) and
+// NCCL on device memory (executor/comm_nccl.h). Buffers live in the memory the
+// communicator works on and hold float32, but for the double-precision sums (and the
+// host bytes of broadcast_bytes, whatever the communicator). Operations
 // are collective over the group unless they name a peer: every rank of the group must
 // call them in the same order with the same sizes (the pipeline schedules are checked
 // for this before they run). Failures of the transport are fatal and abort the whole
@@ -62,6 +63,9 @@ class Communicator {
   virtual void reduce_scatter(const float* send, float* recv, int64_t n, ReduceOp op) = 0;
   // data[n] = root's data[n].
   virtual void broadcast(float* data, int64_t n, int root) = 0;
+  // bytes[n] = root's bytes[n], in HOST memory whatever memory the communicator works on:
+  // small control data such as the NCCL unique id a group is bootstrapped with.
+  virtual void broadcast_bytes(void* bytes, int64_t n, int root) = 0;
   // Point to point; `tag` tells apart transfers between the same pair of ranks.
   virtual void send(const float* data, int64_t n, int peer, int tag) = 0;
   virtual void recv(float* data, int64_t n, int peer, int tag) = 0;

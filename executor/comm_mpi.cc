@@ -312,6 +312,16 @@ class MpiCommunicator final : public Communicator {
     });
   }
 
+  void broadcast_bytes(void* bytes, int64_t n, int root) override {
+    auto* data = static_cast<char*>(bytes);
+    check_buffer(data, n);
+    PIPESHARD_MPI_CHECK(root >= 0 && root < size_, "root " + std::to_string(root) + " of " + std::to_string(size_) + " ranks");
+    const WatchdogWait watched("the broadcast with", &others_);
+    for_each_piece(n, max_count_, [&](int64_t offset, int count) {
+      PIPESHARD_MPI_CALL(MPI_Bcast(data + offset, count, MPI_BYTE, root, comm_));
+    });
+  }
+
   void send(const float* data, int64_t n, int peer, int tag) override {
     check_transfer(data, n, peer, tag);
     const WatchdogWait watched("the send to", &peer_names_[peer]);
@@ -380,7 +390,7 @@ class MpiCommunicator final : public Communicator {
   void check_buffer(const T* data, int64_t n) const {
     PIPESHARD_MPI_CHECK(n >= 0, "negative element count " + std::to_string(n));
     PIPESHARD_MPI_CHECK(data != nullptr || n == 0,
-                        "null buffer for " + std::to_string(n) + (sizeof(T) == 8 ? " doubles" : " floats"));
+                        "null buffer for " + std::to_string(n) + (sizeof(T) == 8 ? " doubles" : sizeof(T) == 1 ? " bytes" : " floats"));
   }
   void check_transfer(const float* data, int64_t n, int peer, int tag) const {
     check_buffer(data, n);
@@ -409,7 +419,7 @@ class MpiCommunicator final : public Communicator {
 
   MPI_Comm comm_;
   Ownership ownership_;
-  int64_t max_count_;  // elements (floats, or doubles for all_reduce_sum) per MPI call
+  int64_t max_count_;  // elements (floats, doubles for all_reduce_sum, bytes for broadcast_bytes) per MPI call
   int rank_ = 0, size_ = 0;
   int max_tag_ = 32767;
   std::vector<std::string> peer_names_;

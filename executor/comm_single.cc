@@ -21,7 +21,7 @@ template <typename T>
 void check_buffer(const T* data, int64_t n) {
   PIPESHARD_CHECK(n >= 0, "negative element count " + std::to_string(n));
   PIPESHARD_CHECK(data != nullptr || n == 0,
-                  "null buffer for " + std::to_string(n) + (sizeof(T) == 8 ? " doubles" : " floats"));
+                  "null buffer for " + std::to_string(n) + (sizeof(T) == 8 ? " doubles" : sizeof(T) == 1 ? " bytes" : " floats"));
 }
 
 void copy_floats(const float* from, float* to, int64_t n) {
@@ -56,6 +56,10 @@ class SingleProcessCommunicator final : public Communicator {
   void reduce_scatter(const float* send, float* recv, int64_t n, ReduceOp) override { copy_floats(send, recv, n); }
   void broadcast(float* data, int64_t n, int root) override {
     check_buffer(data, n);
+    PIPESHARD_CHECK(root == 0, "broadcast from rank " + std::to_string(root) + " in a group of one");
+  }
+  void broadcast_bytes(void* bytes, int64_t n, int root) override {
+    check_buffer(static_cast<const char*>(bytes), n);
     PIPESHARD_CHECK(root == 0, "broadcast from rank " + std::to_string(root) + " in a group of one");
   }
 

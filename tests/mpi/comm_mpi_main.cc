@@ -196,6 +196,21 @@ TEST_P(CommTest, BroadcastFromEveryRoot) {
   }
 }
 
+// Bytes travel unchanged, whatever their value as floats would be (an NCCL unique id).
+TEST_P(CommTest, BroadcastBytesFromEveryRoot) {
+  Communicator& c = comm();
+  const int64_t n = 130;  // not a multiple of 4, and more than one piece of kSmallPiece
+  for (int root = 0; root < c.size(); ++root) {
+    std::vector<unsigned char> data(n, 0);
+    if (c.rank() == root) {
+      for (int64_t j = 0; j < n; ++j) data[j] = static_cast<unsigned char>(255 - j - root);
+    }
+    c.broadcast_bytes(data.data(), n, root);
+    for (int64_t j = 0; j < n; ++j) EXPECT_EQ(data[j], static_cast<unsigned char>(255 - j - root)) << "root " << root;
+  }
+  c.broadcast_bytes(nullptr, 0, 0);
+}
+
 TEST_P(CommTest, BarrierWaitsForTheLastRank) {
   Communicator& c = comm();
   if (c.size() == 1) {
