@@ -20,7 +20,9 @@
 // which is per output feature here):
 // - forward: BIAS when b is given, beta == 1 (cuBLASLt's bias has no scale) and b is
 //   16-byte aligned; RELU(_BIAS) when the activation is ReLU and nobody wants `pre`
-//   (RELU_AUX saves a bit mask, not the pre-activation values backward reads);
+//   (RELU_AUX saves a bit mask, not the pre-activation values backward reads; and
+//   cuBLASLt's max(x, 0) may turn a NaN into 0 where the CPU keeps it, so training, which
+//   always keeps `pre`, never meets that difference);
 //   GELU(_BIAS), or GELU_AUX(_BIAS) writing `pre`, for kGeluTanh in TF32 mode only (see
 //   gelu_epilogue_allowed). Everything else — exact GELU, sigmoid, tanh, SiLU, leaky ReLU,
 //   a scaled or misaligned bias — runs in bias_activation_kernel after the GEMM.
@@ -101,6 +103,7 @@ struct Plan {
   cublasLtMatmulDesc_t desc = nullptr;
   cublasLtMatrixLayout_t a = nullptr, b = nullptr, d = nullptr;  // C is D (in place)
   cublasLtMatmulAlgo_t algo{};
+  cublasComputeType_t compute = CUBLAS_COMPUTE_32F;
   bool supported = false;  // false: cuBLASLt has no algorithm for it (an epilogue declined)
 
   Plan() = default;
@@ -156,6 +159,7 @@ bool declined(cublasStatus_t status) {
 // when it has none for this epilogue, these alignments, this compute type.
 bool build_plan(LinearContext& c, Plan& plan, cublasComputeType_t compute, const GemmShape& g, const Epilogue& e,
                 const void* a, const void* b, const void* d) {
+  plan.compute = compute;
   PIPESHARD_CUBLAS_CHECK(cublasLtMatmulDescCreate(&plan.desc, compute, CUDA_R_32F));
   set_attribute(plan.desc, CUBLASLT_MATMUL_DESC_TRANSA, static_cast<int32_t>(g.trans_a));
   set_attribute(plan.desc, CUBLASLT_MATMUL_DESC_TRANSB, static_cast<int32_t>(g.trans_b));
@@ -194,18 +198,27 @@ bool build_plan(LinearContext& c, Plan& plan, cublasComputeType_t compute, const
   return true;
 }
 
-// A plan for this GEMM: with the context's compute type, or, for a plain GEMM that TF32
-// cannot do (tensor-core kernels want aligned data), in fp32, which is exact and always
-// has kernels. An epilogue nobody has a kernel for leaves the plan unsupported.
+// A plain GEMM that TF32 cannot do (tensor-core kernels want aligned data) runs in fp32,
+// which is more precise and has kernels for every alignment.
+void make_fp32_plan(LinearContext& c, Plan& plan, const GemmShape& g, const Epilogue& e, const void* a,
+                    const void* b, const void* d) {
+  plan.clear();
+  plan.supported = build_plan(c, plan, CUBLAS_COMPUTE_32F, g, e, a, b, d);
+  PIPESHARD_CHECK(plan.supported, "cuBLASLt has no algorithm for " + describe(g, e));
+}
+
+// A plan for this GEMM with the context's compute type, or in fp32 (above). An epilogue
+// nobody has a kernel for leaves the plan unsupported.
 void make_plan(LinearContext& c, Plan& plan, const GemmShape& g, const Epilogue& e, const void* a, const void* b,
                const void* d) {
   plan.supported = build_plan(c, plan, c.compute, g, e, a, b, d);
-  if (plan.supported || e.kind != CUBLASLT_EPILOGUE_DEFAULT) return;
-  if (c.compute != CUBLAS_COMPUTE_32F) {
-    plan.clear();
-    plan.supported = build_plan(c, plan, CUBLAS_COMPUTE_32F, g, e, a, b, d);
-  }
-  PIPESHARD_CHECK(plan.supported, "cuBLASLt has no algorithm for " + describe(g, e));
+  if (!plan.supported && e.kind == CUBLASLT_EPILOGUE_DEFAULT) make_fp32_plan(c, plan, g, e, a, b, d);
+}
+
+cublasStatus_t run_plan(LinearContext& c, const Plan& plan, const float* a, const float* b, float* d, float alpha,
+                        float beta, cudaStream_t stream) {
+  return cublasLtMatmul(c.handle, plan.desc, &alpha, a, plan.a, b, plan.b, &beta, d, plan.d, d, plan.d, &plan.algo,
+                        c.workspace, kWorkspaceBytes, stream);
 }
 
 // D = alpha·op(A)·op(B) + beta·D with the epilogue. False when cuBLASLt declines the
@@ -217,11 +230,14 @@ bool gemm(LinearContext& c, const GemmShape& g, const float* a, const float* b, 
   if (created) make_plan(c, plan, g, e, a, b, d);
   if (!plan.supported) return false;
   set_epilogue_pointers(plan.desc, e);
-  const cublasStatus_t status = cublasLtMatmul(c.handle, plan.desc, &alpha, a, plan.a, b, plan.b, &beta, d, plan.d, d,
-                                               plan.d, &plan.algo, c.workspace, kWorkspaceBytes, stream);
+  cublasStatus_t status = run_plan(c, plan, a, b, d, alpha, beta, stream);
   if (declined(status) && e.kind != CUBLASLT_EPILOGUE_DEFAULT) {
     plan.supported = false;  // and the caller falls back, now and for every later call
     return false;
+  }
+  if (declined(status) && plan.compute != CUBLAS_COMPUTE_32F) {  // the heuristic promised too much
+    make_fp32_plan(c, plan, g, e, a, b, d);
+    status = run_plan(c, plan, a, b, d, alpha, beta, stream);
   }
   PIPESHARD_CHECK(status == CUBLAS_STATUS_SUCCESS,
                   std::string("cublasLtMatmul: ") + cublasLtGetStatusString(status) + " for " + describe(g, e));
