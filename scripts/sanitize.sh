@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# The whole ctest suite (every label: cpu, mpi, and gpu where built) under AddressSanitizer
-# + UndefinedBehaviorSanitizer, in build-asan/ (CMake option PIPESHARD_SANITIZE: every
-# target instrumented, no CUDA). The tests start train, partition and mpiexec ranks from
-# build-asan/bin, which inherit the options below, so child processes are checked too.
+# The whole ctest suite (labels cpu and mpi; the tree builds no CUDA, so no gpu tests) under
+# AddressSanitizer + UndefinedBehaviorSanitizer, in build-asan/ (CMake option
+# PIPESHARD_SANITIZE: every target instrumented, with clang). The tests start train,
+# partition and mpiexec ranks from build-asan/bin, which inherit the options below, so
+# child processes are checked too.
 #
 # Any report fails the script: a report stops its process (halt_on_error, no recovery
 # compiled in) with exit status 86, and it is written to build-asan/sanitizer-reports/
@@ -12,7 +13,8 @@
 # third-party leaks, each with the reason it is not ours. Arguments go to ctest
 # (bash scripts/sanitize.sh -R NAME runs only the matching tests).
 #
-# Wall time on two shared cores: TODO minutes, build included.
+# Wall time on two cores shared with another build: about 16 minutes, 8 of them the build
+# (CI allows 90; the ordinary suite takes about 4).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
