@@ -76,7 +76,7 @@ class ScopedParallelMinWork {
 // thread when `work` pays for the threads. Bodies must compute each index the same way
 // whatever the piece, so results do not depend on the thread count.
 template <typename Body>
-void parallel_ranges(int64_t n, int64_t work, Body&& body) {
+void parallel_ranges(int64_t n, [[maybe_unused]] int64_t work, Body&& body) {  // work: unused without OpenMP
   if (n <= 0) return;
 #ifdef _OPENMP
   if (work >= parallel_min_work() && n > 1 && omp_get_max_threads() > 1) {

@@ -217,9 +217,10 @@ TEST_P(CommTest, BarrierWaitsForTheLastRank) {
     c.barrier();
     return;
   }
-  // The last rank arrives 300 ms late; everyone else must wait for it. The first barrier
-  // lines the ranks up (they reach this test at different times on a busy machine); a rank
-  // may still leave it some milliseconds after the last one, hence the margin.
+  // The last rank arrives 300 ms late; everyone else must wait for it. The ranks leave the
+  // previous test at different times (10 ms and more under the sanitizers, with more ranks
+  // than cores), so a first barrier lines them up; the margin is for the skew with which
+  // they leave it. A barrier that did not wait would return at once.
   c.barrier();
   const auto start = std::chrono::steady_clock::now();
   if (c.rank() == c.size() - 1) std::this_thread::sleep_for(std::chrono::milliseconds(300));

@@ -1,0 +1,75 @@
+#!/usr/bin/env bash
+# The whole ctest suite (labels cpu and mpi; the tree builds no CUDA, so no gpu tests) under
+# AddressSanitizer + UndefinedBehaviorSanitizer, in build-asan/ (CMake option
+# PIPESHARD_SANITIZE: every target instrumented, with clang). The tests start train,
+# partition and mpiexec ranks from build-asan/bin, which inherit the options below, so
+# child processes are checked too.
+#
+# Any report fails the script: a report stops its process (halt_on_error, no recovery
+# compiled in) with exit status 86, and it is written to build-asan/sanitizer-reports/
+# rather than to stderr. A file there fails the run even when the test passed, as a test
+# that expects a tool to fail, or that reads only its exit status, could otherwise pass
+# over a report in a child. LeakSanitizer suppressions (scripts/lsan.supp) cover only
+# third-party leaks, each with the reason it is not ours. Arguments go to ctest
+# (bash scripts/sanitize.sh -R NAME runs only the matching tests).
+#
+# Wall time on two cores shared with another build: about 16 minutes, 8 of them the build
+# (CI allows 90; the ordinary suite takes about 4).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+bash scripts/install-deps.sh
+start=$SECONDS
+build=build-asan
+reports=$PWD/$build/sanitizer-reports
+
+# Clang, as for scripts/fuzz_replay.sh (CMakeLists.txt says why not GCC). Missing clang
+# fails the job rather than skipping it: scripts/install-deps.sh installs clang-14.
+cxx=""
+for candidate in clang++-14 clang++; do
+  if command -v "$candidate" >/dev/null 2>&1; then cxx=$candidate; break; fi
+done
+if [ -z "$cxx" ]; then
+  echo "sanitize: no clang++ (scripts/install-deps.sh installs clang-14)" >&2
+  exit 1
+fi
+
+# Debug supplies -g and no -O of its own; PIPESHARD_SANITIZE adds -O1.
+mkdir -p $build
+if ! { cmake -S . -B $build -DCMAKE_CXX_COMPILER="$cxx" -DCMAKE_BUILD_TYPE=Debug -DPIPESHARD_SANITIZE=ON &&
+       cmake --build $build -j"$(nproc)"; } >$build/build.log 2>&1; then
+  echo "sanitize: the build failed; the end of $build/build.log:" >&2
+  tail -n 40 $build/build.log >&2
+  exit 1
+fi
+built=$SECONDS
+
+rm -rf "$reports"
+mkdir -p "$reports"
+common="halt_on_error=1:exitcode=86:log_path=$reports/report:print_stacktrace=1"
+export ASAN_OPTIONS="$common:detect_leaks=1:check_initialization_order=1:strict_init_order=1:detect_stack_use_after_return=1:fast_unwind_on_malloc=0"
+export UBSAN_OPTIONS="$common"
+# fast_unwind_on_malloc=0: Open MPI's libraries are built without frame pointers, so the
+# fast unwinder stops at their first frame (often inside a component that MPI_Finalize has
+# unloaded) and the suppressions would find no frame to match; the slow unwinder gives
+# whole stacks, at some cost in run time (mostly the MPI tests). print_suppressions=0: otherwise
+# every MPI process prints LSan's "Suppressions used" table at exit, which lands in the
+# reports folder as a report (and, without log_path, in the stderr that tests compare).
+export LSAN_OPTIONS="suppressions=$PWD/scripts/lsan.supp:print_suppressions=0"
+
+status=0
+ctest --test-dir $build --output-on-failure -j"$(nproc)" "$@" >$build/ctest.log 2>&1 || status=1
+grep -h "tests passed" $build/ctest.log || true
+if [ $status -ne 0 ]; then
+  echo "sanitize: tests failed; $build/ctest.log says which:" >&2
+  sed -n '/tests failed out of/,$p' $build/ctest.log >&2
+fi
+
+mapfile -t found < <(find "$reports" -type f | sort)
+if [ ${#found[@]} -gt 0 ]; then
+  echo "sanitize: ${#found[@]} sanitizer report(s) in $reports; the first:" >&2
+  head -n 60 "${found[0]}" >&2
+  status=1
+fi
+echo "sanitize: $((SECONDS - start)) s ($((built - start)) s build), ${#found[@]} reports"
+exit $status
