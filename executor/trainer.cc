@@ -649,10 +649,14 @@ Status Trainer::load_checkpoint(const std::string& dir) {
   if (!in) return Status::error(path + ": no checkpoint here");
   const std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
   if (in.bad()) return Status::error(path + ": cannot read the checkpoint");
+  return load_checkpoint_bytes(bytes, path);
+}
+
+Status Trainer::load_checkpoint_bytes(std::string_view bytes, const std::string& label) {
   // Every checksum is checked before anything is used: a damaged file changes nothing.
   Result<Checkpoint> c = decode_checkpoint(bytes);
-  if (!c) return c.status().with_context(path);
-  return restore(*c).with_context(path);
+  if (!c) return c.status().with_context(label);
+  return restore(*c).with_context(label);
 }
 
 Status Trainer::restore(const Checkpoint& c) {
