@@ -136,8 +136,10 @@ Result<Checkpoint> decode_checkpoint(std::string_view bytes) {
     }
     const std::string_view data = bytes.substr(at, static_cast<size_t>(elements) * sizeof(float));
     if (format == 2 && crc32c(data) != listed[i].crc) return Status::error("corrupt checkpoint: " + what + " fails its CRC-32C check");
+    // An empty vector's data() may be null, and memcpy from or to null is undefined even
+    // for 0 bytes: a header may list a tensor of 0 elements.
     t.data.resize(static_cast<size_t>(elements));
-    std::memcpy(t.data.data(), data.data(), data.size());
+    if (!data.empty()) std::memcpy(t.data.data(), data.data(), data.size());
     at += data.size();
   }
   if (at != bytes.size()) {
