@@ -127,13 +127,19 @@ Result<Checkpoint> decode_checkpoint(std::string_view bytes) {
     const uint64_t elements = listed[i].elements;
     const std::string what = "tensor '" + t.name + "' (" + t.role + ")";
     if (elements > (bytes.size() - at) / sizeof(float)) {
-      return Status::error("truncated checkpoint: " + what + " needs " + std::to_string(elements * sizeof(float)) +
-                           " bytes, " + std::to_string(bytes.size() - at) + " remain");
+      // Past 2^62 elements the byte count itself would wrap around.
+      const std::string needs = elements <= UINT64_MAX / sizeof(float)
+                                    ? std::to_string(elements * sizeof(float)) + " bytes"
+                                    : std::to_string(elements) + " float32 values";
+      return Status::error("truncated checkpoint: " + what + " needs " + needs + ", " +
+                           std::to_string(bytes.size() - at) + " remain");
     }
     const std::string_view data = bytes.substr(at, static_cast<size_t>(elements) * sizeof(float));
     if (format == 2 && crc32c(data) != listed[i].crc) return Status::error("corrupt checkpoint: " + what + " fails its CRC-32C check");
+    // An empty vector's data() may be null, and memcpy from or to null is undefined even
+    // for 0 bytes: a header may list a tensor of 0 elements.
     t.data.resize(static_cast<size_t>(elements));
-    std::memcpy(t.data.data(), data.data(), data.size());
+    if (!data.empty()) std::memcpy(t.data.data(), data.data(), data.size());
     at += data.size();
   }
   if (at != bytes.size()) {

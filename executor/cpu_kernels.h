@@ -22,14 +22,18 @@ namespace pipeshard::cpu {
 // x = n·ln2 + r, |r| <= ln2/2, a
 // degree-6 polynomial for e^r, and 2^n put together from its exponent bits. Error under
 // 2 ulp on [-87, 0] (tests/backend_training_test.cc checks it against std::exp);
-// arguments below -87.3 give 0's neighbour e^-87.3 ≈ 1.2e-38 rather than denormals.
+// arguments below -87.3 give 0's neighbour e^-87.3 ≈ 1.2e-38 rather than denormals, and
+// NaN gives NaN.
 inline float exp_nonpositive(float x) {
   x = std::max(x, -87.3f);
   // n = log2(e)·x rounded to nearest (ties to even) by the 1.5·2^23 trick: branch-free,
   // so the loops around it vectorise; either neighbour of a tie keeps |r| <= ln2/2.
   constexpr float kRound = 12582912.0f;
   const float fn = (x * 1.44269504088896341f + kRound) - kRound;
-  const int n = static_cast<int>(fn);
+  // fn is in [-126, 0] for every x the contract allows. A NaN x (the logits of NaN
+  // weights) made fn NaN, whose conversion to int is undefined behaviour: the clamp turns
+  // it into -127, whose 2^n is 0, and the result stays NaN through e.
+  const int n = static_cast<int>(std::min(std::max(-127.0f, fn), 0.0f));
   float r = x - fn * 0.693359375f;                   // ln2 in two parts, exact products
   r = r + fn * 2.12194440e-4f;
   const float z = r * r;

@@ -1,8 +1,8 @@
 #include "executor/trainer.h"
 
 #include <algorithm>
+#include <charconv>
 #include <cmath>
-#include <cstdlib>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -649,10 +649,14 @@ Status Trainer::load_checkpoint(const std::string& dir) {
   if (!in) return Status::error(path + ": no checkpoint here");
   const std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
   if (in.bad()) return Status::error(path + ": cannot read the checkpoint");
+  return load_checkpoint_bytes(bytes, path);
+}
+
+Status Trainer::load_checkpoint_bytes(std::string_view bytes, const std::string& label) {
   // Every checksum is checked before anything is used: a damaged file changes nothing.
   Result<Checkpoint> c = decode_checkpoint(bytes);
-  if (!c) return c.status().with_context(path);
-  return restore(*c).with_context(path);
+  if (!c) return c.status().with_context(label);
+  return restore(*c).with_context(label);
 }
 
 Status Trainer::restore(const Checkpoint& c) {
@@ -677,14 +681,20 @@ Status Trainer::restore(const Checkpoint& c) {
     if (t.role == "value") {
       index = 0;
     } else if (t.role.rfind("slot", 0) == 0 && full.params[it->second].trainable) {
-      const int s = std::atoi(t.role.c_str() + 4);
-      if (t.role != "slot" + std::to_string(s) || s < 0 || s >= slot_count) {
+      // from_chars, unlike atoi, has defined results for any digits ("slot99999999999").
+      int s = -1;
+      const char* last = t.role.data() + t.role.size();
+      const std::from_chars_result read = std::from_chars(t.role.data() + 4, last, s);
+      if (read.ec != std::errc() || read.ptr != last || t.role != "slot" + std::to_string(s) || s < 0 ||
+          s >= slot_count) {
         return Status::error("optimizer state does not match this optimizer");
       }
       index = 1 + s;
     } else {
       return Status::error("unknown tensor role '" + t.role + "'");
     }
+    // Two copies of one tensor would leave which one is restored to the file's order.
+    if (tensors[index][it->second]) return Status::error("tensor '" + t.name + "' (" + t.role + ") appears twice");
     tensors[index][it->second] = &t.data;
   }
   // This rank's slices.

@@ -15,6 +15,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "common/atomic_file.h"
@@ -159,6 +160,9 @@ class Trainer {
   // file that fails a checksum, is cut short or does not fit this model and optimizer
   // is refused with a message naming the part at fault, and changes nothing.
   Status load_checkpoint(const std::string& dir);
+  // The same for a checkpoint file's `bytes` already in memory; messages begin with
+  // "`label`: " where load_checkpoint names the file's path.
+  Status load_checkpoint_bytes(std::string_view bytes, const std::string& label);
 
  private:
   Trainer(const Dataset& data, Backend& backend, const TrainConfig& config, RankModel rank);

@@ -2,13 +2,21 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
+#include <memory>
 #include <utility>
 #include <vector>
 
+#include <nlohmann/json.hpp>
 #include <onnx/onnx_pb.h>
 
+#include "common/crc32c.h"
+#include "executor/backend.h"
+#include "executor/checkpoint_file.h"
+#include "executor/comm.h"
 #include "executor/dataset.h"
 #include "executor/npy.h"
+#include "executor/trainer.h"
 #include "importer/onnx_importer.h"
 #include "partitioner/plan.h"
 #include "partitioner/stage_writer.h"
@@ -68,7 +76,172 @@ NpyArray zeros(const std::string& path, NpyType type, int64_t rows, const std::v
 
 std::vector<int64_t> sample_dims(const Value& v) { return {v.shape.dims.begin() + 1, v.shape.dims.end()}; }
 
+// The length of the checkpoint trainers' runs: a restored run steps on while it is shorter,
+// as train's loop does.
+constexpr int64_t kCheckpointTotalSteps = 1000;
+
+// A communicator that knows its place in the group and nothing else: restoring a
+// checkpoint sends nothing, and a call here means that assumption broke.
+class PlaceOnly final : public Communicator {
+ public:
+  PlaceOnly(int rank, int size) : rank_(rank), size_(size) {}
+  int rank() const override { return rank_; }
+  int size() const override { return size_; }
+  void all_reduce(float*, int64_t, ReduceOp) override { unreachable(); }
+  std::unique_ptr<Request> all_reduce_async(float*, int64_t, ReduceOp) override { unreachable(); }
+  double all_reduce_sum(double) override { unreachable(); }
+  std::vector<std::string> gather_text(const std::string&, int) override { unreachable(); }
+  void all_reduce_sum(double*, int64_t) override { unreachable(); }
+  void all_gather(const float*, float*, int64_t) override { unreachable(); }
+  void reduce_scatter(const float*, float*, int64_t, ReduceOp) override { unreachable(); }
+  void broadcast(float*, int64_t, int) override { unreachable(); }
+  void send(const float*, int64_t, int, int) override { unreachable(); }
+  void recv(float*, int64_t, int, int) override { unreachable(); }
+  std::unique_ptr<Request> send_async(const float*, int64_t, int, int) override { unreachable(); }
+  std::unique_ptr<Request> recv_async(float*, int64_t, int, int) override { unreachable(); }
+  void barrier() override { unreachable(); }
+  std::unique_ptr<Communicator> split(int, int) override { unreachable(); }
+  [[noreturn]] void abort(const std::string& message) override { PIPESHARD_CHECK(false, message); std::abort(); }
+
+ private:
+  [[noreturn]] static void unreachable() {
+    PIPESHARD_CHECK(false, "the checkpoint fuzz harness's communicators carry nothing");
+    std::abort();
+  }
+  int rank_, size_;
+};
+
+// What checkpoint_trainers() holds on to: the model, its data, and each trainer with
+// what it needs.
+struct CheckpointRig {
+  ImportedModel model;
+  Dataset data;
+  std::unique_ptr<Backend> backend = make_cpu_backend();
+  std::unique_ptr<Communicator> world;
+  ProcessGroups groups;
+  std::vector<std::unique_ptr<Trainer>> owned;
+  std::vector<CheckpointTrainer> trainers;
+};
+
+// 8 samples of 16 features (a fixed pattern) with class labels 0..7.
+Dataset checkpoint_data(const Graph& g) {
+  NpyArray features = zeros<float>("features.npy", NpyType::kFloat32, 8, sample_dims(g.values[g.inputs[0]]));
+  std::vector<float> x(features.bytes.size() / sizeof(float));
+  for (size_t i = 0; i < x.size(); ++i) x[i] = static_cast<float>((i * 37) % 17) / 8.0f - 1.0f;
+  std::memcpy(features.bytes.data(), x.data(), features.bytes.size());
+  NpyArray labels = zeros<int64_t>("labels.npy", NpyType::kInt64, 8, {});
+  for (int64_t i = 0; i < 8; ++i) std::memcpy(labels.bytes.data() + i * sizeof(int64_t), &i, sizeof i);
+  Result<Dataset> d = make_dataset(features, labels, g, LossKind::kCrossEntropy);
+  PIPESHARD_CHECK(d.is_ok(), d.status().message());
+  return std::move(*d);
+}
+
+std::unique_ptr<CheckpointRig> make_checkpoint_rig() {
+  auto rig = std::make_unique<CheckpointRig>();
+  Result<ImportedModel> model = import_onnx_file(PIPESHARD_SOURCE_DIR "/models/batchnorm_train.onnx");
+  PIPESHARD_CHECK(model.is_ok(), model.status().message());
+  rig->model = std::move(*model);
+  rig->data = checkpoint_data(rig->model.graph);
+  TrainConfig config;
+  config.batch_size = 4;
+  config.total_steps = kCheckpointTotalSteps;
+  auto add = [&](const std::string& name, OptimizerKind kind, float momentum, const Parallel& parallel) {
+    TrainConfig c = config;
+    c.optimizer.kind = kind;
+    c.optimizer.momentum = momentum;
+    Result<std::unique_ptr<Trainer>> t = Trainer::create(rig->model.graph, rig->data, *rig->backend, c, parallel);
+    PIPESHARD_CHECK(t.is_ok(), name + ": " + t.status().message());
+    rig->trainers.push_back({name, t->get(), parallel.groups == nullptr});
+    rig->owned.push_back(std::move(*t));
+  };
+  add("sgd", OptimizerKind::kSgd, 0.0f, {});
+  add("sgd_momentum", OptimizerKind::kSgd, 0.9f, {});
+  add("adam", OptimizerKind::kAdam, 0.0f, {});
+  ProcessLayout& layout = rig->groups.layout;
+  layout = {.stages = 2, .replicas = 1, .shards = 2, .stage = 1, .replica = 0, .shard = 1};
+  rig->world = std::make_unique<PlaceOnly>(layout.rank_of(1, 0, 1), layout.world_size());
+  rig->groups.data = std::make_unique<PlaceOnly>(0, 1);
+  rig->groups.tensor = std::make_unique<PlaceOnly>(1, 2);
+  rig->groups.pipeline = std::make_unique<PlaceOnly>(1, 2);
+  add("adam_stage1_shard1", OptimizerKind::kAdam, 0.0f, {rig->world.get(), &rig->groups, &rig->model});
+  return rig;
+}
+
+template <typename T>
+T read_raw(std::string_view bytes, size_t at) {
+  T value;
+  std::memcpy(&value, bytes.data() + at, sizeof value);
+  return value;
+}
+
+template <typename T>
+void write_raw(std::string& bytes, size_t at, T value) {
+  std::memcpy(bytes.data() + at, &value, sizeof value);
+}
+
+// Sets each tensor's "crc32c" in `header` to that of the data it lists, walking the data
+// as decode_checkpoint does from `at`. True when one changed.
+bool repair_tensor_checksums(nlohmann::json& header, std::string_view file, size_t at) {
+  if (!header.is_object() || !header.contains("tensors") || !header["tensors"].is_array()) return false;
+  bool changed = false;
+  for (nlohmann::json& t : header["tensors"]) {
+    if (!t.is_object() || !t.contains("elements") || !t["elements"].is_number_unsigned()) return changed;
+    const uint64_t elements = t["elements"].get<uint64_t>();
+    if (elements > (file.size() - at) / sizeof(float)) return changed;
+    const uint32_t crc = crc32c(file.substr(at, static_cast<size_t>(elements) * sizeof(float)));
+    at += static_cast<size_t>(elements) * sizeof(float);
+    if (t.contains("crc32c") && t["crc32c"].is_number_unsigned() && t["crc32c"].get<uint64_t>() != crc) {
+      t["crc32c"] = crc;
+      changed = true;
+    }
+  }
+  return changed;
+}
+
 }  // namespace
+
+std::string with_checksums_repaired(std::string_view file) {
+  constexpr size_t kPrefix = 16, kCrc = 4;  // magic and length; the header's CRC-32C
+  std::string out(file);
+  if (file.size() < kPrefix || file.substr(0, 8) != "PSCKPT02") return out;
+  uint64_t length = read_raw<uint64_t>(file, 8);
+  const size_t after_prefix = file.size() - kPrefix;
+  if (length > after_prefix || after_prefix - length < kCrc) return out;  // no room for the header's CRC
+  const size_t data_begin = kPrefix + length + kCrc;
+  nlohmann::json header = nlohmann::json::parse(file.substr(kPrefix, length), nullptr, false);
+  if (!header.is_discarded() && repair_tensor_checksums(header, file, data_begin)) {
+    const std::string head = header.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
+    length = head.size();
+    out = std::string(file.substr(0, kPrefix)) + head + std::string(kCrc, '\0') + std::string(file.substr(data_begin));
+    write_raw<uint64_t>(out, 8, length);
+  }
+  write_raw<uint32_t>(out, kPrefix + length, crc32c(std::string_view(out).substr(0, kPrefix + length)));
+  return out;
+}
+
+const std::vector<CheckpointTrainer>& checkpoint_trainers() {
+  static const std::unique_ptr<CheckpointRig> rig = make_checkpoint_rig();
+  return rig->trainers;
+}
+
+Status run_checkpoint_input(std::string_view bytes) {
+  const std::string label = "fuzz.pipeshard";
+  const bool repair = !bytes.empty() && (static_cast<unsigned char>(bytes[0]) & 1) != 0;
+  if (!bytes.empty()) bytes.remove_prefix(1);
+  const std::string repaired = repair ? with_checksums_repaired(bytes) : std::string();
+  if (repair) bytes = repaired;
+  Result<Checkpoint> decoded = decode_checkpoint(bytes);
+  if (!decoded) return decoded.status().with_context(label);
+  Status last = Status::ok();
+  bool taken = false;
+  for (const CheckpointTrainer& t : checkpoint_trainers()) {
+    last = t.trainer->load_checkpoint_bytes(bytes, label);
+    if (!last.is_ok()) continue;
+    taken = true;
+    if (t.whole && t.trainer->steps_done() < kCheckpointTotalSteps) (void)t.trainer->step();
+  }
+  return taken ? Status::ok() : last;
+}
 
 Status run_onnx_input(std::string_view bytes, const std::string& base_dir) {
   Result<ImportedModel> model = import_onnx_bytes(bytes, base_dir, "fuzz.onnx");

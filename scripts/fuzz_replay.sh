@@ -30,7 +30,7 @@ fi
 # Files, not folders, on the command line: libFuzzer then runs each input once and never
 # writes into the checked-in corpus.
 status=0
-for target in onnx npy; do
+for target in onnx npy checkpoint; do
   log=build-fuzz/replay_$target.log
   mapfile -d '' inputs < <(find fuzz/corpus/$target fuzz/regressions/$target -type f ! -name README.md -print0 | sort -z)
   if ! timeout 120 build-fuzz/bin/fuzz_$target -timeout=10 -rss_limit_mb=2048 -malloc_limit_mb=1024 \

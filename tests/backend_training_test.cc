@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <random>
 #include <string>
 #include <vector>
@@ -333,6 +334,12 @@ TEST(ExpNonpositive, WithinTwoUlpOfStdExp) {
   EXPECT_LE(worst_ulp, 2);
   EXPECT_EQ(cpu::exp_nonpositive(0.0f), 1.0f);
   EXPECT_GT(cpu::exp_nonpositive(-1000.0f), 0.0f);
+}
+
+// The logits of NaN weights (fuzz/regressions/checkpoint/, "Findings" in fuzz/README.md):
+// NaN in, NaN out, with no conversion of NaN to int on the way (UBSan checks that part).
+TEST(ExpNonpositive, NanGivesNan) {
+  EXPECT_TRUE(std::isnan(cpu::exp_nonpositive(std::numeric_limits<float>::quiet_NaN())));
 }
 
 }  // namespace

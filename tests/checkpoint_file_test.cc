@@ -2,6 +2,7 @@
 // any tensor, a file cut short, bytes appended) is refused with a message naming the part
 // at fault, and loading it changes nothing; the untouched file loads, and so does a
 // format-1 file from before checksums. The layout read here is checkpoint_file.h's.
+#include <cstdint>
 #include <cstring>
 #include <fstream>
 #include <optional>
@@ -196,6 +197,23 @@ TEST_F(CheckpointIntegrity, FormatOneFilesStillLoad) {
   std::string relabelled = bytes_;
   relabelled[7] = '1';
   EXPECT_NE(load(relabelled).find("corrupt checkpoint header (its format field does not match"), std::string::npos);
+}
+
+// Valid checksums, but tensors that do not fit: the same tensor twice, a slot number
+// past int's range, and a length past 2^62 elements (whose byte count would wrap).
+TEST_F(CheckpointIntegrity, TensorsThatDoNotFitAreRefusedNamingThem) {
+  const Layout layout(bytes_);
+  const size_t slot0 = model_.graph.params.size();  // Adam's first slot of parameter 0
+  const std::string name = layout.header["tensors"][0]["name"];
+  nlohmann::json twice = layout.header;
+  twice["tensors"][slot0]["role"] = "value";
+  EXPECT_EQ(load(rebuild(bytes_, twice)), file() + ": tensor '" + name + "' (value) appears twice");
+  nlohmann::json far_slot = layout.header;
+  far_slot["tensors"][slot0]["role"] = "slot99999999999";
+  EXPECT_EQ(load(rebuild(bytes_, far_slot)), file() + ": optimizer state does not match this optimizer");
+  nlohmann::json huge = layout.header;
+  huge["tensors"][0]["elements"] = (uint64_t{1} << 62) + 1;
+  EXPECT_NE(load(rebuild(bytes_, huge)).find("needs 4611686018427387905 float32 values"), std::string::npos);
 }
 
 }  // namespace

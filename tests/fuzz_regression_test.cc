@@ -2,7 +2,8 @@
 // every build: fuzz/regressions/<target>/ holds each input a fuzzer found to crash, hang,
 // leak or exhaust memory (minimised, named after the bug; fuzz/README.md lists them), and
 // fuzz/corpus/<target>/ the seeds and what fuzzing added to them. Every input must come back
-// with a Status, and a refusal must name the file ("fuzz.onnx: ..." or "fuzz.npy: ...").
+// with a Status, and a refusal must name the file ("fuzz.onnx: ...", "fuzz.npy: ..." or
+// "fuzz.pipeshard: ...").
 // Under the sanitizers (the fuzz build) scripts/fuzz_replay.sh replays the same inputs.
 #include <gtest/gtest.h>
 
@@ -44,6 +45,8 @@ Status replay_onnx(const std::string& path) {
 
 Status replay_npy(const std::string& path) { return fuzz::run_npy_input(read_text(path)); }
 
+Status replay_checkpoint(const std::string& path) { return fuzz::run_checkpoint_input(read_text(path)); }
+
 TEST(FuzzRegression, OnnxFindings) {
   const std::vector<std::string> files = inputs_in("fuzz/regressions/onnx");
   for (const std::string& path : files) {
@@ -57,6 +60,14 @@ TEST(FuzzRegression, NpyFindings) {
   for (const std::string& path : files) {
     SCOPED_TRACE(path);
     EXPECT_TRUE(names_the_file(replay_npy(path), "fuzz.npy"));
+  }
+}
+
+TEST(FuzzRegression, CheckpointFindings) {
+  const std::vector<std::string> files = inputs_in("fuzz/regressions/checkpoint");
+  for (const std::string& path : files) {
+    SCOPED_TRACE(path);
+    EXPECT_TRUE(names_the_file(replay_checkpoint(path), "fuzz.pipeshard"));
   }
 }
 
@@ -82,6 +93,23 @@ TEST(FuzzRegression, NpyCorpus) {
   for (const std::string& path : files) {
     SCOPED_TRACE(path);
     EXPECT_TRUE(names_the_file(replay_npy(path), "fuzz.npy"));
+  }
+}
+
+// The checkpoint corpus holds what make_checkpoint_seeds wrote: checkpoints the trainers
+// saved (*.pipeshard), which some trainer must take, and damaged copies (*.damaged); and
+// inputs libFuzzer found (named by their SHA-1). Those need only come back.
+TEST(FuzzRegression, CheckpointCorpus) {
+  const std::vector<std::string> files = inputs_in("fuzz/corpus/checkpoint");
+  EXPECT_FALSE(files.empty());
+  for (const std::string& path : files) {
+    SCOPED_TRACE(path);
+    const Status s = replay_checkpoint(path);
+    if (fs::path(path).extension() == ".pipeshard") {
+      EXPECT_TRUE(s.is_ok()) << s.message();
+    } else {
+      EXPECT_TRUE(names_the_file(s, "fuzz.pipeshard"));
+    }
   }
 }
 
