@@ -95,6 +95,7 @@ class PlaceOnly final : public Communicator {
   void all_gather(const float*, float*, int64_t) override { unreachable(); }
   void reduce_scatter(const float*, float*, int64_t, ReduceOp) override { unreachable(); }
   void broadcast(float*, int64_t, int) override { unreachable(); }
+  void broadcast_bytes(void*, int64_t, int) override { unreachable(); }
   void send(const float*, int64_t, int, int) override { unreachable(); }
   void recv(float*, int64_t, int, int) override { unreachable(); }
   std::unique_ptr<Request> send_async(const float*, int64_t, int, int) override { unreachable(); }
