@@ -13,7 +13,7 @@
 # third-party leaks, each with the reason it is not ours. Arguments go to ctest
 # (bash scripts/sanitize.sh -R NAME runs only the matching tests).
 #
-# Wall time on two cores shared with another build: about 16 minutes, 8 of them the build
+# Wall time on two cores shared with another build: 16-18 minutes, 7-8 of them the build
 # (CI allows 90; the ordinary suite takes about 4).
 set -euo pipefail
 cd "$(dirname "$0")/.."
