@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The whole test suite: install, build, run every test through ctest, then replay the
-# fuzz corpora and regressions under the sanitizers (scripts/fuzz_replay.sh, about a minute).
+# fuzz corpora and regressions under the sanitizers (scripts/fuzz_replay.sh, a few minutes).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install-deps.sh
