@@ -3,9 +3,9 @@
 # every saved finding through them once, under AddressSanitizer and UBSan: a crash, a
 # leak, a hang past 10 s or an allocation past the limits fails the script, and so does a
 # replay past 2 minutes. This is no fuzzing (README.md, "Fuzzing", says how to fuzz); it
-# takes under a minute on two cores, mostly the build. Without clang it says so and
-# succeeds, as the GoogleTest replay (fuzz_regression_test) already ran the same inputs in
-# the ordinary build.
+# takes about 3.5 minutes on two shared cores, mostly the build (fuzz_checkpoint compiles
+# the trainer under the sanitizers too). Without clang it says so and succeeds, as the
+# GoogleTest replay (fuzz_regression_test) already ran the same inputs in the ordinary build.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 

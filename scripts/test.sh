@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The whole test suite: install, build, run every test through ctest, then replay the
-# fuzz corpora and regressions under the sanitizers (scripts/fuzz_replay.sh, about a minute),
+# fuzz corpora and regressions under the sanitizers (scripts/fuzz_replay.sh, a few minutes),
 # then run the whole ctest suite again under ASan + UBSan (scripts/sanitize.sh, its own
 # build in build-asan/; its header gives the time).
 set -euo pipefail
