@@ -11,38 +11,25 @@
 
 #include "common/status.h"
 #include "executor/cpu_kernels.h"
+#include "executor/cuda/elementwise_math.cuh"
 
 namespace pipeshard::cpu {
-namespace {
-
-// splitmix64's finaliser: a bijection on 64 bits with full avalanche.
-inline uint64_t mix64(uint64_t z) {
-  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-  return z ^ (z >> 31);
-}
-
-}  // namespace
 
 // Element i of a dropout draw keeps its input when u >= ratio, with
 //   key  = mix64(seed + γ),  bits = mix64(key + (offset + i) · γ),  γ = 0x9E3779B97F4A7C15,
 //   u    = (bits >> 40) · 2⁻²⁴  (uniform on [0, 1) in steps of 2⁻²⁴),
 // a counter-based generator: element i's draw depends on (seed, offset + i) only, so a
-// tensor drawn in pieces or by any number of threads gets the same mask, and a device
-// backend can reproduce it exactly.
+// tensor drawn in pieces or by any number of threads gets the same mask. The formulas are
+// the ones the CUDA kernels run (executor/cuda/elementwise_math.cuh, host and device).
 void dropout_forward(float* y, float* mask, const float* x, int64_t n, float ratio, uint64_t seed,
                      uint64_t offset) {
   PIPESHARD_CHECK(ratio >= 0.0f && ratio <= 1.0f, "dropout ratio " + std::to_string(ratio));
-  constexpr uint64_t kGamma = 0x9E3779B97F4A7C15ull;
-  const uint64_t key = mix64(seed + kGamma);
+  const uint64_t key = cuda::math::dropout_key(seed);
   // torch: noise.bernoulli_(1 - p).div_(1 - p); p = 1 drops everything.
-  const float keep_scale = ratio < 1.0f ? static_cast<float>(1.0 / (1.0 - static_cast<double>(ratio))) : 0.0f;
-  const float threshold = ratio;
+  const float keep_scale = cuda::math::dropout_keep_scale(ratio);
   parallel_ranges(n, n * 4, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
-      const uint64_t bits = mix64(key + (offset + static_cast<uint64_t>(i)) * kGamma);
-      const float u = static_cast<float>(bits >> 40) * 0x1p-24f;
-      mask[i] = u >= threshold ? keep_scale : 0.0f;
+      mask[i] = cuda::math::dropout_keeps(key, offset + static_cast<uint64_t>(i), ratio) ? keep_scale : 0.0f;
       y[i] = x[i] * mask[i];
     }
   });
