@@ -64,6 +64,12 @@ struct Parallel {
   // The file the Graph came from: stage files are cut from it when there are several
   // stages or shards.
   const ImportedModel* model = nullptr;
+  // The same groups for buffers in the backend's memory (gradients, activations, BatchNorm
+  // statistics) when `groups` work on host memory and the backend's is not: NCCL groups,
+  // or staged ones (executor/comm_staged.h), for a GPU backend. Null: `groups` carry them.
+  // Host values (the stage-link check, sums of losses and norms, gathers for saving)
+  // always travel over `groups`.
+  ProcessGroups* device_groups = nullptr;
 };
 
 struct StepResult {
@@ -200,6 +206,10 @@ class Trainer {
   Communicator* replicas_ = nullptr;   // data-parallel group (null: one replica)
   Communicator* tensor_ = nullptr;     // tensor-parallel group (null: one shard)
   Communicator* pipeline_ = nullptr;   // the stages (null: one stage)
+  // The same groups for buffers in the backend's memory (Parallel::device_groups).
+  Communicator* device_replicas_ = nullptr;
+  Communicator* device_tensor_ = nullptr;
+  Communicator* device_pipeline_ = nullptr;
   bool log_probs_ = false;
   BatchOrder order_;
   int64_t local_batch_ = 0;            // samples of each micro-step on this replica

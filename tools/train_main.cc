@@ -24,6 +24,7 @@
 #include "common/host_memory.h"
 #include "executor/backend.h"
 #include "executor/comm.h"
+#include "executor/comm_staged.h"
 #include "executor/dataset.h"
 #include "executor/fault_injection.h"
 #include "executor/gpu.h"
@@ -232,6 +233,9 @@ int check_equivalence(const Graph& graph, const Dataset& data, const TrainConfig
 struct Run {
   ProcessLayout layout;
   ProcessGroups groups;
+  // The groups over the backend's memory when it is not host memory (Parallel::device_groups).
+  ProcessGroups device_groups;
+  bool staged = false;
   TrainConfig config;
   std::optional<ImportedModel> model;
   std::optional<Dataset> data, eval;
@@ -271,7 +275,7 @@ int local_rank() {
 }
 
 // --device and --precision, before anything is loaded.
-Status check_device(const Args& a, const Communicator& world) {
+Status check_device(const Args& a) {
   if (a.device == "cpu") {
     if (a.precision != "fp32") {
       return Status::error("--precision " + a.precision + " needs --device cuda: the CPU backend computes in fp32");
@@ -280,9 +284,6 @@ Status check_device(const Args& a, const Communicator& world) {
   }
   std::string why;
   if (usable_gpus(&why) == 0) return Status::error("--device cuda: no usable GPU (" + why + ")");
-  if (world.size() > 1) {
-    return Status::error("--device cuda runs one process so far: the NCCL communicator is not wired in yet");
-  }
   return Status::ok();
 }
 
@@ -295,7 +296,7 @@ Status set_up(const Args& a, Communicator& world, Run& run) {
   run.layout = *layout;
   run.groups = make_process_groups(world, run.layout);
   const bool root = world.rank() == 0;
-  PIPESHARD_RETURN_IF_ERROR(check_device(a, world));
+  PIPESHARD_RETURN_IF_ERROR(check_device(a));
   if (a.eval_data.empty() != a.eval_labels.empty()) return Status::error("--eval-data and --eval-labels go together");
   if (!a.save.empty()) PIPESHARD_RETURN_IF_ERROR(check_output_file("--save", a.save));
   if (!a.trace.empty()) PIPESHARD_RETURN_IF_ERROR(check_output_file("--trace", a.trace));
@@ -342,22 +343,27 @@ Status set_up(const Args& a, Communicator& world, Run& run) {
 Status check_memory(const Args& a, Communicator& world, const Run& run) {
   const std::vector<int64_t> per_stage = Trainer::memory_per_stage(run.model->graph, run.config, run.layout);
   const int64_t mine = per_stage.empty() ? 0 : per_stage[run.layout.stage];
-  if (a.device == "cuda") {  // one GPU per process: the estimate is this rank's alone
-    const int gpu = local_rank() % std::max(1, usable_gpus(nullptr));
-    int64_t free = 0, total = 0;
-    if (gpu_memory(gpu, &free, &total) && mine > free) {
-      return Status::error(fmt::format(
-          "training needs about {} on GPU {} (the partitioner's estimate of parameters, gradients, optimizer state "
-          "and activations in flight) but it has {} free of {}: use more GPUs (--stages, --tensor-parallel), a "
-          "smaller --batch-size or more --micro-batches",
-          bytes_text(mine), gpu, bytes_text(free), bytes_text(total)));
-    }
-    return Status::ok();
-  }
   char host[256] = {};
   ::gethostname(host, sizeof host - 1);
   const uint64_t color = std::hash<std::string>{}(host) & 0x3fffffff;
   std::unique_ptr<Communicator> machine = world.split(static_cast<int>(color), world.rank());
+  if (a.device == "cuda") {  // the processes that share this one's GPU add up their needs
+    const int gpu = local_rank() % std::max(1, usable_gpus(nullptr));
+    std::unique_ptr<Communicator> sharing = machine->split(gpu, machine->rank());
+    const double on_gpu = sharing->all_reduce_sum(static_cast<double>(mine));
+    int64_t free = 0, total = 0;
+    if (gpu_memory(gpu, &free, &total) && on_gpu > static_cast<double>(free)) {
+      const int ranks = sharing->size();
+      return Status::error(fmt::format(
+          "training needs about {} on GPU {} ({}; the partitioner's estimate of parameters, gradients, optimizer "
+          "state and activations in flight) but it has {} free of {}: use more GPUs (--stages, --tensor-parallel), "
+          "a smaller --batch-size or more --micro-batches",
+          bytes_text(static_cast<int64_t>(on_gpu)), gpu,
+          ranks == 1 ? "one process" : fmt::format("{} processes, {} for this one", ranks, bytes_text(mine)),
+          bytes_text(free), bytes_text(total)));
+    }
+    return Status::ok();
+  }
   const double here = machine->all_reduce_sum(static_cast<double>(mine));
   const HostMemory memory = read_host_memory();
   if (memory.available < 0 || here <= static_cast<double>(memory.available)) return Status::ok();
@@ -384,7 +390,14 @@ Status create_trainer(const Args& a, Communicator& world, Run& run) {
   } else {
     run.backend = make_cpu_backend();
   }
-  const Parallel parallel{&world, &run.groups, &*run.model};
+  // Several GPU processes exchange their buffers through host memory over MPI (staged
+  // groups, executor/comm_staged.h): any number of processes per GPU, MPI's ordering,
+  // results bitwise those of the CPU layout's arithmetic. PIPESHARD_STAGE_COMM=1 stages
+  // a CPU run the same way, so the tests check the staging without a GPU.
+  const char* stage_env = std::getenv("PIPESHARD_STAGE_COMM");
+  run.staged = world.size() > 1 && (a.device == "cuda" || (stage_env != nullptr && std::string(stage_env) == "1"));
+  if (run.staged) run.device_groups = make_staged_groups(run.groups, *run.backend);
+  const Parallel parallel{&world, &run.groups, &*run.model, run.staged ? &run.device_groups : nullptr};
   Result<std::unique_ptr<Trainer>> trainer = Trainer::create(run.model->graph, *run.data, *run.backend, run.config, parallel);
   if (!trainer) return trainer.status();
   run.trainer = std::move(*trainer);
@@ -529,6 +542,11 @@ int main(int argc, char** argv) {
     fmt::print(stderr, "training {} ({} parameters) on {} samples: {} steps of {} samples, {}{}\n", a.model,
                model.graph.total_parameter_count(), run.data->samples, config.total_steps,
                config.batch_size * config.grad_accum, a.optimizer, how);
+    if (run.staged) {
+      fmt::print(stderr, "note: the {} processes exchange tensors through host memory over MPI (staged: {}); NCCL is "
+                 "not wired into train yet\n", layout.world_size(),
+                 a.device == "cuda" ? "any number of processes per GPU" : "PIPESHARD_STAGE_COMM=1");
+    }
     if (config.sync_batchnorm && layout.replicas == 1) {
       fmt::print(stderr, "note: --sync-batchnorm has nothing to synchronise with one data-parallel replica\n");
     }

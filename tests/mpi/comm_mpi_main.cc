@@ -3,9 +3,11 @@
 // in tests/CMakeLists.txt for -np 1, 2, 4 and 6 (label "mpi"); not a *_test.cc, because
 // those run without a launcher.
 //
-// Each test runs twice: on the world as make_world_communicator() gives it, and on a world
-// that moves at most kSmallPiece floats per MPI call, which sends every buffer of these
-// tests through the piece-by-piece path that real runs take only above INT_MAX floats.
+// Each test runs three times: on the world as make_world_communicator() gives it, on a
+// world that moves at most kSmallPiece floats per MPI call, which sends every buffer of
+// these tests through the piece-by-piece path that real runs take only above INT_MAX
+// floats, and on the world staged over the CPU backend (executor/comm_staged.h: what
+// GPU processes use, every buffer copied through the backend's download and upload).
 //
 // Only rank 0 prints GoogleTest's report; other ranks print their failures prefixed with
 // their rank. Every rank exits non-zero when a test failed on any rank.
@@ -29,8 +31,10 @@
 #include <thread>
 #include <vector>
 
+#include "executor/backend.h"
 #include "executor/comm.h"
 #include "executor/comm_mpi.h"
+#include "executor/comm_staged.h"
 #include "executor/watchdog.h"
 
 namespace pipeshard {
@@ -40,20 +44,30 @@ constexpr int64_t kSmallPiece = 7;  // ≥ the largest -np, which a piece must h
 
 Communicator* g_world = nullptr;         // make_world_communicator()
 Communicator* g_small_pieces = nullptr;  // the same ranks, kSmallPiece floats per MPI call
+Communicator* g_staged = nullptr;        // g_world staged over the CPU backend
 
-enum class Transport { kWhole, kSmallPieces };
+enum class Transport { kWhole, kSmallPieces, kStaged };
 
 class CommTest : public ::testing::TestWithParam<Transport> {
  protected:
-  Communicator& comm() { return GetParam() == Transport::kWhole ? *g_world : *g_small_pieces; }
+  Communicator& comm() {
+    switch (GetParam()) {
+      case Transport::kWhole: return *g_world;
+      case Transport::kSmallPieces: return *g_small_pieces;
+      case Transport::kStaged: return *g_staged;
+    }
+    return *g_world;
+  }
 };
 
 void PrintTo(Transport transport, std::ostream* out) {
-  *out << (transport == Transport::kWhole ? "whole buffers" : "small pieces");
+  *out << (transport == Transport::kWhole         ? "whole buffers"
+           : transport == Transport::kSmallPieces ? "small pieces"
+                                                  : "staged over the CPU backend");
 }
 
 std::string transport_name(const ::testing::TestParamInfo<Transport>& info) {
-  return info.param == Transport::kWhole ? "Whole" : "SmallPieces";
+  return info.param == Transport::kWhole ? "Whole" : info.param == Transport::kSmallPieces ? "SmallPieces" : "Staged";
 }
 
 // The world ranks of a group's members, in the group's rank order.
@@ -354,7 +368,7 @@ TEST_P(CommTest, ProcessGroupsForEveryLayoutThatFits) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Mpi, CommTest, ::testing::Values(Transport::kWhole, Transport::kSmallPieces), transport_name);
+INSTANTIATE_TEST_SUITE_P(Mpi, CommTest, ::testing::Values(Transport::kWhole, Transport::kSmallPieces, Transport::kStaged), transport_name);
 
 // ---- A large message, whole ---------------------------------------------------------------
 
@@ -458,6 +472,9 @@ int main(int argc, char** argv) {
   std::unique_ptr<Communicator> small_pieces = make_mpi_world_communicator(kSmallPiece);
   g_world = world.get();
   g_small_pieces = small_pieces.get();
+  std::unique_ptr<Backend> cpu = make_cpu_backend();
+  std::unique_ptr<Communicator> staged = make_staged_communicator(*world, *cpu);
+  g_staged = staged.get();
 
   ::testing::TestEventListeners& listeners = ::testing::UnitTest::GetInstance()->listeners();
   if (world->rank() != 0) {
