@@ -1,5 +1,6 @@
 #include "executor/checkpoint_file.h"
 
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 
@@ -59,6 +60,17 @@ Status parse_header(const nlohmann::json& header, int format, Checkpoint& out, s
     }
     out.updates = u.get<int64_t>();
   }
+  if (header.contains("loss_scale")) {
+    const nlohmann::json& l = header["loss_scale"];
+    const bool typed = l.is_object() && l.contains("scale") && l["scale"].is_number() && l.contains("good_steps") &&
+                       l["good_steps"].is_number_integer();
+    if (!typed || !(l["scale"].get<double>() > 0 && std::isfinite(l["scale"].get<double>())) ||
+        l["good_steps"].get<int64_t>() < 0) {
+      return corrupt_header("a loss scale that is not a positive number with a count of good steps");
+    }
+    out.loss_scale = l["scale"].get<double>();
+    out.loss_scale_good_steps = l["good_steps"].get<int64_t>();
+  }
   out.optimizer = header["optimizer"].get<std::string>();
   for (const nlohmann::json& t : header["tensors"]) {
     const bool typed = t.is_object() && t.contains("name") && t["name"].is_string() && t.contains("role") &&
@@ -82,6 +94,9 @@ std::string encode_checkpoint(const Checkpoint& checkpoint) {
   header["step"] = checkpoint.step;
   header["updates"] = checkpoint.updates;
   header["optimizer"] = checkpoint.optimizer;
+  if (checkpoint.loss_scale > 0) {
+    header["loss_scale"] = {{"scale", checkpoint.loss_scale}, {"good_steps", checkpoint.loss_scale_good_steps}};
+  }
   header["tensors"] = nlohmann::json::array();
   size_t data_bytes = 0;
   for (const CheckpointTensor& t : checkpoint.tensors) {

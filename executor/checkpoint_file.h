@@ -9,7 +9,8 @@
 //   [16, 16+n)     header, JSON: {"format": 2, "step", "updates", "optimizer",
 //                  "tensors": [{"name", "role", "elements", "crc32c"}, ...]}
 //                  ("updates", the steps not skipped for non-finite gradients, may be
-//                  absent: files written before it existed had no skipped steps)
+//                  absent: files written before it existed had no skipped steps; a run
+//                  with loss scaling adds "loss_scale": {"scale", "good_steps"})
 //   [16+n, 20+n)   CRC-32C (common/crc32c.h) of bytes [0, 16+n): magic, length and header
 //   [20+n, end)    the tensors' float32 data, in the header's order; each tensor's
 //                  "crc32c" is that of its 4·elements bytes. Nothing follows the last.
@@ -37,6 +38,10 @@ struct Checkpoint {
   int64_t step = 0;        // optimizer steps taken
   int64_t updates = 0;     // of those, the steps that updated the weights (not skipped)
   std::string optimizer;   // "sgd", "adam" or "adamw"
+  // Loss scaling's state (executor/trainer.h, LossScaling): the next step's scale, 0 when
+  // the run had none, and the updates since the dynamic scale last changed.
+  double loss_scale = 0;
+  int64_t loss_scale_good_steps = 0;
   std::vector<CheckpointTensor> tensors;
 };
 

@@ -17,6 +17,14 @@ namespace pipeshard {
 namespace {
 
 constexpr char kCheckpointFile[] = "checkpoint.pipeshard";
+// Loss scales stay within these powers of two, whose reciprocals are normal floats.
+constexpr double kMinLossScale = 0x1p-64, kMaxLossScale = 0x1p64;
+
+std::string fmt_double(double v) {
+  char text[32];
+  std::snprintf(text, sizeof text, "%g", v);
+  return text;
+}
 
 // Dropout masks depend on the run's seed and the batch, never on how the run was split
 // into invocations.
@@ -89,6 +97,14 @@ Result<std::unique_ptr<Trainer>> Trainer::create(const Graph& graph, const Datas
                          std::to_string(d) + " data-parallel replicas");
   }
   const int64_t local_batch = config.batch_size / d;
+  if (config.loss_scaling.mode != LossScaling::Mode::kNone) {
+    int exponent = 0;
+    const double initial = config.loss_scaling.initial;
+    if (!(initial >= kMinLossScale && initial <= kMaxLossScale) || std::frexp(initial, &exponent) != 0.5) {
+      return Status::error("a loss scale must be a power of two from 2^-64 to 2^64, not " + fmt_double(initial));
+    }
+    if (config.loss_scaling.growth_interval < 1) return Status::error("the loss scale's growth interval must be ≥ 1");
+  }
   if (m < 1) return Status::error("--micro-batches must be at least 1");
   if (local_batch % m != 0) {
     return Status::error("--micro-batches " + std::to_string(m) + " does not divide the " + std::to_string(local_batch) +
@@ -145,6 +161,7 @@ Result<std::unique_ptr<Trainer>> Trainer::create(const Graph& graph, const Datas
   }
   t->local_batch_ = local_batch;
   t->micro_ = micro;
+  if (config.loss_scaling.mode != LossScaling::Mode::kNone) t->loss_scale_ = config.loss_scaling.initial;
   t->schedule_ = make_pipeline_schedule(config.pipeline_schedule, layout.stages, static_cast<int>(m));
   const int slots = max_in_flight(t->schedule_, layout.stage);
   const Graph& g = t->rank_.graph();
@@ -327,6 +344,10 @@ double Trainer::run_schedule(bool last_micro_step, uint64_t seed, int64_t first_
           // Divided by the global sample count: the sum over micro-batches and replicas is the global mean.
           loss += apply_loss(*program_, config_.loss, log_probs_, targets_.data() + k * micro_ * data_.targets_per_sample,
                              micro_, global);
+          if (loss_scale_ != 1.0) {  // exact: a power of two
+            backend_.scale(program_->output_gradient(0), static_cast<float>(loss_scale_),
+                           micro_ * program_->output_shape(0).per_sample_elements());
+          }
         }
         break;
       }
@@ -414,12 +435,30 @@ StepResult Trainer::step() {
   // gradient and one all-reduce); under kStop the optimizer notices as it goes, and the
   // caller agrees after the step (StepResult::gradients_finite).
   const bool skip = config_.on_nonfinite == NonFinite::kSkip;
+  const bool scaled = config_.loss_scaling.mode != LossScaling::Mode::kNone;
+  const bool dynamic = config_.loss_scaling.mode == LossScaling::Mode::kDynamic;
+  if (scaled) r.loss_scale = loss_scale_;
   watchdog_activity(r.step, "checking gradients");
-  if (!std::isfinite(r.loss) || (skip && gradients_non_finite_anywhere())) {
+  const bool loss_finite = std::isfinite(r.loss);
+  if (!loss_finite || ((skip || dynamic) && gradients_non_finite_anywhere())) {
+    if (dynamic && loss_finite) {  // the scale's doing: skip, and try half of it
+      r.scale_overflow = true;
+      loss_scale_ = std::max(loss_scale_ * 0.5, kMinLossScale);
+      scale_good_steps_ = 0;
+      optimizer_->skip_step();
+      return r;
+    }
     r.non_finite = true;
     r.first_non_finite = first_non_finite_gradient();
     if (skip) optimizer_->skip_step();
     return r;
+  }
+  if (scaled && loss_scale_ != 1.0) {  // exact: a power of two
+    backend_.scale(program_->gradients(), static_cast<float>(1.0 / loss_scale_), program_->trainable_elements());
+  }
+  if (dynamic && ++scale_good_steps_ == config_.loss_scaling.growth_interval) {
+    loss_scale_ = std::min(loss_scale_ * 2.0, kMaxLossScale);
+    scale_good_steps_ = 0;
   }
   begin = tracer_.now_us();
   watchdog_activity(r.step, "optimizer");
@@ -630,6 +669,10 @@ Status Trainer::save_checkpoint(const std::string& dir, const CrashPoint& crash)
                .updates = optimizer_->updates(),
                .optimizer = optimizer_name(config_.optimizer.kind),
                .tensors = {}};
+  if (config_.loss_scaling.mode != LossScaling::Mode::kNone) {
+    c.loss_scale = loss_scale_;
+    c.loss_scale_good_steps = scale_good_steps_;
+  }
   // Parameters no node uses keep their file values.
   for (size_t p = 0; p < full.params.size(); ++p) {
     c.tensors.push_back({full.params[p].name, "value", values[p].empty() ? full.params[p].data : std::move(values[p])});
@@ -729,6 +772,12 @@ Status Trainer::restore(const Checkpoint& c) {
   }
   program_->upload_parameters(local);
   optimizer_->restore(c.step, c.updates, slots);
+  // A dynamic scale goes on from where the run was; a static one is the flag's; a file
+  // without a scale (a run without scaling) starts this run's scaling afresh.
+  if (config_.loss_scaling.mode == LossScaling::Mode::kDynamic && c.loss_scale > 0) {
+    loss_scale_ = std::clamp(c.loss_scale, kMinLossScale, kMaxLossScale);
+    scale_good_steps_ = std::min(c.loss_scale_good_steps, config_.loss_scaling.growth_interval - 1);
+  }
   return Status::ok();
 }
 

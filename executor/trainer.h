@@ -38,6 +38,24 @@ namespace pipeshard {
 // goes on with the next step, counting this one as taken (what fp16 loss scaling does).
 enum class NonFinite { kStop, kSkip };
 
+// Loss scaling, fp16's companion (torch.cuda.amp.GradScaler's rules): the gradient of the
+// loss is multiplied by the scale before backward, so that small gradients survive fp16,
+// and every gradient is divided by it again before clipping and the update. Scales are
+// powers of two, which multiply and divide exactly in binary floating point: in fp32 a
+// scale changes no bit, unless a gradient overflows or underflows under it.
+// - kStatic: always `initial`.
+// - kDynamic: a step whose gradients became inf or NaN under the scale (the loss itself
+//   finite) is skipped, as NonFinite::kSkip skips, and the scale halves; after
+//   `growth_interval` updates in a row without that, it doubles. The scale and that count
+//   are kept in checkpoints. A non-finite loss is not the scale's doing: on_nonfinite
+//   decides as without scaling.
+struct LossScaling {
+  enum class Mode { kNone, kStatic, kDynamic };
+  Mode mode = Mode::kNone;
+  double initial = 65536.0;        // 2^16, GradScaler's init_scale
+  int64_t growth_interval = 2000;  // GradScaler's
+};
+
 struct TrainConfig {
   LossKind loss = LossKind::kCrossEntropy;
   OptimizerConfig optimizer;
@@ -55,6 +73,7 @@ struct TrainConfig {
   BalanceBy balance = BalanceBy::kParams;  // how stages are cut
   bool sync_batchnorm = false;  // BatchNorm statistics over all replicas, not each replica's slice
   NonFinite on_nonfinite = NonFinite::kStop;  // a step whose loss or gradients are not finite
+  LossScaling loss_scaling;
 };
 
 // Where a Trainer sits in a multi-process job. All null: one process.
@@ -86,6 +105,11 @@ struct StepResult {
   // This rank's gradients were all finite (NonFinite::kStop: checked by the optimizer as it
   // updated; the caller agrees over the ranks, and stops when one says false).
   bool gradients_finite = true;
+  // Loss scaling (TrainConfig::loss_scaling): the scale this step's backward used (0 when
+  // scaling is off), and whether dynamic scaling skipped the step because a gradient
+  // overflowed under it (the scale has halved for the next step). The same on every rank.
+  double loss_scale = 0;
+  bool scale_overflow = false;
 };
 
 struct EvalResult {
@@ -122,6 +146,8 @@ class Trainer {
   // every gradient is finite, and elsewhere. Collective over the world.
   std::string first_non_finite_gradient();
   int64_t steps_done() const { return optimizer_->steps_taken(); }
+  // The loss scale the next step will use (1 when scaling is off).
+  double loss_scale() const { return loss_scale_; }
   int64_t batches_per_epoch() const { return order_.batches_per_epoch(); }
   const PipelineSchedule& schedule() const { return schedule_; }
 
@@ -211,6 +237,8 @@ class Trainer {
   Communicator* device_tensor_ = nullptr;
   Communicator* device_pipeline_ = nullptr;
   bool log_probs_ = false;
+  double loss_scale_ = 1.0;        // LossScaling: the scale of the next step (1: none)
+  int64_t scale_good_steps_ = 0;   // updates since the dynamic scale last changed
   BatchOrder order_;
   int64_t local_batch_ = 0;            // samples of each micro-step on this replica
   int64_t micro_ = 0;                  // samples of each pipeline micro-batch

@@ -187,6 +187,26 @@ TEST_F(CheckpointIntegrity, AHeaderOfTheWrongTypesIsRefused) {
   }
 }
 
+// Loss scaling's state (an optional "loss_scale" object) is checked like the rest.
+TEST_F(CheckpointIntegrity, ALossScaleMustBeAPositiveNumberWithAStepCount) {
+  const Layout layout(bytes_);
+  nlohmann::json good = layout.header;
+  good["loss_scale"] = {{"scale", 1024.0}, {"good_steps", 3}};
+  EXPECT_EQ(load(rebuild(bytes_, good)), "");
+  for (const nlohmann::json& bad : {nlohmann::json{{"scale", -1.0}, {"good_steps", 3}},
+                                    nlohmann::json{{"scale", 0.0}, {"good_steps", 3}},
+                                    nlohmann::json{{"scale", 1024.0}, {"good_steps", -1}},
+                                    nlohmann::json{{"scale", "1024"}, {"good_steps", 3}},
+                                    nlohmann::json{{"scale", 1024.0}}, nlohmann::json(1024.0)}) {
+    SCOPED_TRACE(bad.dump());
+    nlohmann::json header = layout.header;
+    header["loss_scale"] = bad;
+    const std::string message = load(rebuild(bytes_, header));
+    EXPECT_NE(message.find("corrupt checkpoint header (a loss scale that is not a positive number"), std::string::npos)
+        << message;
+  }
+}
+
 TEST_F(CheckpointIntegrity, FormatOneFilesStillLoad) {
   nlohmann::json v1 = Layout(bytes_).header;
   v1["format"] = 1;

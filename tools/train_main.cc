@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <charconv>
 #include <cmath>
 #include <csignal>
 #include <cstdio>
@@ -18,6 +19,7 @@
 
 #include <CLI/CLI.hpp>
 #include <fmt/core.h>
+#include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
 #include "common/cli.h"
@@ -48,6 +50,7 @@ struct Args {
   std::string loss = "cross-entropy", optimizer = "sgd", schedule = "constant", betas, device = "cpu";
   std::string pipeline_schedule = "1f1b", balance = "params", on_nonfinite = "stop", precision = "fp32";
   std::string tensorboard;  // --tensorboard DIR
+  std::string loss_scale;   // --loss-scale: "" (by precision), none, dynamic or a power of two
   int micro_batches = 1;
   bool sync_batchnorm = false;
   double bucket_mb = 25;
@@ -96,8 +99,9 @@ void define(CLI::App& app, Args& a) {
   app.add_option("--device", a.device, "cpu (default) or cuda: one GPU per process, picked by its rank on the machine")
       ->check(CLI::IsMember({"cpu", "cuda"}));
   app.add_option("--precision", a.precision,
-                 "fp32 (default) or, with --device cuda, tf32 (tensor-core GEMMs, fp32 accumulation); bf16 and fp16 "
-                 "are not there yet")
+                 "fp32 (default) or, with --device cuda: tf32 (tensor-core GEMMs, fp32 accumulation), bf16 or fp16 "
+                 "(GEMMs on 16-bit copies of their operands, fp32 accumulation; weights, optimizer state and every "
+                 "other operation stay fp32)")
       ->check(CLI::IsMember({"fp32", "tf32", "bf16", "fp16"}));
   app.add_option("--check-equivalence", a.check_equivalence,
                  "train K steps in this layout and in one process on the same data, print the largest "
@@ -127,6 +131,11 @@ void define(CLI::App& app, Args& a) {
                  "under mpirun: a rank that waits this many seconds on others during a step ends the job, naming "
                  "what it waited for and on which ranks (evaluation and checkpoints get 10 times as long; default "
                  "60, 0: wait forever)");
+  app.add_option("--loss-scale", a.loss_scale,
+                 "multiply the loss's gradient by a power of two before backward and divide the gradients by it "
+                 "after: dynamic (the default with --precision fp16: start at 65536, halve and skip the step when "
+                 "a gradient overflows, double after 2000 good steps), none (the default otherwise), or a fixed "
+                 "power of two such as 1024");
   app.add_option("--on-nonfinite", a.on_nonfinite,
                  "when the loss or a gradient is inf or NaN: stop (default), naming the step and the first layer in "
                  "backward order whose gradient went bad, or skip the step and go on; either way the step changes "
@@ -179,6 +188,21 @@ Result<TrainConfig> make_config(const Args& a) {
   c.balance = a.balance == "flops" ? BalanceBy::kFlops : a.balance == "memory" ? BalanceBy::kMemory : BalanceBy::kParams;
   c.sync_batchnorm = a.sync_batchnorm;
   c.on_nonfinite = a.on_nonfinite == "skip" ? NonFinite::kSkip : NonFinite::kStop;
+  const std::string scaling = a.loss_scale.empty() ? (a.precision == "fp16" ? "dynamic" : "none") : a.loss_scale;
+  if (scaling == "dynamic") {
+    c.loss_scaling.mode = LossScaling::Mode::kDynamic;
+  } else if (scaling != "none") {
+    double value = 0;
+    int exponent = 0;
+    const auto [end, ec] = std::from_chars(scaling.data(), scaling.data() + scaling.size(), value);
+    if (ec != std::errc() || end != scaling.data() + scaling.size() || !(value >= 0x1p-64 && value <= 0x1p64) ||
+        std::frexp(value, &exponent) != 0.5) {
+      return Status::error("--loss-scale must be dynamic, none or a power of two from 2^-64 to 2^64 (such as 1024), "
+                           "not '" + a.loss_scale + "'");
+    }
+    c.loss_scaling.mode = LossScaling::Mode::kStatic;
+    c.loss_scaling.initial = value;
+  }
   if (!(a.bucket_mb > 0) || a.bucket_mb > 1e6) return Status::error("--bucket-mb must be a positive size in MB");
   c.bucket_bytes = static_cast<int64_t>(a.bucket_mb * (1 << 20));
   if (a.micro_batches < 1) return Status::error("--micro-batches must be at least 1");
@@ -564,6 +588,7 @@ int main(int argc, char** argv) {
   double epoch_loss = 0;
   int64_t epoch_steps = 0, current_epoch = 0;
   int64_t skipped = 0;  // --on-nonfinite skip
+  int64_t overflowed = 0;  // --loss-scale dynamic: steps skipped for a gradient that overflowed under the scale
   constexpr int64_t kSkipsToReport = 10;
   std::optional<StopSignals> signals(std::in_place);  // SIGINT and SIGTERM end the loop after a step
   const auto started = std::chrono::steady_clock::now();
@@ -599,9 +624,17 @@ int main(int argc, char** argv) {
                    skipped == kSkipsToReport ? " (further skips are only counted)" : "");
       }
     }
+    if (r.scale_overflow && log && ++overflowed <= kSkipsToReport) {
+      fmt::print(stderr, "{}step {}: a gradient overflowed under loss scale {:g}; step skipped, the scale halves to {:g}{}\n",
+                 live ? "\r\x1b[K" : "", r.step, r.loss_scale, trainer.loss_scale(),
+                 overflowed == kSkipsToReport ? " (further overflows are only counted)" : "");
+    } else if (r.scale_overflow) {
+      ++overflowed;
+    }
     if (run.metrics.is_open()) {
       nlohmann::json row{{"step", r.step}, {"epoch", r.epoch}, {"loss", r.loss}, {"lr", r.lr}, {"samples_per_s", samples_per_s}};
-      if (r.non_finite) row["skipped"] = true;
+      if (r.non_finite || r.scale_overflow) row["skipped"] = true;
+      if (r.loss_scale > 0) row["loss_scale"] = r.loss_scale;
       run.metrics << row.dump() << "\n" << std::flush;
     }
     if (run.board) {
@@ -649,8 +682,14 @@ int main(int argc, char** argv) {
   if (live) fmt::print(stderr, "\n");
   const double total = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
   if (log) {
+    std::vector<std::string> skips;
+    if (skipped > 0) skips.push_back(fmt::format("{} skipped: loss or gradients not finite", skipped));
+    if (overflowed > 0) {
+      skips.push_back(fmt::format("{} skipped: gradients overflowed under the loss scale, now {:g}", overflowed,
+                                  trainer.loss_scale()));
+    }
     fmt::print(stderr, "done: {} steps{} in {:.2f} s\n", config.total_steps,
-               skipped > 0 ? fmt::format(" ({} skipped: loss or gradients not finite)", skipped) : "", total);
+               skips.empty() ? "" : " (" + fmt::format("{}", fmt::join(skips, "; ")) + ")", total);
   }
   const WatchdogSlowPhase slow("writing results");  // rank 0 writes, the others wait
   // The trained model first: what follows only describes the run.
