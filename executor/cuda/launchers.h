@@ -10,6 +10,7 @@
 //   layernorm.cu    LayerNorm
 //   batchnorm.cu    BatchNorm
 //   linear.cu       Linear through cuBLASLt, with bias/activation epilogues
+//   convert.cu      float32 → bf16/fp16 copies of linear.cu's GEMM operands
 //   optimizer.cu    SGD, Adam/AdamW over the contiguous parameter buffer
 //
 // Every launcher accepts n == 0 (or rows == 0) and then launches nothing. Results must
@@ -87,6 +88,12 @@ void linear_forward(LinearContext* context, float* y, const float* x, const floa
 void linear_backward(LinearContext* context, float* dx, float* dw, float* db, const float* dy, const float* x,
                      const float* w, const LinearShape& s, GradWrite param_grads, GradWrite input_grad,
                      cudaStream_t stream);
+
+// ---- convert.cu ----
+// dst[n] = src[n] rounded to nearest even to `to` (Precision::kBf16 or kFp16; anything else
+// is a bug), as the 16-bit patterns cuBLASLt reads as CUDA_R_16BF / CUDA_R_16F elements
+// (convert_math.cuh has the rounding). dst [n] is device memory the caller owns.
+void convert_to_16bit(uint16_t* dst, const float* src, int64_t n, Precision to, cudaStream_t stream);
 
 // ---- optimizer.cu ----
 // Both return false when a gradient was inf or NaN (they synchronise `stream` to say so);
