@@ -78,10 +78,15 @@ void batchnorm_backward(float* dx, float* dw, float* db, const float* dy, const 
                         bool training, const ChannelReducer* reduce, cudaStream_t stream);
 
 // ---- linear.cu ----
-// cuBLASLt state for one device: the handle, a workspace, and the matmul plans cached
-// by shape. Owned by the backend; used from its stream only.
+// cuBLASLt state for one device: the handle, a workspace, the matmul plans cached by shape
+// and, in bf16/fp16 mode, the 16-bit copies of the GEMM operands (grow-only scratch from
+// `allocator`, which must outlive the context). Owned by the backend; used from its stream
+// only. `precision` is what the GEMMs compute in (backend.h's Precision): fp32; TF32; or
+// bf16/fp16, where every fp32 operand is rounded to a 16-bit copy first and cuBLASLt
+// multiplies those with fp32 accumulation into the same fp32 outputs.
+class CachingAllocator;
 struct LinearContext;
-LinearContext* create_linear_context(bool tf32);
+LinearContext* create_linear_context(Precision precision, CachingAllocator* allocator);
 void destroy_linear_context(LinearContext* context);
 void linear_forward(LinearContext* context, float* y, const float* x, const float* w, const float* b,
                     const LinearShape& s, const Activation* epilogue, float* pre, cudaStream_t stream);
