@@ -9,12 +9,19 @@
 //   GFLOP/s = 2·M·N·K / median seconds / 1e9      (the bias add is not counted)
 // and a correctness column: y is poisoned with NaN first, every element must be written
 // (Backend::any_non_finite over all of y), and 64 sampled outputs are compared with a
-// double-precision dot product: |y − ref| / (Σ_k |x·w| + |b|) must stay under 1e-5 (fp32),
-// 2e-3 (tf32) or 1e-2 (bf16), so that a broken kernel cannot post a fast time. Inputs are
-// uniform in [−1, 1), never zeros. A precision the backend refuses (bf16 today) is
-// reported as not run with the backend's reason.
+// double-precision dot product of the unrounded inputs: |y − ref| / (Σ_k |x·w| + |b|) must
+// stay under 1e-5 (fp32), 2e-3 (tf32, fp16) or 1e-2 (bf16), so that a broken kernel cannot
+// post a fast time. For the reduced precisions these are bounds, not guesses: rounding both
+// factors of a term moves it by at most (2u + u²)·|x·w|, u = 2^-11 (tf32, fp16: 9.8e-4) or
+// 2^-8 (bf16: 7.8e-3), and the fp32 sums of K = 8192 terms add at most ~5e-4 more. Inputs
+// are uniform in [−1, 1), never zeros. A precision the backend refuses is reported as not
+// run with the backend's reason.
 //
-// Usage: bench_gemm_cuda [M N K] [--repeats R] [--precisions fp32,tf32,bf16] [--device D]
+// bf16 and fp16 go through the backend's 16-bit path (linear.cu): each call rounds x and W
+// to 16-bit copies (two memory-bound conversion kernels, timed with the GEMM: they are
+// part of what our Linear costs) and multiplies those with fp32 accumulation into fp32 y.
+//
+// Usage: bench_gemm_cuda [M N K] [--repeats R] [--precisions fp32,tf32,bf16,fp16] [--device D]
 //        (defaults 8192 8192 8192, 20 repeats after 3 warm-up calls, fp32,tf32,bf16, GPU 0)
 // Prints one JSON document on stdout. Exit status 0; 1 when a result is wrong; 2 on bad
 // arguments or without a usable GPU (the JSON then says why).
@@ -69,9 +76,11 @@ bool parse_precision(const std::string& name, Precision* p) {
 double tolerance(Precision p) {
   switch (p) {
     case Precision::kFp32: return 1e-5;
-    case Precision::kTf32: return 2e-3;
-    default: return 1e-2;
+    case Precision::kTf32:
+    case Precision::kFp16: return 2e-3;
+    case Precision::kBf16: return 1e-2;
   }
+  return 0.0;
 }
 
 // Uniform in [-1, 1) from splitmix64: fast enough for 2·8192² values.
@@ -173,7 +182,7 @@ Json run_precision(const Inputs& in, const std::string& name) {
 
 int usage(const char* why) {
   std::fprintf(stderr, "bench_gemm_cuda: %s\nusage: bench_gemm_cuda [M N K] [--repeats R] "
-               "[--precisions fp32,tf32,bf16] [--device D]\n", why);
+               "[--precisions fp32,tf32,bf16,fp16] [--device D]\n", why);
   return 2;
 }
 

@@ -9,12 +9,18 @@ python3 does); without torch our side still runs and the PyTorch columns say why
 
 What it races (bench/README.md has the CPU counterpart, bench/cpu_vs_pytorch.py):
   gemm   y = x·Wᵀ + b at 8192³: ours through Backend::linear_forward (build/bin/bench_gemm_cuda, fp32,
-         tf32; bf16 is refused by the backend today and reported as not run) against torch.matmul on
-         the same shapes. GFLOP/s = 2·M·N·K / median time of one call.
+         tf32, bf16 — ours rounds fp32 x and W to bf16 copies inside each timed call) against
+         torch.matmul on the same shapes (bf16: on bf16 tensors). GFLOP/s = 2·M·N·K / median time of
+         one call.
   large  8 × (Linear(8192, 8192) + GELU), batch 8192, AdamW (torch.optim defaults), cross-entropy over
-         the 8192 outputs, fp32 and tf32: step time against PyTorch eager; model FLOP utilisation
+         the 8192 outputs, fp32, tf32 and bf16: step time against PyTorch eager; model FLOP utilisation
          MFU = 6·B·Σ fan_in·fan_out / step time / R, with R the torch.matmul rate of the same precision
          measured in this run (one denominator for both sides); peak device memory of each process.
+         bf16 is mixed precision on both sides, fp32 master weights and AdamW state: ours is
+         `--precision bf16` (the Linear GEMMs on bf16 copies of their operands, fp32 accumulation,
+         everything else fp32); PyTorch's the forward and loss under
+         torch.autocast(device_type="cuda", dtype=torch.bfloat16), which also keeps the Linear
+         outputs and the GELUs in bf16.
   small  784-512-512-10 ReLU, batch 128, SGD lr 0.01 momentum 0.9 (model A of cpu_vs_pytorch.py), fp32
          and tf32: step time against PyTorch eager.
 Ours is `train MODEL.onnx … --device cuda --precision P --metrics M.jsonl`; its step time is
@@ -26,8 +32,8 @@ memory. Steps time from one loss.item() to the next. Each side runs in a child p
 never this one, so device memory is per process: the peak is the largest `used_memory` nvidia-smi
 reports for the child (polled every 0.2 s; CUDA context and library workspaces included on both
 sides), and PyTorch's own torch.cuda.max_memory_allocated/reserved is printed beside it.
-Correctness: the step-1 loss of both sides (same weights, same batch) must agree to 1e-4 (fp32) or
-5e-3 (tf32) relative; bench_gemm_cuda checks its own outputs.
+Correctness: the step-1 loss of both sides (same weights, same batch) must agree to 1e-4 (fp32),
+5e-3 (tf32) or 1e-2 (bf16) relative (LOSS_TOLERANCE says why); bench_gemm_cuda checks its own outputs.
 
 --smoke-cpu checks the plumbing on a machine without a GPU: tiny models, ours on the CPU backend
 (no --device flag), PyTorch on the CPU; the figures mean nothing, the loss agreement does.
@@ -57,9 +63,24 @@ LARGE = {"name": "large", "width": 8192, "layers": 8, "activation": "gelu", "bat
 SMALL = {"name": "small", "dims": [784, 512, 512, 10], "activation": "relu", "batch": 128, "optimizer": "sgd",
          "title": "784-512-512-10 ReLU MLP, batch 128, SGD momentum 0.9"}
 # Steps per run and the first ones discarded (warm-up: cuBLAS heuristics, allocator growth).
-STEPS = {"large": {"fp32": (6, 2), "tf32": (13, 3)}, "small": {"fp32": (300, 20), "tf32": (300, 20)}}
+# Time, estimated (nothing has run on a GPU yet; figures for an H200): a large step is
+# 26.4 TFLOP, ~0.5 s in fp32, ~0.1 s in tf32, ~0.05 s in bf16, so a large run is mostly its
+# start (loading 2 GiB of weights, PyTorch's import), ~10 s; the six large runs ~60 s, the
+# eight small ones ~40 s, the gemm section ~25 s, generating the large model ~15 s: ~140 s of
+# the ~200 s that tools/device_check.sh leaves the benchmarks within its 320 s. bf16 (two
+# more large runs, ~20 s) fits without cutting steps or rounds; if it does not, the Budget
+# stops starting runs and the last section (small) reports "not run: out of time budget".
+STEPS = {"large": {"fp32": (6, 2), "tf32": (13, 3), "bf16": (13, 3)},
+         "small": {"fp32": (300, 20), "tf32": (300, 20)}}
+LARGE_PRECISIONS = ["fp32", "tf32", "bf16"]
+SMALL_PRECISIONS = ["fp32", "tf32"]
 SMALL_ROUNDS = 2
-LOSS_TOLERANCE = {"fp32": 1e-4, "tf32": 5e-3}
+# Relative step-1 loss difference allowed. bf16: both sides round the GEMM operands to 8
+# significant bits (2^-8 relative each) and PyTorch's autocast also rounds each Linear's
+# output and GELU to bf16, so the logits differ by a few 2^-8 of their size — far below the
+# cross-entropy of ~ln(8192) = 9 they feed; 1e-2 leaves room for that and still catches a
+# wrong product, which moves the loss by order one.
+LOSS_TOLERANCE = {"fp32": 1e-4, "tf32": 5e-3, "bf16": 1e-2}
 SGD_LR, SGD_MOMENTUM = 0.01, 0.9
 DISTINCT_BATCHES = 2
 
@@ -206,6 +227,9 @@ def torch_train(job):
     import torch.nn.functional as F
     desc, device, precision = job["desc"], job["device"], job["precision"]
     setting = set_tf32(torch, precision == "tf32")
+    autocast = precision == "bf16"  # mixed precision: the parameters and AdamW's state stay fp32
+    if autocast:
+        setting = f'torch.autocast(device_type="{device}", dtype=torch.bfloat16), fp32 master weights; {setting}'
     mods = []
     for i, layer in enumerate(desc["layer_files"]):
         lin = nn.Linear(layer["in"], layer["out"], device=device)  # initialised there, then overwritten
@@ -236,7 +260,8 @@ def torch_train(job):
         begin = (step % batches) * batch
         xb, yb = x_all[begin:begin + batch].to(device), y_all[begin:begin + batch].to(device)
         opt.zero_grad(set_to_none=True)
-        loss = F.cross_entropy(model(xb), yb)
+        with torch.autocast(device_type=device, dtype=torch.bfloat16, enabled=autocast):
+            loss = F.cross_entropy(model(xb), yb)
         loss.backward()
         opt.step()
         losses.append(loss.item())
@@ -668,7 +693,6 @@ def main():
     r = Runner(args)
     r.budget = Budget(args.budget_s)
     res = r.res = {"args": {k: v for k, v in vars(args).items() if k != "worker"}, "started": time.time(), "notes": []}
-    precisions = ["fp32"] if args.smoke_cpu else ["fp32", "tf32"]
 
     r.say(f"python {sys.executable}; probing torch")
     status, out, _, _ = r.child([sys.executable, os.path.abspath(__file__), "--worker", "info", "{}"], r.torch_env,
@@ -694,9 +718,9 @@ def main():
             if section == "gemm":
                 gemm_section(r, res)
             elif section == "small":
-                model_section(r, res, SMALL, precisions, SMALL_ROUNDS)
+                model_section(r, res, SMALL, ["fp32"] if args.smoke_cpu else SMALL_PRECISIONS, SMALL_ROUNDS)
             elif section == "large":
-                model_section(r, res, LARGE, precisions, 1)
+                model_section(r, res, LARGE, ["fp32"] if args.smoke_cpu else LARGE_PRECISIONS, 1)
             else:
                 ap.error(f"unknown section '{section}'")
             r.say(f"{section}: {time.monotonic() - t0:.1f} s")

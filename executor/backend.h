@@ -41,9 +41,13 @@ enum class GradWrite { kAdd, kOverwrite };
 // it the same number of times with the same n.
 using ChannelReducer = std::function<void(double* data, int64_t n)>;
 
-// What a backend computes in: the CPU backend fp32 only; the CUDA backend also TF32
-// GEMMs (fp32 storage, tensor-core products with 10-bit mantissas, fp32 accumulation).
-// bf16 and fp16 (fp32 master weights, loss scaling for fp16) are the CUDA issue's next step.
+// What a backend computes in: the CPU backend fp32 only. The CUDA backend also kTf32
+// GEMMs (fp32 storage, tensor-core products with 10-bit mantissas, fp32 accumulation) and
+// kBf16 / kFp16 GEMMs: fp32 master weights and optimizer state, every buffer fp32 as
+// above; Linear rounds its GEMM operands to bf16 (8 significant bits, float32's range) or
+// fp16 (11 bits, at most 65504) to nearest even and multiplies them with fp32 accumulation
+// into fp32 results. Only Linear's products change; every other kernel computes in fp32.
+// fp16's loss scaling is the trainer's, not the backend's.
 enum class Precision { kFp32, kTf32, kBf16, kFp16 };
 inline const char* precision_name(Precision p) {
   switch (p) {

@@ -5,22 +5,29 @@
 // compiled for the host they must give the CPU's results bit for bit (NaN matching any
 // NaN) — activations forward and backward, the dropout mask, and SGD/Adam steps. On the
 // device the same formulas differ only where CUDA's expf/erff/tanhf differ from glibc's.
+// The float → bf16/fp16 rounding of bf16/fp16 mode (convert_math.cuh) is checked against
+// known bit patterns and an independent round-to-nearest-even in double.
 #include "executor/cuda/elementwise_math.cuh"
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <bit>
 #include <cfloat>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
+#include <cstring>
 #include <limits>
 #include <memory>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "executor/backend.h"
 #include "executor/cpu_kernels.h"
+#include "executor/cuda/convert_math.cuh"
 
 namespace pipeshard {
 namespace {
@@ -301,6 +308,193 @@ TEST(CudaMath, AdamScalarsAreTheCpusOverRandomHyperParameters) {
     expect_same_floats(want_m, got_m, g, "exp_avg " + what);
     expect_same_floats(want_v, got_v, g, "exp_avg_sq " + what);
   }
+}
+
+// ---- float → bf16 / fp16 (convert_math.cuh) ----
+
+// An independent reference: x rounded to `precision` significant bits, with exponents
+// clamped below at `min_exponent` (so that smaller values are multiples of the subnormal
+// spacing 2^(min_exponent − precision + 1)), ties to even. In double every step is exact for
+// a float x: the division and multiplication are by powers of two, and nearbyint rounds to
+// nearest even in the default rounding mode. Overflow is left to the caller.
+double round_to_format(double x, int precision, int min_exponent) {
+  if (x == 0.0 || !std::isfinite(x)) return x;
+  const int exponent = std::max(std::ilogb(x), min_exponent);
+  const double unit = std::ldexp(1.0, exponent - (precision - 1));
+  return std::nearbyint(x / unit) * unit;
+}
+
+// bf16: 8 significant bits, float32's exponent range (a result past FLT_MAX is inf).
+uint16_t reference_bf16(float f) {
+  if (std::isnan(f)) return math::kCanonicalNan16;
+  const float r = static_cast<float>(round_to_format(f, 8, -126));  // 2^128 → inf
+  return static_cast<uint16_t>(std::bit_cast<uint32_t>(r) >> 16);
+}
+
+// fp16: 11 significant bits, exponents down to −14; past 65504 only infinity.
+float reference_fp16_value(float f) {
+  const double r = round_to_format(f, 11, -14);
+  if (std::fabs(r) > 65504.0) return std::copysign(std::numeric_limits<float>::infinity(), f);
+  return static_cast<float>(r);
+}
+
+// Floats that exercise every rounding decision: each value of the 16-bit format, the
+// midpoint to its upper neighbour, one float ulp either side of that midpoint (both signs
+// of all of them), a strided sweep over all 2^32 bit patterns, and the special values.
+Floats rounding_inputs(bool bf16) {
+  Floats x;
+  for (uint32_t h = 0; h < 0x8000u; ++h) {
+    const auto p = static_cast<uint16_t>(h);
+    const float v = bf16 ? math::bf16_to_float(p) : math::fp16_to_float(p);
+    if (!std::isfinite(v)) continue;
+    const float next = bf16 ? math::bf16_to_float(static_cast<uint16_t>(h + 1))
+                            : math::fp16_to_float(static_cast<uint16_t>(h + 1));
+    // The midpoint is exact in float (one bit more than the format has), also towards inf:
+    // for bf16 it is the float 0x7F7F8000, for fp16 65520.
+    const float mid = std::isfinite(next) ? static_cast<float>((static_cast<double>(v) + next) / 2)
+                                          : (bf16 ? std::bit_cast<float>(0x7F7F8000u) : 65520.0f);
+    for (float f : {v, mid, std::nextafter(mid, 0.0f), std::nextafter(mid, std::numeric_limits<float>::infinity())}) {
+      x.push_back(f);
+      x.push_back(-f);
+    }
+  }
+  for (uint64_t u = 0; u <= 0xFFFFFFFFull; u += 65521) x.push_back(std::bit_cast<float>(static_cast<uint32_t>(u)));
+  const float inf = std::numeric_limits<float>::infinity();
+  for (float f : {0.0f, -0.0f, inf, -inf, FLT_MAX, -FLT_MAX, FLT_MIN, -FLT_MIN, 1e-45f, -1e-45f, 1e-40f, 65504.0f,
+                  65519.996f, 65520.0f, 65520.004f, 1e6f}) {
+    x.push_back(f);
+  }
+  return x;
+}
+
+std::string hex(uint32_t v) {
+  char buffer[16];
+  std::snprintf(buffer, sizeof(buffer), "0x%X", v);
+  return buffer;
+}
+
+TEST(CudaMath, Bf16RoundingKnownPatterns) {
+  const float inf = std::numeric_limits<float>::infinity(), nan = std::numeric_limits<float>::quiet_NaN();
+  auto bits = [](uint32_t u) { return std::bit_cast<float>(u); };
+  const std::pair<float, uint16_t> cases[] = {
+      {1.0f, 0x3F80}, {-2.0f, 0xC000}, {0.0f, 0x0000}, {-0.0f, 0x8000}, {inf, 0x7F80}, {-inf, 0xFF80},
+      {bits(0x3F808000u), 0x3F80},  // 1 + 2^-8: a tie, stays at the even 0x3F80
+      {bits(0x3F818000u), 0x3F82},  // 1 + 3·2^-8: a tie, up to the even 0x3F82
+      {bits(0x3F808001u), 0x3F81},  // just above a tie: up
+      {bits(0x3F807FFFu), 0x3F80},  // just below: down
+      {bits(0xBF818000u), 0xBF82},  // negative ties mirror the positive ones
+      {bits(0x7F7F7FFFu), 0x7F7F},  // just below the midpoint past the largest bf16: stays finite
+      {bits(0x7F7F8000u), 0x7F80},  // that midpoint: ties to the even side, infinity
+      {FLT_MAX, 0x7F80}, {-FLT_MAX, 0xFF80},
+      {FLT_MIN, 0x0080},            // bf16 keeps float32's exponent range ...
+      {bits(0x00010000u), 0x0001},  // ... and its subnormals: the smallest bf16 subnormal, 2^-133
+      {bits(0x00008000u), 0x0000},  // half of it: a tie, to the even 0
+      {bits(0x00018000u), 0x0002},  // 1.5 units: a tie, to the even 2
+      {bits(0x00008001u), 0x0001},  // just above half a unit: up
+      {1e-45f, 0x0000}, {-1e-45f, 0x8000},
+      {bits(0x007FFFFFu), 0x0080},  // the largest float subnormal rounds up into the normal range
+  };
+  for (const auto& [f, want] : cases) {
+    EXPECT_EQ(math::float_to_bf16_rn(f), want) << f << " (" << hex(std::bit_cast<uint32_t>(f)) << ")";
+    // The well-known formulation: the upper 16 bits after adding 0x7FFF + the lowest kept bit.
+    const uint32_t u = std::bit_cast<uint32_t>(f);
+    EXPECT_EQ(want, static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16)) << hex(u);
+  }
+  for (float f : {nan, -nan, bits(0x7F800001u), bits(0xFFFFFFFFu), bits(0x7FC00000u)}) {
+    const uint16_t h = math::float_to_bf16_rn(f);
+    EXPECT_TRUE(std::isnan(math::bf16_to_float(h))) << hex(std::bit_cast<uint32_t>(f)) << " -> " << hex(h);
+  }
+}
+
+TEST(CudaMath, Fp16RoundingKnownPatterns) {
+  const float inf = std::numeric_limits<float>::infinity(), nan = std::numeric_limits<float>::quiet_NaN();
+  const std::pair<float, uint16_t> cases[] = {
+      {1.0f, 0x3C00}, {-2.0f, 0xC000}, {0.5f, 0x3800}, {0.1f, 0x2E66}, {1.0f / 3.0f, 0x3555},
+      {0.0f, 0x0000}, {-0.0f, 0x8000}, {inf, 0x7C00}, {-inf, 0xFC00},
+      {1.0f + 0x1p-11f, 0x3C00},         // a tie: stays at the even 0x3C00
+      {1.0f + 3 * 0x1p-11f, 0x3C02},     // a tie: up to the even 0x3C02
+      {1.0f + 0x1p-11f + 0x1p-23f, 0x3C01},
+      {65504.0f, 0x7BFF}, {-65504.0f, 0xFBFF},  // the largest fp16
+      {65519.996f, 0x7BFF},              // the float just below 65520 (65504 + half a unit)
+      {65520.0f, 0x7C00}, {-65520.0f, 0xFC00},  // the tie goes to the even side: infinity
+      {1e6f, 0x7C00}, {FLT_MAX, 0x7C00}, {-FLT_MAX, 0xFC00},
+      {0x1p-14f, 0x0400},                // the smallest normal
+      {0x1p-14f - 0x1p-25f, 0x0400},     // 1023.5·2^-24: a tie between 0x03FF and the even 0x0400
+      {0x1p-14f - 0x1p-24f, 0x03FF},     // the largest subnormal
+      {0x1p-24f, 0x0001}, {-0x1p-24f, 0x8001},  // the smallest subnormal
+      {5.96e-8f, 0x0001},                // just below 2^-24 = 5.9604645e-8, above its half
+      {0x1p-25f, 0x0000}, {-0x1p-25f, 0x8000},  // half the smallest subnormal: a tie, to ±0
+      {std::nextafter(0x1p-25f, 1.0f), 0x0001},
+      {3 * 0x1p-25f, 0x0002},            // 1.5 units: a tie, to the even 2
+      {5 * 0x1p-25f, 0x0002},            // 2.5 units: a tie, to the even 2
+      {0x1p-26f, 0x0000}, {1e-45f, 0x0000}, {-1e-45f, 0x8000}, {FLT_MIN, 0x0000},
+  };
+  for (const auto& [f, want] : cases) {
+    EXPECT_EQ(math::float_to_fp16_rn(f), want) << f << " (" << hex(std::bit_cast<uint32_t>(f)) << ")";
+  }
+  for (float f : {nan, -nan, std::bit_cast<float>(0x7F800001u), std::bit_cast<float>(0xFFFFFFFFu)}) {
+    const uint16_t h = math::float_to_fp16_rn(f);
+    EXPECT_TRUE(std::isnan(math::fp16_to_float(h))) << hex(std::bit_cast<uint32_t>(f)) << " -> " << hex(h);
+  }
+}
+
+// Every 16-bit pattern converts to the float it stands for and back to itself.
+TEST(CudaMath, SixteenBitPatternsRoundTrip) {
+  for (uint32_t h = 0; h <= 0xFFFFu; ++h) {
+    const auto p = static_cast<uint16_t>(h);
+    const float b = math::bf16_to_float(p), f = math::fp16_to_float(p);
+    EXPECT_EQ(std::bit_cast<uint32_t>(b), h << 16);
+    if (!std::isnan(b)) {
+      EXPECT_EQ(math::float_to_bf16_rn(b), p) << hex(h);
+    }
+    const bool fp16_nan = (h & 0x7C00u) == 0x7C00u && (h & 0x3FFu) != 0u;
+    EXPECT_EQ(std::isnan(f), fp16_nan) << hex(h);
+    if (!fp16_nan) {
+      EXPECT_EQ(math::float_to_fp16_rn(f), p) << hex(h);
+    }
+    // The value: (−1)^s · 2^(e−15) · 1.m, or 2^-14 · 0.m for e = 0.
+    const int e = static_cast<int>((h >> 10) & 0x1Fu), m = static_cast<int>(h & 0x3FFu);
+    if (e != 0x1F) {
+      const double magnitude = e == 0 ? std::ldexp(m, -24) : std::ldexp(1024 + m, e - 25);
+      EXPECT_EQ(static_cast<double>(f), (h & 0x8000u) ? -magnitude : magnitude) << hex(h);
+      EXPECT_EQ(std::signbit(f), (h & 0x8000u) != 0) << hex(h);
+    }
+  }
+}
+
+// Against the reference in double (and, where the compiler has _Float16, its conversion,
+// which is IEEE round-to-nearest-even in software), on every rounding decision.
+TEST(CudaMath, SixteenBitRoundingIsRoundToNearestEven) {
+  int failures = 0;
+  for (float f : rounding_inputs(true)) {
+    const uint16_t got = math::float_to_bf16_rn(f), want = reference_bf16(f);
+    if (got != want && failures++ < 5) {
+      ADD_FAILURE() << "bf16 of " << hex(std::bit_cast<uint32_t>(f)) << ": " << hex(got) << ", want " << hex(want);
+    }
+  }
+  for (float f : rounding_inputs(false)) {
+    const uint16_t got = math::float_to_fp16_rn(f);
+    const float value = math::fp16_to_float(got);
+    if (std::isnan(f)) {
+      if (!std::isnan(value) && failures++ < 5) ADD_FAILURE() << "fp16 of NaN: " << hex(got);
+      continue;
+    }
+    const float want = reference_fp16_value(f);
+    const bool same = value == want && std::signbit(value) == std::signbit(want);
+    if (!same && failures++ < 5) {
+      ADD_FAILURE() << "fp16 of " << f << " (" << hex(std::bit_cast<uint32_t>(f)) << "): " << hex(got) << " = "
+                    << value << ", want " << want;
+    }
+#ifdef __FLT16_MAX__
+    const auto compiler = static_cast<_Float16>(f);
+    uint16_t compiler_bits;
+    std::memcpy(&compiler_bits, &compiler, sizeof(compiler_bits));
+    if (compiler_bits != got && failures++ < 5) {
+      ADD_FAILURE() << "fp16 of " << f << ": " << hex(got) << ", the compiler's _Float16 " << hex(compiler_bits);
+    }
+#endif
+  }
+  EXPECT_EQ(failures, 0);
 }
 
 }  // namespace

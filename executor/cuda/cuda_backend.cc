@@ -2,6 +2,12 @@
 // primitive forwarded to its launcher (launchers.h). Host results (sums, losses, the
 // optimizers' finiteness) synchronise the stream; nothing else does, so a step queues its
 // kernels without waiting and the host runs ahead to the next host value.
+//
+// Every precision is accepted. It matters to Linear alone (linear.cu): TF32 GEMMs, or in
+// bf16/fp16 mode GEMMs on 16-bit copies of the operands with fp32 accumulation into the
+// fp32 buffers; every other kernel — activations, norms, softmax, losses, optimizers —
+// computes in fp32 whatever the precision. The buffers, and so the master weights and the
+// optimizer state, are fp32 in every mode; loss scaling for fp16 is the trainer's.
 #include "executor/cuda/cuda_backend.h"
 
 #include <algorithm>
@@ -19,7 +25,7 @@ class CudaBackend final : public Backend {
   CudaBackend(int device, Precision precision) : device_(device) {
     PIPESHARD_CUDA_CHECK(cudaSetDevice(device_));
     PIPESHARD_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
-    linear_ = cuda::create_linear_context(precision == Precision::kTf32);
+    linear_ = cuda::create_linear_context(precision, &allocator_);
     scratch_ = allocator_.allocate(cuda::reduce_scratch_bytes());
   }
   ~CudaBackend() override {
@@ -187,10 +193,6 @@ Result<std::unique_ptr<Backend>> make_cuda_backend(int device, Precision precisi
   if (device < 0 || device >= count) {
     return Status::error("--device cuda: GPU " + std::to_string(device) + " asked for, but " + std::to_string(count) +
                          " visible");
-  }
-  if (precision != Precision::kFp32 && precision != Precision::kTf32) {
-    return Status::error(std::string("--precision ") + precision_name(precision) +
-                         ": the CUDA backend computes in fp32 or tf32 so far");
   }
   return std::unique_ptr<Backend>(new CudaBackend(device, precision));
 }

@@ -13,9 +13,11 @@
 namespace pipeshard {
 
 // A backend on GPU `device` (0-based among the visible ones), computing in `precision`:
-// kFp32, or kTf32 (GEMMs on tensor cores with TF32 inputs and fp32 accumulation). Errors:
-// no usable GPU (the driver's reason), a device index beyond the count, a precision this
-// backend cannot do yet.
+// kFp32; kTf32 (GEMMs on tensor cores with TF32 inputs and fp32 accumulation); kBf16 or
+// kFp16 (GEMMs on bf16/fp16 copies of their fp32 operands, rounded to nearest even, with
+// fp32 accumulation; buffers, weights and optimizer state stay fp32, every other kernel
+// computes in fp32, and fp16's loss scaling is the caller's). Errors: no usable GPU (the
+// driver's reason), a device index beyond the count.
 Result<std::unique_ptr<Backend>> make_cuda_backend(int device, Precision precision);
 
 // GPUs this process can use; 0 with the driver's reason in `why` (cudaGetDeviceCount

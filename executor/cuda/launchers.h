@@ -10,6 +10,7 @@
 //   layernorm.cu    LayerNorm
 //   batchnorm.cu    BatchNorm
 //   linear.cu       Linear through cuBLASLt, with bias/activation epilogues
+//   convert.cu      float32 → bf16/fp16 copies of linear.cu's GEMM operands
 //   optimizer.cu    SGD, Adam/AdamW over the contiguous parameter buffer
 //
 // Every launcher accepts n == 0 (or rows == 0) and then launches nothing. Results must
@@ -77,16 +78,27 @@ void batchnorm_backward(float* dx, float* dw, float* db, const float* dy, const 
                         bool training, const ChannelReducer* reduce, cudaStream_t stream);
 
 // ---- linear.cu ----
-// cuBLASLt state for one device: the handle, a workspace, and the matmul plans cached
-// by shape. Owned by the backend; used from its stream only.
+// cuBLASLt state for one device: the handle, a workspace, the matmul plans cached by shape
+// and, in bf16/fp16 mode, the 16-bit copies of the GEMM operands (grow-only scratch from
+// `allocator`, which must outlive the context). Owned by the backend; used from its stream
+// only. `precision` is what the GEMMs compute in (backend.h's Precision): fp32; TF32; or
+// bf16/fp16, where every fp32 operand is rounded to a 16-bit copy first and cuBLASLt
+// multiplies those with fp32 accumulation into the same fp32 outputs.
+class CachingAllocator;
 struct LinearContext;
-LinearContext* create_linear_context(bool tf32);
+LinearContext* create_linear_context(Precision precision, CachingAllocator* allocator);
 void destroy_linear_context(LinearContext* context);
 void linear_forward(LinearContext* context, float* y, const float* x, const float* w, const float* b,
                     const LinearShape& s, const Activation* epilogue, float* pre, cudaStream_t stream);
 void linear_backward(LinearContext* context, float* dx, float* dw, float* db, const float* dy, const float* x,
                      const float* w, const LinearShape& s, GradWrite param_grads, GradWrite input_grad,
                      cudaStream_t stream);
+
+// ---- convert.cu ----
+// dst[n] = src[n] rounded to nearest even to `to` (Precision::kBf16 or kFp16; anything else
+// is a bug), as the 16-bit patterns cuBLASLt reads as CUDA_R_16BF / CUDA_R_16F elements
+// (convert_math.cuh has the rounding). dst [n] is device memory the caller owns.
+void convert_to_16bit(uint16_t* dst, const float* src, int64_t n, Precision to, cudaStream_t stream);
 
 // ---- optimizer.cu ----
 // Both return false when a gradient was inf or NaN (they synchronise `stream` to say so);

@@ -23,9 +23,10 @@
 //   (RELU_AUX saves a bit mask, not the pre-activation values backward reads; and
 //   cuBLASLt's max(x, 0) may turn a NaN into 0 where the CPU keeps it, so training, which
 //   always keeps `pre`, never meets that difference);
-//   GELU(_BIAS), or GELU_AUX(_BIAS) writing `pre`, for kGeluTanh in TF32 mode only (see
-//   gelu_epilogue_allowed). Everything else — exact GELU, sigmoid, tanh, SiLU, leaky ReLU,
-//   a scaled or misaligned bias — runs in bias_activation_kernel after the GEMM.
+//   GELU(_BIAS), or GELU_AUX(_BIAS) writing `pre`, for kGeluTanh in TF32, bf16 and fp16
+//   modes, not fp32 (see gelu_epilogue_allowed). Everything else — exact GELU, sigmoid,
+//   tanh, SiLU, leaky ReLU, a scaled or misaligned bias — runs in bias_activation_kernel
+//   after the GEMM.
 // - backward: db = Σ_rows dy through BGRADB (kOutIn: dy is B) or BGRADA (kInOut: dy is A)
 //   of the dw GEMM, when the gradients are overwritten (the epilogue writes, it cannot
 //   add), alpha == beta == 1 and db is 16-byte aligned; otherwise column_sum_kernel. The
@@ -38,6 +39,22 @@
 // pointer's actual alignment (its heuristic otherwise assumes 256 bytes), plans are cached
 // per alignment class, and a plain TF32 GEMM that has no kernel at the given alignment
 // runs in fp32 instead.
+//
+// Precision (create_linear_context). fp32: CUBLAS_COMPUTE_32F. TF32: the same fp32 buffers
+// with CUBLAS_COMPUTE_32F_FAST_TF32. bf16 and fp16 ("fp32 master weights, 16-bit compute
+// with fp32 accumulation"): every Backend buffer stays fp32; each call first rounds the
+// GEMM operands it multiplies (x and W forward; dy, and W for dx, x for dw backward; each
+// at most once per call) to nearest even into 16-bit copies (convert.cu), kept in
+// grow-only scratch from the backend's caching allocator, 256-byte aligned; cuBLASLt then
+// multiplies A/B = CUDA_R_16BF or CUDA_R_16F with CUBLAS_COMPUTE_32F and scale type
+// CUDA_R_32F into the same fp32 C/D as before (alpha, beta, epilogues and alignment
+// handling unchanged; the bias, its gradient and GELU's aux stay fp32). A result therefore
+// differs from fp32 mode's only by the operands' rounding (2^-8 relative for bf16, 2^-11
+// for fp16, whose range ends at 65504: larger values become inf, which the trainer's loss
+// scaling must avoid) and the order of the fp32 sums. Where the BGRAD epilogue computes db,
+// it sums the rounded dy; column_sum_kernel sums the fp32 dy. A plain GEMM for which
+// cuBLASLt has no 16-bit kernel runs in fp32 on the unrounded buffers. The copies cost
+// one read of each fp32 operand and a write of half its size per call.
 #include <cublasLt.h>
 #include <cuda_runtime.h>
 
@@ -48,6 +65,7 @@
 #include <string>
 
 #include "common/status.h"
+#include "executor/cuda/allocator.h"
 #include "executor/cuda/cuda_check.h"
 #include "executor/cuda/launchers.h"
 
@@ -87,13 +105,14 @@ struct Epilogue {
   int64_t aux_ld = 0;
 };
 
-// Shape, transposes, leading dimensions, epilogue and the alignment of every pointer:
-// cuBLASLt's heuristic picks kernels for the alignments it is told, so a plan is only
-// valid for pointers aligned alike.
-using PlanKey = std::array<int64_t, 15>;
+// Shape, transposes, leading dimensions, epilogue, the element type of A and B, and the
+// alignment of every pointer: cuBLASLt's heuristic picks kernels for the alignments it is
+// told, so a plan is only valid for pointers aligned alike.
+using PlanKey = std::array<int64_t, 16>;
 
-PlanKey plan_key(const GemmShape& g, const Epilogue& e, const void* a, const void* b, const void* d) {
-  return {g.m, g.n, g.k, g.trans_a, g.trans_b, g.lda, g.ldb, g.ldd, e.kind, e.aux_ld,
+PlanKey plan_key(const GemmShape& g, const Epilogue& e, cudaDataType_t input_type, const void* a, const void* b,
+                 const void* d) {
+  return {g.m, g.n, g.k, g.trans_a, g.trans_b, g.lda, g.ldb, g.ldd, e.kind, e.aux_ld, input_type,
           alignment_of(a), alignment_of(b), alignment_of(d),
           e.bias ? alignment_of(e.bias) : 0, e.aux ? alignment_of(e.aux) : 0};
 }
@@ -104,6 +123,7 @@ struct Plan {
   cublasLtMatrixLayout_t a = nullptr, b = nullptr, d = nullptr;  // C is D (in place)
   cublasLtMatmulAlgo_t algo{};
   cublasComputeType_t compute = CUBLAS_COMPUTE_32F;
+  cudaDataType_t input_type = CUDA_R_32F;  // of A and B; C and D are always CUDA_R_32F
   bool supported = false;  // false: cuBLASLt has no algorithm for it (an epilogue declined)
 
   Plan() = default;
@@ -122,19 +142,34 @@ struct Plan {
 
 }  // namespace
 
+// The GEMM operands that bf16/fp16 mode rounds to 16-bit copies, one scratch slot each.
+enum class Operand { kX, kW, kDy };
+constexpr size_t kOperands = 3;
+
+// A grow-only 16-bit buffer from the backend's allocator: 256-byte aligned (whole
+// cudaMalloc blocks), reallocated only when a larger operand comes, so after the first
+// step no call allocates.
+struct Scratch16 {
+  uint16_t* data = nullptr;
+  int64_t capacity = 0;  // elements
+};
+
 struct LinearContext {
   cublasLtHandle_t handle = nullptr;
   void* workspace = nullptr;  // kWorkspaceBytes of device memory, for every GEMM in turn (one stream)
-  bool tf32 = false;
-  cublasComputeType_t compute = CUBLAS_COMPUTE_32F;
+  Precision precision = Precision::kFp32;
+  cublasComputeType_t compute = CUBLAS_COMPUTE_32F;  // for fp32 operands: CUBLAS_COMPUTE_32F or _FAST_TF32
+  cudaDataType_t low_type = CUDA_R_32F;              // bf16/fp16 mode: CUDA_R_16BF / CUDA_R_16F
+  CachingAllocator* allocator = nullptr;
+  std::array<Scratch16, kOperands> copies;  // indexed by Operand
   std::map<PlanKey, Plan> plans;
 };
 
 namespace {
 
-std::string describe(const GemmShape& g, const Epilogue& e) {
-  return "m=" + std::to_string(g.m) + " n=" + std::to_string(g.n) + " k=" + std::to_string(g.k) +
-         " transa=" + std::to_string(g.trans_a) + " transb=" + std::to_string(g.trans_b) +
+std::string describe(const GemmShape& g, const Epilogue& e, cudaDataType_t input_type) {
+  return "A/B type " + std::to_string(input_type) + " m=" + std::to_string(g.m) + " n=" + std::to_string(g.n) +
+         " k=" + std::to_string(g.k) + " transa=" + std::to_string(g.trans_a) + " transb=" + std::to_string(g.trans_b) +
          " lda=" + std::to_string(g.lda) + " ldb=" + std::to_string(g.ldb) + " ldd=" + std::to_string(g.ldd) +
          " epilogue=" + std::to_string(e.kind);
 }
@@ -157,19 +192,31 @@ bool declined(cublasStatus_t status) {
 
 // Creates the plan's descriptors and asks cuBLASLt's heuristic for an algorithm; false
 // when it has none for this epilogue, these alignments, this compute type.
-bool build_plan(LinearContext& c, Plan& plan, cublasComputeType_t compute, const GemmShape& g, const Epilogue& e,
-                const void* a, const void* b, const void* d) {
+//
+// A and B are `input_type` (CUDA_R_32F, or CUDA_R_16BF / CUDA_R_16F in bf16/fp16 mode), C
+// and D are always CUDA_R_32F, the scale type (alpha, beta) CUDA_R_32F. cuBLASLt lists both
+// 16-bit combinations with CUBLAS_COMPUTE_32F (fp32 accumulation) among cublasLtMatmul's
+// supported types. The epilogues' vectors stay fp32: the bias and bias-gradient type
+// defaults to D's type (cublasLt.h, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE; we set it to
+// CUDA_R_32F explicitly for 16-bit inputs so that no default can surprise us), and the GELU
+// aux matrix is D's type (CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_DATA_TYPE, left at its default).
+bool build_plan(LinearContext& c, Plan& plan, cublasComputeType_t compute, cudaDataType_t input_type,
+                const GemmShape& g, const Epilogue& e, const void* a, const void* b, const void* d) {
   plan.compute = compute;
+  plan.input_type = input_type;
   PIPESHARD_CUBLAS_CHECK(cublasLtMatmulDescCreate(&plan.desc, compute, CUDA_R_32F));
   set_attribute(plan.desc, CUBLASLT_MATMUL_DESC_TRANSA, static_cast<int32_t>(g.trans_a));
   set_attribute(plan.desc, CUBLASLT_MATMUL_DESC_TRANSB, static_cast<int32_t>(g.trans_b));
   set_attribute(plan.desc, CUBLASLT_MATMUL_DESC_EPILOGUE, static_cast<uint32_t>(e.kind));
   set_epilogue_pointers(plan.desc, e);  // the heuristic reads their alignment
   if (e.aux != nullptr) set_attribute(plan.desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, e.aux_ld);
+  if (e.bias != nullptr && input_type != CUDA_R_32F) {
+    set_attribute(plan.desc, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, static_cast<int32_t>(CUDA_R_32F));
+  }
   // Stored (before op) dimensions: op(A) is [m, k], op(B) is [k, n].
   const bool ta = g.trans_a != CUBLAS_OP_N, tb = g.trans_b != CUBLAS_OP_N;
-  PIPESHARD_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&plan.a, CUDA_R_32F, ta ? g.k : g.m, ta ? g.m : g.k, g.lda));
-  PIPESHARD_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&plan.b, CUDA_R_32F, tb ? g.n : g.k, tb ? g.k : g.n, g.ldb));
+  PIPESHARD_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&plan.a, input_type, ta ? g.k : g.m, ta ? g.m : g.k, g.lda));
+  PIPESHARD_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&plan.b, input_type, tb ? g.n : g.k, tb ? g.k : g.n, g.ldb));
   PIPESHARD_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&plan.d, CUDA_R_32F, g.m, g.n, g.ldd));
 
   cublasLtMatmulPreference_t preference = nullptr;
@@ -192,46 +239,52 @@ bool build_plan(LinearContext& c, Plan& plan, cublasComputeType_t compute, const
   cublasLtMatmulPreferenceDestroy(preference);
   if (declined(status)) return false;
   PIPESHARD_CHECK(status == CUBLAS_STATUS_SUCCESS, std::string("cublasLtMatmulAlgoGetHeuristic: ") +
-                                                       cublasLtGetStatusString(status) + " for " + describe(g, e));
+                                                       cublasLtGetStatusString(status) + " for " +
+                                                       describe(g, e, input_type));
   if (found == 0 || result.state != CUBLAS_STATUS_SUCCESS) return false;
   plan.algo = result.algo;
   return true;
 }
 
-// A plain GEMM that TF32 cannot do (tensor-core kernels want aligned data) runs in fp32,
-// which is more precise and has kernels for every alignment.
+// A plain fp32-input GEMM that TF32 cannot do (tensor-core kernels want aligned data) runs
+// in fp32, which is more precise and has kernels for every alignment.
 void make_fp32_plan(LinearContext& c, Plan& plan, const GemmShape& g, const Epilogue& e, const void* a,
                     const void* b, const void* d) {
   plan.clear();
-  plan.supported = build_plan(c, plan, CUBLAS_COMPUTE_32F, g, e, a, b, d);
-  PIPESHARD_CHECK(plan.supported, "cuBLASLt has no algorithm for " + describe(g, e));
+  plan.supported = build_plan(c, plan, CUBLAS_COMPUTE_32F, CUDA_R_32F, g, e, a, b, d);
+  PIPESHARD_CHECK(plan.supported, "cuBLASLt has no algorithm for " + describe(g, e, CUDA_R_32F));
 }
 
-// A plan for this GEMM with the context's compute type, or in fp32 (above). An epilogue
-// nobody has a kernel for leaves the plan unsupported.
-void make_plan(LinearContext& c, Plan& plan, const GemmShape& g, const Epilogue& e, const void* a, const void* b,
-               const void* d) {
-  plan.supported = build_plan(c, plan, c.compute, g, e, a, b, d);
-  if (!plan.supported && e.kind == CUBLASLT_EPILOGUE_DEFAULT) make_fp32_plan(c, plan, g, e, a, b, d);
+// A plan for this GEMM: fp32 inputs with the context's compute type, or in fp32 (above);
+// 16-bit inputs with fp32 accumulation. An epilogue nobody has a kernel for, or 16-bit
+// inputs without one, leave the plan unsupported.
+void make_plan(LinearContext& c, Plan& plan, cudaDataType_t input_type, const GemmShape& g, const Epilogue& e,
+               const void* a, const void* b, const void* d) {
+  const cublasComputeType_t compute = input_type == CUDA_R_32F ? c.compute : CUBLAS_COMPUTE_32F;
+  plan.supported = build_plan(c, plan, compute, input_type, g, e, a, b, d);
+  if (!plan.supported && e.kind == CUBLASLT_EPILOGUE_DEFAULT && input_type == CUDA_R_32F) {
+    make_fp32_plan(c, plan, g, e, a, b, d);
+  }
 }
 
-cublasStatus_t run_plan(LinearContext& c, const Plan& plan, const float* a, const float* b, float* d, float alpha,
+cublasStatus_t run_plan(LinearContext& c, const Plan& plan, const void* a, const void* b, float* d, float alpha,
                         float beta, cudaStream_t stream) {
   return cublasLtMatmul(c.handle, plan.desc, &alpha, a, plan.a, b, plan.b, &beta, d, plan.d, d, plan.d, &plan.algo,
                         c.workspace, kWorkspaceBytes, stream);
 }
 
-// D = alpha·op(A)·op(B) + beta·D with the epilogue. False when cuBLASLt declines the
-// epilogue (then nothing ran); a plain GEMM (DEFAULT) never returns false.
-bool gemm(LinearContext& c, const GemmShape& g, const float* a, const float* b, float* d, float alpha, float beta,
-          const Epilogue& e, cudaStream_t stream) {
-  auto [it, created] = c.plans.try_emplace(plan_key(g, e, a, b, d));
+// D = alpha·op(A)·op(B) + beta·D with the epilogue, A and B of `input_type`. False when
+// cuBLASLt declines the epilogue, or has no kernel for 16-bit inputs (then nothing ran);
+// a plain GEMM (DEFAULT) on fp32 inputs never returns false.
+bool gemm(LinearContext& c, const GemmShape& g, cudaDataType_t input_type, const void* a, const void* b, float* d,
+          float alpha, float beta, const Epilogue& e, cudaStream_t stream) {
+  auto [it, created] = c.plans.try_emplace(plan_key(g, e, input_type, a, b, d));
   Plan& plan = it->second;
-  if (created) make_plan(c, plan, g, e, a, b, d);
+  if (created) make_plan(c, plan, input_type, g, e, a, b, d);
   if (!plan.supported) return false;
   set_epilogue_pointers(plan.desc, e);
   cublasStatus_t status = run_plan(c, plan, a, b, d, alpha, beta, stream);
-  if (declined(status) && e.kind != CUBLASLT_EPILOGUE_DEFAULT) {
+  if (declined(status) && (e.kind != CUBLASLT_EPILOGUE_DEFAULT || input_type != CUDA_R_32F)) {
     plan.supported = false;  // and the caller falls back, now and for every later call
     return false;
   }
@@ -239,14 +292,54 @@ bool gemm(LinearContext& c, const GemmShape& g, const float* a, const float* b, 
     make_fp32_plan(c, plan, g, e, a, b, d);
     status = run_plan(c, plan, a, b, d, alpha, beta, stream);
   }
-  PIPESHARD_CHECK(status == CUBLAS_STATUS_SUCCESS,
-                  std::string("cublasLtMatmul: ") + cublasLtGetStatusString(status) + " for " + describe(g, e));
+  PIPESHARD_CHECK(status == CUBLAS_STATUS_SUCCESS, std::string("cublasLtMatmul: ") + cublasLtGetStatusString(status) +
+                                                       " for " + describe(g, e, input_type));
   return true;
 }
 
-void plain_gemm(LinearContext& c, const GemmShape& g, const float* a, const float* b, float* d, float alpha,
-                float beta, cudaStream_t stream) {
-  gemm(c, g, a, b, d, alpha, beta, Epilogue{}, stream);
+// The operands of one product: the fp32 buffers and, in bf16/fp16 mode, their 16-bit copies.
+struct Operands {
+  const float* a = nullptr;
+  const float* b = nullptr;
+  const uint16_t* a16 = nullptr;  // null in fp32/TF32 mode
+  const uint16_t* b16 = nullptr;
+};
+
+// D = alpha·op(A)·op(B) + beta·D with the epilogue, in the context's precision: on the
+// 16-bit copies when there are some, else on the fp32 buffers. False when cuBLASLt declines
+// the epilogue (then nothing ran). A plain GEMM always runs: should cuBLASLt have no 16-bit
+// kernel for it, it runs in fp32 on the unrounded buffers (more precise, never less).
+bool product(LinearContext& c, const GemmShape& g, const Operands& o, float* d, float alpha, float beta,
+             const Epilogue& e, cudaStream_t stream) {
+  if (o.a16 == nullptr) return gemm(c, g, CUDA_R_32F, o.a, o.b, d, alpha, beta, e, stream);
+  if (gemm(c, g, c.low_type, o.a16, o.b16, d, alpha, beta, e, stream)) return true;
+  if (e.kind != CUBLASLT_EPILOGUE_DEFAULT) return false;
+  return gemm(c, g, CUDA_R_32F, o.a, o.b, d, alpha, beta, e, stream);
+}
+
+void plain_product(LinearContext& c, const GemmShape& g, const Operands& o, float* d, float alpha, float beta,
+                   cudaStream_t stream) {
+  product(c, g, o, d, alpha, beta, Epilogue{}, stream);
+}
+
+// ---- bf16/fp16 operands ----
+
+bool low_precision(const LinearContext& c) { return c.low_type != CUDA_R_32F; }
+
+// src [n] rounded (to nearest even) into the scratch slot of `which`, grown first if it is
+// too small. The old block goes back to the allocator: work already queued on this stream
+// that reads it runs before anything queued later can reuse it.
+const uint16_t* rounded_copy(LinearContext& c, Operand which, const float* src, int64_t n, cudaStream_t stream) {
+  Scratch16& slot = c.copies[static_cast<size_t>(which)];
+  if (n > slot.capacity) {
+    c.allocator->deallocate(slot.data);
+    slot.data = static_cast<uint16_t*>(c.allocator->allocate(static_cast<size_t>(n) * sizeof(uint16_t)));
+    slot.capacity = n;
+    PIPESHARD_CHECK(alignment_of(slot.data) == 256, "16-bit scratch at a " + std::to_string(alignment_of(slot.data)) +
+                                                        "-byte boundary, 256 expected from cudaMalloc");
+  }
+  convert_to_16bit(slot.data, src, n, c.precision, stream);
+  return slot.data;
 }
 
 // ---- the products of the table at the top ----
@@ -417,10 +510,11 @@ struct ForwardPlan {
 };
 
 // cuBLASLt's GELU epilogue is the tanh form (so never kGelu), evaluated, as far as we can
-// tell, with the hardware's approximate tanh (relative error ~2^-11). That is below a TF32
-// GEMM's own rounding but fifty times the 1e-5 that fp32 results are held to against the
-// CPU (tests/backend_check.h), so fp32 mode computes GELU-tanh in our kernel (tanhf).
-bool gelu_epilogue_allowed(const LinearContext& c) { return c.tf32; }
+// tell, with the hardware's approximate tanh (relative error ~2^-11). That is at or below
+// the rounding of a TF32, fp16 (both 2^-11 per operand) or bf16 (2^-8) GEMM's inputs, but
+// fifty times the 1e-5 that fp32 results are held to against the CPU
+// (tests/backend_check.h), so fp32 mode computes GELU-tanh in our kernel (tanhf).
+bool gelu_epilogue_allowed(const LinearContext& c) { return c.precision != Precision::kFp32; }
 
 // Everything after a plain GEMM (or one with the bias epilogue when `bias_fused`).
 ForwardPlan unfused_forward(float* y, const float* b, const Activation* act, float* pre, bool bias_fused) {
@@ -467,10 +561,14 @@ ForwardPlan plan_forward(const LinearContext& c, const LinearShape& s, float* y,
 
 }  // namespace
 
-LinearContext* create_linear_context(bool tf32) {
+LinearContext* create_linear_context(Precision precision, CachingAllocator* allocator) {
+  PIPESHARD_CHECK(allocator != nullptr, "create_linear_context without an allocator");
   auto* c = new LinearContext;
-  c->tf32 = tf32;
-  c->compute = tf32 ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F;
+  c->precision = precision;
+  c->allocator = allocator;
+  c->compute = precision == Precision::kTf32 ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F;
+  if (precision == Precision::kBf16) c->low_type = CUDA_R_16BF;
+  if (precision == Precision::kFp16) c->low_type = CUDA_R_16F;
   PIPESHARD_CUBLAS_CHECK(cublasLtCreate(&c->handle));
   PIPESHARD_CUDA_CHECK(cudaMalloc(&c->workspace, kWorkspaceBytes));
   return c;
@@ -479,6 +577,7 @@ LinearContext* create_linear_context(bool tf32) {
 void destroy_linear_context(LinearContext* context) {
   if (context == nullptr) return;
   context->plans.clear();
+  for (Scratch16& slot : context->copies) context->allocator->deallocate(slot.data);
   cudaFree(context->workspace);  // waits for the GEMMs that still use it
   cublasLtDestroy(context->handle);
   delete context;
@@ -494,10 +593,15 @@ void linear_forward(LinearContext* context, float* y, const float* x, const floa
     return;
   }
   const GemmShape g = forward_shape(s);
+  Operands o{w, x};  // A = W', B = x (the table at the top)
+  if (low_precision(*context)) {
+    o.a16 = rounded_copy(*context, Operand::kW, w, s.in * s.out, stream);
+    o.b16 = rounded_copy(*context, Operand::kX, x, s.rows * s.in, stream);
+  }
   ForwardPlan p = plan_forward(*context, s, y, b, epilogue, pre);
-  if (!gemm(*context, g, w, x, p.gemm_out, s.alpha, 0.0f, p.epilogue, stream)) {
+  if (!product(*context, g, o, p.gemm_out, s.alpha, 0.0f, p.epilogue, stream)) {
     p = unfused_forward(y, b, epilogue, pre, false);
-    plain_gemm(*context, g, w, x, p.gemm_out, s.alpha, 0.0f, stream);
+    plain_product(*context, g, o, p.gemm_out, s.alpha, 0.0f, stream);
   }
   if (p.kernel) {
     bias_activation(y, p.kernel_pre, p.gemm_out, p.kernel_bias, s.beta, s.rows, s.out, epilogue, stream);
@@ -518,23 +622,32 @@ void linear_backward(LinearContext* context, float* dx, float* dw, float* db, co
     if (overwrite_input) zero(dx, s.rows * s.in, stream);
     return;
   }
-  if (dx != nullptr && s.in > 0) {
-    plain_gemm(*context, input_grad_shape(s), w, dy, dx, s.alpha, overwrite_input ? 0.0f : 1.0f, stream);
+  const bool want_dx = dx != nullptr && s.in > 0, want_dw = dw != nullptr && s.in > 0;
+  // bf16/fp16: each operand rounded once, dy shared by both products.
+  const uint16_t *dy16 = nullptr, *w16 = nullptr, *x16 = nullptr;
+  if (low_precision(*context) && (want_dx || want_dw)) {
+    dy16 = rounded_copy(*context, Operand::kDy, dy, s.rows * s.out, stream);
+    if (want_dx) w16 = rounded_copy(*context, Operand::kW, w, s.in * s.out, stream);
+    if (want_dw) x16 = rounded_copy(*context, Operand::kX, x, s.rows * s.in, stream);
+  }
+  if (want_dx) {
+    const Operands o{w, dy, w16, dy16};
+    plain_product(*context, input_grad_shape(s), o, dx, s.alpha, overwrite_input ? 0.0f : 1.0f, stream);
   }
   bool db_done = false;
-  if (dw != nullptr && s.in > 0) {
+  if (want_dw) {
     const bool out_in = s.layout == WeightLayout::kOutIn;
     const GemmShape g = weight_grad_shape(s);
-    const float* a = out_in ? x : dy;
-    const float* b = out_in ? dy : x;
+    const Operands o = out_in ? Operands{x, dy, x16, dy16} : Operands{dy, x, dy16, x16};
     const float param_beta = overwrite_params ? 0.0f : 1.0f;
     // The bias-gradient epilogue writes Σ dy: it cannot add or scale by beta, and whether
-    // alpha scales it is not documented, so it runs only where neither matters.
+    // alpha scales it is not documented, so it runs only where neither matters. In
+    // bf16/fp16 mode it sums the rounded dy that the product reads (in fp32).
     if (db != nullptr && overwrite_params && s.alpha == 1.0f && s.beta == 1.0f && aligned_for_epilogue(db)) {
       const Epilogue e{out_in ? CUBLASLT_EPILOGUE_BGRADB : CUBLASLT_EPILOGUE_BGRADA, db};
-      db_done = gemm(*context, g, a, b, dw, s.alpha, param_beta, e, stream);
+      db_done = product(*context, g, o, dw, s.alpha, param_beta, e, stream);
     }
-    if (!db_done) plain_gemm(*context, g, a, b, dw, s.alpha, param_beta, stream);
+    if (!db_done) plain_product(*context, g, o, dw, s.alpha, param_beta, stream);
   }
   if (db != nullptr && !db_done) column_sum(db, dy, s.rows, s.out, s.beta, overwrite_params, stream);
 }

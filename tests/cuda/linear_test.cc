@@ -2,12 +2,35 @@
 // reference, on the same inputs: both weight layouts, every activation fused with and
 // without `pre`, scaled and unscaled bias, both GradWrite modes (kOverwrite into NaN, which
 // must not leak through), odd and degenerate shapes, and pointers at the alignments the
-// epilogue choices hinge on. fp32 is held to backend_check.h's forward tolerance (1e-5 of
-// the output's scale); TF32 to 1e-2, where any mapping error (a wrong transpose, leading
-// dimension or epilogue) is of order one. Without a usable GPU every test skips, saying why.
+// epilogue choices hinge on; in each precision. fp32 is held to backend_check.h's forward
+// tolerance (1e-5 of the output's scale); TF32 to 1e-2, where any mapping error (a wrong
+// transpose, leading dimension or epilogue) is of order one.
+//
+// bf16 and fp16 are compared twice per case, with per-element bounds (sixteen_bit_bounds):
+// - on operands rounded to the format on the host first (x, W, dy; not the bias or the
+//   gradients added into, which stay fp32 on the device too). Then both sides multiply the
+//   same values — products of two 16-bit values are exact in fp32 — and differ only in
+//   how the fp32 sums round: held to 1e-5·(sqrt(k)·M + |want|) + 2^-23·(k/16 + 2)·S, with
+//   M the largest |term| and S = Σ|terms|. The first part is rounding to nearest in any
+//   order: k additions of random-signed terms move a sum by about sqrt(k) steps of at most
+//   2^-23 of partial sums of size ~sqrt(k)·M, ~k·2^-23·M, which 1e-5·sqrt(k)·M covers up
+//   to k ≈ 7000. The second is for tensor cores, which are reported to truncate rather
+//   than round when they add a block of products (16 for these types) into the fp32
+//   accumulator: a bias of up to one ulp of a partial sum (≤ S) per block, which does not
+//   average out. Either is hundreds of times below the bound for unrounded operands;
+// - on the unrounded operands, against the CPU in fp32: each term x·w of a sum is off by at
+//   most (2u + u²)·|x·w| when both factors are rounded (u = 2^-8 for bf16, 2^-11 for
+//   fp16), so the bound is (2u + u²)·S with S = Σ|terms| computed on the host, plus the
+//   tolerance above.
+// An activation after the product multiplies either bound by its largest slope (1.13,
+// GELU's); cuBLASLt's GELU-tanh epilogue, which these modes use, computes tanh to about
+// 2^-11 relative, so y may be off by a further 0.5·|pre|·2^-11, allowed as 2^-10·|pre|.
+// Without a usable GPU every test skips, saying why.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <cctype>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -18,6 +41,8 @@
 #include <vector>
 
 #include "executor/backend.h"
+#include "executor/cuda/allocator.h"
+#include "executor/cuda/convert_math.cuh"
 #include "executor/cuda/launchers.h"
 #include "tests/backend_check.h"
 
@@ -59,14 +84,44 @@ class DeviceFloats {
   float* base_ = nullptr;
 };
 
+// |got − want| ≤ tol[i] for every element (NaN fails); the first few failures reported.
+void expect_within(const Floats& got, const Floats& want, const check::Doubles& tol, const std::string& what) {
+  ASSERT_EQ(got.size(), want.size()) << what;
+  ASSERT_EQ(tol.size(), want.size()) << what;
+  int failures = 0;
+  for (size_t i = 0; i < want.size(); ++i) {
+    const double err = std::fabs(static_cast<double>(got[i]) - want[i]);
+    if (!(err <= tol[i]) && failures++ < 5) {
+      ADD_FAILURE() << what << "[" << i << "]: got " << got[i] << ", want " << want[i] << " (error " << err
+                    << ", tolerance " << tol[i] << ")";
+    }
+  }
+}
+
+Floats absolute(const Floats& v) {
+  Floats a(v.size());
+  for (size_t i = 0; i < v.size(); ++i) a[i] = std::fabs(v[i]);
+  return a;
+}
+
+float max_abs(const Floats& v) {
+  float m = 0.0f;
+  for (float f : v) m = std::max(m, std::fabs(f));
+  return m;
+}
+
+// The largest slope of any activation the tests use (GELU's, 1.1289; SiLU 1.0998; leaky
+// ReLU here 1): how far an error in the pre-activation can move y.
+constexpr double kActivationSlope = 1.13;
+
 std::string shape_name(const LinearShape& s) {
   return std::string(s.layout == WeightLayout::kOutIn ? "[out,in]" : "[in,out]") + " rows=" + std::to_string(s.rows) +
          " in=" + std::to_string(s.in) + " out=" + std::to_string(s.out) + " alpha=" + std::to_string(s.alpha) +
          " beta=" + std::to_string(s.beta);
 }
 
-// The parameter: TF32 (true) or fp32 GEMMs.
-class CudaLinearTest : public ::testing::TestWithParam<bool> {
+// The parameter: what the GEMMs compute in.
+class CudaLinearTest : public ::testing::TestWithParam<Precision> {
  protected:
   void SetUp() override {
     int count = 0;
@@ -77,7 +132,7 @@ class CudaLinearTest : public ::testing::TestWithParam<bool> {
                    << " devices); the cuBLASLt check runs on a machine with one";
     }
     cuda_ok(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "cudaStreamCreate");
-    context_ = create_linear_context(GetParam());
+    context_ = create_linear_context(GetParam(), &allocator_);
   }
   void TearDown() override {
     if (context_ == nullptr) return;
@@ -86,7 +141,33 @@ class CudaLinearTest : public ::testing::TestWithParam<bool> {
     cudaStreamDestroy(stream_);
   }
 
-  double rtol() const { return GetParam() ? 1e-2 : check::kForwardRtol; }
+  double rtol() const { return GetParam() == Precision::kTf32 ? 1e-2 : check::kForwardRtol; }
+  bool sixteen_bit() const { return GetParam() == Precision::kBf16 || GetParam() == Precision::kFp16; }
+  // The 16-bit format's unit roundoff: a rounded operand is within u of itself, relatively.
+  double unit_roundoff() const { return GetParam() == Precision::kBf16 ? 0x1p-8 : 0x1p-11; }
+  // v rounded to the 16-bit format (to nearest even, as the device rounds), as floats.
+  Floats rounded(const Floats& v) const {
+    Floats r(v.size());
+    for (size_t i = 0; i < v.size(); ++i) {
+      r[i] = GetParam() == Precision::kBf16 ? math::bf16_to_float(math::float_to_bf16_rn(v[i]))
+                                            : math::fp16_to_float(math::float_to_fp16_rn(v[i]));
+    }
+    return r;
+  }
+  // Per-element bounds for 16-bit results (the header comment): want [n] the CPU's values,
+  // sums [n] = Σ|terms| of each, M the largest |term|, k the terms per sum; `exact_operands`
+  // when the operands were rounded on the host.
+  check::Doubles sixteen_bit_bounds(const Floats& want, const Floats& sums, double m, int64_t k,
+                                    bool exact_operands) const {
+    const double u = unit_roundoff();
+    check::Doubles tol(want.size());
+    for (size_t i = 0; i < want.size(); ++i) {
+      tol[i] = 1e-5 * (std::sqrt(static_cast<double>(k)) * m + std::fabs(want[i])) +
+               0x1p-23 * (static_cast<double>(k) / 16 + 2) * sums[i] + 1e-30;
+      if (!exact_operands) tol[i] += (2 * u + u * u) * sums[i];
+    }
+    return tol;
+  }
   Floats random(int64_t n) {
     std::uniform_real_distribution<float> dist(-1.0f, 1.0f);
     Floats v(static_cast<size_t>(n));
@@ -98,10 +179,19 @@ class CudaLinearTest : public ::testing::TestWithParam<bool> {
   }
   void sync() { cuda_ok(cudaStreamSynchronize(stream_), "linear on the GPU"); }
 
-  // y (and pre) from the GPU against the CPU backend.
+  // y (and pre) from the GPU against the CPU backend; in bf16/fp16 twice (the header).
   void check_forward(const LinearShape& s, bool with_bias, const Activation* act, bool want_pre, int64_t offset,
                      const std::string& what) {
     const Floats x = random(s.rows * s.in), w = random(s.in * s.out), b = random(s.out);
+    if (!sixteen_bit()) return compare_forward(s, x, w, b, with_bias, act, want_pre, offset, false, what);
+    compare_forward(s, rounded(x), rounded(w), b, with_bias, act, want_pre, offset, true,
+                    what + " (operands rounded on the host)");
+    compare_forward(s, x, w, b, with_bias, act, want_pre, offset, false, what + " (unrounded operands)");
+  }
+
+  void compare_forward(const LinearShape& s, const Floats& x, const Floats& w, const Floats& b, bool with_bias,
+                       const Activation* act, bool want_pre, int64_t offset, bool exact_operands,
+                       const std::string& what) {
     const Floats before(static_cast<size_t>(s.rows * s.out), 7.0f);  // rows = 0 must leave it
     Floats y = before, pre = before;
     cpu_->linear_forward(y.data(), x.data(), w.data(), with_bias ? b.data() : nullptr, s, act,
@@ -110,12 +200,38 @@ class CudaLinearTest : public ::testing::TestWithParam<bool> {
     linear_forward(context_, gy.data(), gx.data(), gw.data(), with_bias ? gb.data() : nullptr, s, act,
                    want_pre ? gpre.data() : nullptr, stream_);
     sync();
-    expect_near(gy.host(), y, what + " y");
-    expect_near(gpre.host(), pre, what + " pre");
+    if (!sixteen_bit()) {
+      expect_near(gy.host(), y, what + " y");
+      expect_near(gpre.host(), pre, what + " pre");
+      return;
+    }
+    // Bounds from the pre-activation: v = alpha·x·W' + beta·b, its Σ|terms| and largest term.
+    Floats v = before, sums = before;
+    const LinearShape abs_shape{s.rows, s.in, s.out, s.layout, std::fabs(s.alpha), std::fabs(s.beta)};
+    cpu_->linear_forward(v.data(), x.data(), w.data(), with_bias ? b.data() : nullptr, s);
+    cpu_->linear_forward(sums.data(), absolute(x).data(), absolute(w).data(),
+                         with_bias ? absolute(b).data() : nullptr, abs_shape);
+    const double m = std::max(double{abs_shape.alpha} * max_abs(x) * max_abs(w),
+                              with_bias ? double{abs_shape.beta} * max_abs(b) : 0.0);
+    const check::Doubles pre_tol = sixteen_bit_bounds(v, sums, m, s.in + 1, exact_operands);
+    check::Doubles y_tol = pre_tol;
+    if (act != nullptr && s.rows > 0) {
+      const bool gelu_epilogue = act->kind == ActivationKind::kGeluTanh;
+      for (size_t i = 0; i < y_tol.size(); ++i) {
+        y_tol[i] = kActivationSlope * pre_tol[i] + 1e-5 * std::fabs(y[i]) +
+                   (gelu_epilogue ? 0x1p-10 * std::fabs(v[i]) : 0.0);
+      }
+    }
+    expect_within(gy.host(), y, y_tol, what + " y");
+    if (want_pre && act != nullptr) {
+      expect_within(gpre.host(), pre, pre_tol, what + " pre");
+    } else {
+      expect_within(gpre.host(), pre, check::Doubles(pre.size(), 0.0), what + " pre (untouched)");
+    }
   }
 
   // dx, dw, db from the GPU against the CPU backend; kAdd adds into random gradients,
-  // kOverwrite overwrites NaN.
+  // kOverwrite overwrites NaN. In bf16/fp16 twice (the header).
   void check_backward(const LinearShape& s, bool want_dx, bool want_dw, bool want_db, GradWrite params,
                       GradWrite input, int64_t offset, const std::string& what) {
     const Floats x = random(s.rows * s.in), w = random(s.in * s.out), dy = random(s.rows * s.out);
@@ -123,22 +239,67 @@ class CudaLinearTest : public ::testing::TestWithParam<bool> {
     auto start = [&](int64_t n, GradWrite mode) {
       return mode == GradWrite::kAdd ? random(n) : Floats(static_cast<size_t>(n), nan);
     };
-    Floats dx = start(s.rows * s.in, input), dw = start(s.in * s.out, params), db = start(s.out, params);
-    DeviceFloats gx(x, offset), gw(w, offset), gdy(dy, offset), gdx(dx, offset), gdw(dw, offset), gdb(db, offset);
-    cpu_->linear_backward(want_dx ? dx.data() : nullptr, want_dw ? dw.data() : nullptr, want_db ? db.data() : nullptr,
-                          dy.data(), x.data(), w.data(), s, params, input);
-    linear_backward(context_, want_dx ? gdx.data() : nullptr, want_dw ? gdw.data() : nullptr,
-                    want_db ? gdb.data() : nullptr, gdy.data(), gx.data(), gw.data(), s, params, input, stream_);
+    const Grads initial{start(s.rows * s.in, input), start(s.in * s.out, params), start(s.out, params)};
+    const Wanted wanted{want_dx, want_dw, want_db, params, input};
+    if (!sixteen_bit()) return compare_backward(s, x, w, dy, initial, wanted, offset, false, what);
+    compare_backward(s, rounded(x), rounded(w), rounded(dy), initial, wanted, offset, true,
+                     what + " (operands rounded on the host)");
+    compare_backward(s, x, w, dy, initial, wanted, offset, false, what + " (unrounded operands)");
+  }
+
+  struct Grads {
+    Floats dx, dw, db;
+  };
+  struct Wanted {
+    bool dx, dw, db;
+    GradWrite params, input;
+  };
+
+  void compare_backward(const LinearShape& s, const Floats& x, const Floats& w, const Floats& dy,
+                        const Grads& initial, const Wanted& want, int64_t offset, bool exact_operands,
+                        const std::string& what) {
+    Grads cpu = initial;
+    DeviceFloats gx(x, offset), gw(w, offset), gdy(dy, offset), gdx(initial.dx, offset), gdw(initial.dw, offset),
+        gdb(initial.db, offset);
+    cpu_->linear_backward(want.dx ? cpu.dx.data() : nullptr, want.dw ? cpu.dw.data() : nullptr,
+                          want.db ? cpu.db.data() : nullptr, dy.data(), x.data(), w.data(), s, want.params,
+                          want.input);
+    linear_backward(context_, want.dx ? gdx.data() : nullptr, want.dw ? gdw.data() : nullptr,
+                    want.db ? gdb.data() : nullptr, gdy.data(), gx.data(), gw.data(), s, want.params, want.input,
+                    stream_);
     sync();
-    if (want_dx) expect_near(gdx.host(), dx, what + " dx");
-    if (want_dw) expect_near(gdw.host(), dw, what + " dw");
-    if (want_db) expect_near(gdb.host(), db, what + " db");
-    expect_near(gdy.host(), dy, what + " dy is not modified");
+    if (!sixteen_bit()) {
+      if (want.dx) expect_near(gdx.host(), cpu.dx, what + " dx");
+      if (want.dw) expect_near(gdw.host(), cpu.dw, what + " dw");
+      if (want.db) expect_near(gdb.host(), cpu.db, what + " db");
+      expect_near(gdy.host(), dy, what + " dy is not modified");
+      return;
+    }
+    // Σ|terms| of each gradient: the same products on absolute values, overwritten.
+    Grads sums{Floats(cpu.dx.size()), Floats(cpu.dw.size()), Floats(cpu.db.size())};
+    const LinearShape abs_shape{s.rows, s.in, s.out, s.layout, std::fabs(s.alpha), std::fabs(s.beta)};
+    cpu_->linear_backward(sums.dx.data(), sums.dw.data(), sums.db.data(), absolute(dy).data(), absolute(x).data(),
+                          absolute(w).data(), abs_shape, GradWrite::kOverwrite, GradWrite::kOverwrite);
+    const double a = abs_shape.alpha, dy_max = max_abs(dy);
+    if (want.dx) {
+      expect_within(gdx.host(), cpu.dx,
+                    sixteen_bit_bounds(cpu.dx, sums.dx, a * dy_max * max_abs(w), s.out, exact_operands), what + " dx");
+    }
+    if (want.dw) {
+      expect_within(gdw.host(), cpu.dw,
+                    sixteen_bit_bounds(cpu.dw, sums.dw, a * dy_max * max_abs(x), s.rows, exact_operands), what + " dw");
+    }
+    if (want.db) {  // from the rounded dy where the BGRAD epilogue sums it: one rounded factor, within the bound
+      expect_within(gdb.host(), cpu.db,
+                    sixteen_bit_bounds(cpu.db, sums.db, abs_shape.beta * dy_max, s.rows, exact_operands), what + " db");
+    }
+    expect_within(gdy.host(), dy, check::Doubles(dy.size(), 0.0), what + " dy is not modified");
   }
 
   std::unique_ptr<Backend> cpu_ = make_cpu_backend();
   std::mt19937 rng_{20240611};
   cudaStream_t stream_ = nullptr;
+  CachingAllocator allocator_;  // the 16-bit scratch's; outlives context_ (TearDown)
   LinearContext* context_ = nullptr;
 };
 
@@ -243,8 +404,37 @@ TEST_P(CudaLinearTest, LargerLayers) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Cuda, CudaLinearTest, ::testing::Values(false, true),
-                         [](const ::testing::TestParamInfo<bool>& info) { return info.param ? "Tf32" : "Fp32"; });
+// Sizes that are not multiples of 8 (16-bit tensor-core kernels want them), a single row,
+// a single feature, and k up to 1001, through the 16-bit copies' grow-only scratch: each
+// shape smaller or larger than the one before. Offset 1 gives 4-byte aligned fp32 operands
+// (the conversion's one-element path), offset 4 16-byte aligned ones with a tail.
+TEST_P(CudaLinearTest, AwkwardSizes) {
+  const Activation gelu_tanh{ActivationKind::kGeluTanh}, relu{ActivationKind::kRelu};
+  const LinearShape shapes[] = {{1, 1, 1}, {1, 13, 7}, {3, 257, 9}, {17, 31, 1}, {29, 1001, 35}, {63, 67, 129},
+                                {5, 3, 11}};
+  for (WeightLayout layout : {WeightLayout::kOutIn, WeightLayout::kInOut}) {
+    for (LinearShape s : shapes) {
+      s.layout = layout;
+      for (int64_t offset : {0, 1, 4}) {
+        const std::string what = shape_name(s) + " offset " + std::to_string(offset);
+        check_forward(s, true, nullptr, false, offset, what + " bias");
+        check_forward(s, true, &gelu_tanh, true, offset, what + " gelu-tanh with pre");
+        check_forward(s, false, &relu, false, offset, what + " relu");
+        check_backward(s, true, true, true, GradWrite::kOverwrite, GradWrite::kOverwrite, offset, what + " overwrite");
+        check_backward(s, true, true, true, GradWrite::kAdd, GradWrite::kAdd, offset, what + " add");
+        if (HasFailure()) return;
+      }
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Cuda, CudaLinearTest,
+                         ::testing::Values(Precision::kFp32, Precision::kTf32, Precision::kBf16, Precision::kFp16),
+                         [](const ::testing::TestParamInfo<Precision>& info) {
+                           std::string name = precision_name(info.param);
+                           name[0] = static_cast<char>(std::toupper(static_cast<unsigned char>(name[0])));
+                           return name;
+                         });
 
 }  // namespace
 }  // namespace pipeshard::cuda
