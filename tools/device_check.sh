@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # tools/device_check.sh: pipeshard's GPU check in one command. On a machine with an NVIDIA GPU it
-# gets the build ready, runs the GPU tests (ctest label "gpu") and the GPU benchmarks against
-# PyTorch on the same GPU (bench/gpu_vs_pytorch.py), and writes the results to $OUT. It never
+# gets the build ready, runs the GPU tests (ctest label "gpu"), every parallel layout with its
+# processes sharing the GPU (tools/device_multirank.sh, under a carried Open MPI) and the GPU
+# benchmarks against PyTorch on the same GPU (bench/gpu_vs_pytorch.py), and writes the results
+# to $OUT. It never
 # hangs (every step has a timeout, the whole run a budget of DEVICE_CHECK_BUDGET_S = 320 s, so
 # that one 15-minute lease runs it twice) and prints its progress.
 #
@@ -12,8 +14,9 @@
 #          bash tools/device_check.sh --prepare
 #      It builds build-device/ (Release, CUDA architecture 90, only train, partition,
 #      bench_gemm_cuda and the GPU test executables), copies the non-CUDA shared libraries they
-#      load (libonnx, protobuf, OpenBLAS with libgfortran, Open MPI, fmt, ...) into it, and packs
-#      binaries + libraries into build-device/carry/device_bundle.tar.xz, printing the sizes
+#      load (libonnx, protobuf, OpenBLAS with libgfortran, Open MPI, fmt, ...) into it, adds Open
+#      MPI's launcher and runtime (tools/openmpi_bundle.sh: the GPU machine has no mpirun), and packs
+#      it all into build-device/carry/device_bundle.tar.xz, printing the sizes
 #      against the 64 MiB the tool carries. Measured 2026-11-29: binaries 3.0 MiB and libraries
 #      47.5 MiB raw (OpenBLAS 34.9 of it), 8.4 MiB packed; with the 7.3 MiB tree, 15.7 MiB. The
 #      libraries need glibc >= 2.36 there (Debian 12's libevent_core; Ubuntu 24.04 has 2.39); an
@@ -125,7 +128,8 @@ find_pythons() {
 gpu_test_targets() {
   { cmake --build "$BUILD" --target help 2>/dev/null | grep -oE '\bcuda_[A-Za-z0-9_]*_test\b'
     tr '\n' ' ' <tests/CMakeLists.txt | grep -oE 'gtest_discover_tests\( *[A-Za-z0-9_]+[^)]*LABELS +gpu' |
-      sed -E 's/gtest_discover_tests\( *([A-Za-z0-9_]+).*/\1/'
+      sed -E 's/gtest_discover_tests\( *([A-Za-z0-9_]+).*/\1/' |
+      grep -v '_$'  # a name built from a variable (cuda_${name}): the target list above has it
   } | sort -u
 }
 
@@ -248,6 +252,10 @@ prepare() {
     exit 2
   fi
   collect_libraries
+  # Open MPI's launcher and runtime, relocatable: the GPU machine has no mpirun, and several
+  # processes on its GPU need one (tools/device_multirank.sh).
+  say "packing Open MPI (tools/openmpi_bundle.sh)"
+  bash tools/openmpi_bundle.sh "$BUILD/openmpi" || { echo "device_check --prepare: the Open MPI bundle failed" >&2; exit 2; }
   "${PY_ANY:-python3}" - "$MANIFEST" <<'EOF'
 import json, sys
 m = json.load(open(sys.argv[1]))
@@ -261,7 +269,7 @@ EOF
   mkdir -p "$BUNDLE_DIR"
   rm -f "$BUNDLE"
   say "packing $BUNDLE (xz)"
-  tar -C "$BUILD" -cJf "$BUNDLE" bin devlib devlib-compat device_manifest.json || { echo "device_check: tar failed" >&2; exit 2; }
+  tar -C "$BUILD" -cJf "$BUNDLE" bin devlib devlib-compat openmpi device_manifest.json || { echo "device_check: tar failed" >&2; exit 2; }
   local tree_bytes bundle_bytes
   tree_bytes=$( { git ls-files -z; git ls-files -z --others --exclude-standard; } | xargs -0 stat -c %s 2>/dev/null | awk '{s+=$1} END {print s+0}')
   bundle_bytes=$(stat -c %s "$BUNDLE")
@@ -289,7 +297,7 @@ if [ -z "${OUT:-}" ]; then
 fi
 mkdir -p "$OUT" || exit 2
 WORK=$(mktemp -d "${TMPDIR:-/tmp}/device_check.XXXXXX")
-mkdir -p "$WORK/tests" "$WORK/bench"
+mkdir -p "$WORK/tests" "$WORK/bench" "$WORK/multirank"
 LOG=$WORK/device_check.log
 : >"$LOG"
 BLOG=$WORK/build.log TLOG=$WORK/tests.log ENVF=$WORK/env.txt
@@ -422,6 +430,11 @@ for exe in json.loads(state.get("TEST_EXES", "[]") or "[]"):
             else:
                 tests["passed"].append(entry)
 bench, bench_md = {}, ""
+multirank_md = ""
+try:
+    multirank_md = open(os.path.join(work, "multirank", "results.md")).read()
+except OSError:
+    pass
 try:
     bench = json.load(open(os.path.join(work, "bench", "bench.json")))
     bench_md = open(os.path.join(work, "bench", "bench.md")).read()
@@ -483,6 +496,13 @@ if tests["skipped"]:
     L.append(f"- skipped: {', '.join(t['name'] for t in tests['skipped'])}"
              + (f" — {'; '.join(r for r in reasons if r)[:400]}" if any(reasons) else ""))
 L.append("")
+L.append("## Several processes on the GPU")
+L.append("")
+if state.get("MULTIRANK_NOTE"):
+    L.append(state["MULTIRANK_NOTE"])
+    L.append("")
+L.append(multirank_md or "(not run)")
+L.append("")
 L.append("## Benchmarks")
 L.append("")
 if state.get("BENCH_NOTE"):
@@ -512,7 +532,7 @@ BUILD_NOTE=
 BUILD_WHY=
 if [ "$FORCE_BUILD_THERE" = 0 ] && [ -f "$BUNDLE" ]; then
   say "unpacking the carried bundle $BUNDLE ($(du -h "$BUNDLE" | cut -f1))"
-  rm -rf "$BUILD/bin" "$BUILD/devlib" "$BUILD/devlib-compat"
+  rm -rf "$BUILD/bin" "$BUILD/devlib" "$BUILD/devlib-compat" "$BUILD/openmpi"
   if command -v xz >/dev/null && run_logged 60 "$BLOG" tar -C "$BUILD" -xJf "$BUNDLE"; then
     :
   elif [ -n "$PY_ANY" ] && run_logged 60 "$BLOG" "$PY_ANY" -c 'import sys, tarfile; tarfile.open(sys.argv[1]).extractall(sys.argv[2])' "$BUNDLE" "$BUILD"; then
@@ -647,6 +667,42 @@ fact TEST_EXES "$(printf '%s\n' "${TEST_EXES[@]}" | "${PY_ANY:-python3}" -c 'imp
 phase_done tests
 write_report 0
 
+# ---- 3b. several processes on the GPU ---------------------------------------------------------
+# tools/device_multirank.sh under the carried Open MPI (or this machine's mpirun): every layout
+# with its processes sharing the GPU, each checked against one CPU process. Before the
+# benchmarks, with at most 75 s, so that the benchmarks keep their share of the budget. Without a
+# GPU it runs on the CPU backend instead, which checks the plumbing (the bundle's mpirun).
+MULTIRANK_FAILED=0
+if [ "$BUILD_READY" = 1 ]; then
+  mpi_env=
+  if [ -f "$BUILD/openmpi/openmpi-env.sh" ]; then mpi_env=$ROOT/$BUILD/openmpi/openmpi-env.sh; fi
+  t=$(step_timeout 75 200)
+  if [ -z "$mpi_env" ] && ! command -v mpirun >/dev/null; then
+    fact MULTIRANK_NOTE "Not run: no mpirun here and no Open MPI bundle was carried ($BUILD/openmpi)."
+  elif (( t < 25 )); then
+    fact MULTIRANK_NOTE "Not run: out of time."
+  else
+    device=cuda
+    if [ "$GPU_OK" = 1 ]; then
+      fact MULTIRANK_NOTE "train --device cuda under mpirun (${mpi_env:+the carried Open MPI, }$(if [ -n "$mpi_env" ]; then echo "$BUILD/openmpi"; else command -v mpirun; fi)), all processes on this machine's $(grep '^GPU_COUNT=' "$STATE" | cut -d= -f2) GPU(s), exchanging through host memory (staged); each layout against one process on the CPU with --check-equivalence 4 (bound 1e-5); the one-process row is the GPU's own difference from the CPU."
+    else
+      device=cpu
+      fact MULTIRANK_NOTE "No usable GPU: the same layouts on the CPU backend, staged, as a plumbing check of the carried mpirun (not a GPU result)."
+    fi
+    say "several processes: tools/device_multirank.sh on $device (timeout ${t}s)"
+    (
+      [ -n "$mpi_env" ] && . "$mpi_env"
+      export DEVICE_MULTIRANK_DEVICE=$device
+      run_logged $(( t + 10 )) "$WORK/multirank/runner.log" \
+        bash tools/device_multirank.sh "$ROOT/$BUILD/bin" "$WORK/multirank/results.md" "$t" "$OURS_LD"
+    )
+    rc=$?
+    (( rc != 0 )) && { MULTIRANK_FAILED=1; say "several processes: exit status $rc (see multirank logs in logs.tar.gz)"; }
+  fi
+fi
+phase_done multirank
+write_report 0
+
 # ---- 4. benchmarks ----------------------------------------------------------------------------
 BENCH_WRONG=0 BENCH_FAILED=0 BENCH_CHECKED=0
 if [ -z "$PY_TORCH" ] && [ -z "$PY_ANY" ]; then
@@ -681,13 +737,13 @@ phase_done bench
 
 # ---- 5. results -------------------------------------------------------------------------------
 FAILED=0
-if (( TESTS_FAILED || BENCH_WRONG || BENCH_FAILED )); then
+if (( TESTS_FAILED || BENCH_WRONG || BENCH_FAILED || MULTIRANK_FAILED )); then
   FAILED=1
-  VERDICT="FAILED:$( ((TESTS_FAILED)) && echo ' GPU tests failed;')$( ((BENCH_WRONG)) && echo ' a benchmark correctness check said WRONG;')$( ((BENCH_FAILED)) && echo " $BENCH_FAILED benchmark runs failed (see bench.log);")"
+  VERDICT="FAILED:$( ((TESTS_FAILED)) && echo ' GPU tests failed;')$( ((MULTIRANK_FAILED)) && echo ' a several-process layout failed or was not equivalent;')$( ((BENCH_WRONG)) && echo ' a benchmark correctness check said WRONG;')$( ((BENCH_FAILED)) && echo " $BENCH_FAILED benchmark runs failed (see bench.log);")"
   VERDICT=${VERDICT%;}
   [ "$GPU_OK" = 0 ] && VERDICT="dry run (no usable GPU: $GPU_WHY), plumbing $VERDICT"
 elif [ "$GPU_OK" = 1 ] && [ "$BUILD_READY" = 1 ]; then
-  VERDICT="ok: GPU tests passed (or skipped), every benchmark ran, correctness checks ok"
+  VERDICT="ok: GPU tests passed (or skipped), the several-process layouts were equivalent, every benchmark ran, correctness checks ok"
 elif [ "$GPU_OK" = 0 ] && (( BENCH_CHECKED > 0 )); then
   VERDICT="dry run: no usable GPU ($GPU_WHY); GPU parts skipped; plumbing ok (bundle unpacked, binaries load, GPU tests run where built, the CPU smoke's losses agree with PyTorch)"
 elif [ "$GPU_OK" = 0 ]; then
@@ -706,7 +762,7 @@ cp "$ENVF" "$OUT/env.txt"
 cp "$BLOG" "$OUT/build.log"
 cp "$TLOG" "$OUT/tests.log"
 cp "$WORK/bench.log" "$OUT/bench.log" 2>/dev/null || : >"$OUT/bench.log"
-tar -C "$WORK" -czf "$OUT/logs.tar.gz" tests bench state.env 2>/dev/null
+tar -C "$WORK" -czf "$OUT/logs.tar.gz" tests bench multirank state.env 2>/dev/null
 rm -rf "$WORK"
 echo
 cat "$OUT/device_check.md"
