@@ -2,7 +2,8 @@
 // 540 MB, and linking it costs every process 0.17 s and 200 MB of memory at start-up)
 // live in a plugin, libpipeshard_cuda_plugin.so beside the executable, that is opened only
 // when something asks for a GPU. A build without the CUDA toolkit has no plugin, and
-// these functions say so.
+// these functions say so. The NCCL communicator is a second plugin,
+// libpipeshard_nccl_plugin.so (libnccl is 200 MB more), opened only for NCCL groups.
 #ifndef PIPESHARD_EXECUTOR_GPU_H_
 #define PIPESHARD_EXECUTOR_GPU_H_
 
@@ -12,6 +13,7 @@
 
 #include "common/status.h"
 #include "executor/backend.h"
+#include "executor/comm.h"
 
 namespace pipeshard {
 
@@ -24,6 +26,20 @@ Result<std::unique_ptr<Backend>> make_gpu_backend(int device, Precision precisio
 
 // Free and total memory of GPU `device`, in bytes; false when it cannot be asked.
 bool gpu_memory(int device, int64_t* free_bytes, int64_t* total_bytes);
+
+// Whether NCCL communicators can be made in this process: false, with the reason in `why`,
+// when this build has no NCCL plugin or it cannot be loaded. Loads the plugin (and
+// libnccl) on first use; local, not collective.
+bool gpu_nccl_available(std::string* why);
+
+// An NCCL communicator over the ranks of `mpi_group` on GPU `device` (make_nccl_communicator,
+// executor/comm_nccl.h), whose operations start after the work queued so far on `backend`
+// (a CUDA backend from make_gpu_backend: its stream; another backend: the whole device is
+// synchronised before each operation). Collective over `mpi_group`: every rank of it must
+// call it, so check gpu_nccl_available on every rank and agree first; an NCCL or CUDA
+// failure inside aborts the job. `mpi_group` and `backend` must outlive the communicator
+// and the groups split from it; it must be destroyed before them.
+std::unique_ptr<Communicator> make_gpu_nccl_communicator(Communicator& mpi_group, int device, Backend& backend);
 
 }  // namespace pipeshard
 

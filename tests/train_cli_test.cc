@@ -118,6 +118,8 @@ INSTANTIATE_TEST_SUITE_P(
         BadRun{"MseWithIntLabels", kModel + kData + kLabels + " --loss mse", "float32"},
         BadRun{"ResumeWithoutCheckpoint", kModel + kData + kLabels + " --resume /nonexistent", "no checkpoint"},
         BadRun{"PipelineWithoutMpirun", kModel + kData + kLabels + " --stages 2", "mpirun"},
+        BadRun{"NcclOnTheCpu", kModel + kData + kLabels + " --gpu-comm nccl",
+               "--gpu-comm nccl needs --device cuda: the CPU backend's tensors travel over MPI"},
         // Files written at the end of a run are checked before it starts.
         BadRun{"TraceIntoMissingFolder", kModel + kData + kLabels + " --trace /nonexistent/trace.json",
                "--trace '/nonexistent/trace.json': no folder"},
@@ -152,6 +154,7 @@ TEST(TrainCli, HelpExitsZero) {
   auto r = run_command(quote(tool_path("train")) + " --help");
   EXPECT_EQ(r.exit_code, 0);
   EXPECT_NE(r.out.find("--grad-accum"), std::string::npos);
+  EXPECT_NE(r.out.find("--gpu-comm"), std::string::npos);
 }
 
 }  // namespace

@@ -49,6 +49,7 @@ struct Args {
   std::string model, data, labels, eval_data, eval_labels, metrics, save, checkpoint, resume, trace;
   std::string loss = "cross-entropy", optimizer = "sgd", schedule = "constant", betas, device = "cpu";
   std::string pipeline_schedule = "1f1b", balance = "params", on_nonfinite = "stop", precision = "fp32";
+  std::string gpu_comm = "staged";  // --gpu-comm staged|nccl
   std::string tensorboard;  // --tensorboard DIR
   std::string loss_scale;   // --loss-scale: "" (by precision), none, dynamic or a power of two
   int micro_batches = 1;
@@ -103,6 +104,11 @@ void define(CLI::App& app, Args& a) {
                  "(GEMMs on 16-bit copies of their operands, fp32 accumulation; weights, optimizer state and every "
                  "other operation stay fp32)")
       ->check(CLI::IsMember({"fp32", "tf32", "bf16", "fp16"}));
+  app.add_option("--gpu-comm", a.gpu_comm,
+                 "with --device cuda under mpirun, how GPU processes exchange tensors: staged (default: through host "
+                 "memory over MPI, any number of processes per GPU) or nccl (data- and tensor-parallel groups over "
+                 "NCCL, one GPU per process; pipeline stages stay staged; not yet verified on a multi-GPU machine)")
+      ->check(CLI::IsMember({"staged", "nccl"}));
   app.add_option("--check-equivalence", a.check_equivalence,
                  "train K steps in this layout and in one process on the same data, print the largest "
                  "loss and weight difference, and stop");
@@ -253,18 +259,30 @@ int check_equivalence(const Graph& graph, const Dataset& data, const TrainConfig
   return same ? 0 : 1;
 }
 
-// What the set-up makes for the training loop.
+// How the tensors in the backend's memory travel between processes.
+enum class DeviceComm {
+  kHost,    // over `groups`: one process, or the CPU backend's host memory
+  kStaged,  // through host memory over MPI (executor/comm_staged.h)
+  kNccl,    // data and tensor groups over NCCL, the pipeline group staged (--gpu-comm nccl)
+};
+
+// What the set-up makes for the training loop. Members are destroyed in the reverse order
+// of their declaration, and that order matters: the trainer first (its requests in flight
+// and buffers use the device groups and the backend), then the device groups (an NCCL
+// communicator waits for its operations on the GPU, orders them after the backend's stream
+// and reports failures through its MPI group), then the backend (its stream and memory),
+// and the MPI groups last (`world`, in main, outlives them all).
 struct Run {
   ProcessLayout layout;
   ProcessGroups groups;
-  // The groups over the backend's memory when it is not host memory (Parallel::device_groups).
-  ProcessGroups device_groups;
-  bool staged = false;
   TrainConfig config;
   std::optional<ImportedModel> model;
   std::optional<Dataset> data, eval;
   int64_t steps_per_epoch = 1;
   std::unique_ptr<Backend> backend;
+  // The groups over the backend's memory when it is not host memory (Parallel::device_groups).
+  DeviceComm device_comm = DeviceComm::kHost;
+  ProcessGroups device_groups;
   std::unique_ptr<Trainer> trainer;
   std::ofstream metrics;
   std::unique_ptr<TrainingBoard> board;
@@ -303,6 +321,9 @@ Status check_device(const Args& a) {
   if (a.device == "cpu") {
     if (a.precision != "fp32") {
       return Status::error("--precision " + a.precision + " needs --device cuda: the CPU backend computes in fp32");
+    }
+    if (a.gpu_comm != "staged") {
+      return Status::error("--gpu-comm " + a.gpu_comm + " needs --device cuda: the CPU backend's tensors travel over MPI");
     }
     return Status::ok();
   }
@@ -359,6 +380,39 @@ Status set_up(const Args& a, Communicator& world, Run& run) {
   return Status::ok();
 }
 
+// The ranks of `world` on this machine (those that share its host name), in world order.
+// Collective over `world`.
+std::unique_ptr<Communicator> split_by_machine(Communicator& world) {
+  char host[256] = {};
+  ::gethostname(host, sizeof host - 1);
+  const uint64_t color = std::hash<std::string>{}(host) & 0x3fffffff;
+  return world.split(static_cast<int>(color), world.rank());
+}
+
+// --gpu-comm nccl: NCCL refuses two ranks of one communicator on one GPU, so every process
+// needs a GPU of its own, and the NCCL plugin must load. Collective over `world`, and the
+// verdict is the same on every rank (sums over the world): NCCL's set-up waits for every
+// rank of a group, so if one rank went on without the others it would hang.
+Status check_gpu_comm(const Args& a, Communicator& world) {
+  if (a.gpu_comm != "nccl" || world.size() == 1) return Status::ok();
+  std::unique_ptr<Communicator> machine = split_by_machine(world);
+  const int gpus = usable_gpus(nullptr);
+  const bool leader = machine->rank() == 0;  // counts its machine once
+  const bool crowded = machine->size() > gpus;
+  const double crowded_machines = world.all_reduce_sum(leader && crowded ? 1.0 : 0.0);
+  const double crowded_processes = world.all_reduce_sum(leader && crowded ? machine->size() : 0.0);
+  const double crowded_gpus = world.all_reduce_sum(leader && crowded ? gpus : 0.0);
+  std::string why;
+  if (!gpu_nccl_available(&why)) return Status::error("--gpu-comm nccl: " + why);
+  if (crowded_machines == 0) return Status::ok();
+  const int machines = static_cast<int>(crowded_machines), gpu_count = static_cast<int>(crowded_gpus);
+  return Status::error(fmt::format(
+      "--gpu-comm nccl needs a GPU for each process (NCCL refuses two ranks on one GPU), but {} machine{} run{} {} "
+      "processes on {} GPU{}: use --gpu-comm staged (the default), which lets processes share a GPU",
+      machines, machines == 1 ? "" : "s", machines == 1 ? "s" : "", static_cast<int>(crowded_processes), gpu_count,
+      gpu_count == 1 ? "" : "s"));
+}
+
 // Before anything big is allocated: the ranks on this machine together must fit in the
 // memory it has left (its MemAvailable, or its cgroup's limit less usage when lower), by
 // the partitioner's estimate of each rank's parameters, gradients, optimizer state and
@@ -367,10 +421,7 @@ Status set_up(const Args& a, Communicator& world, Run& run) {
 Status check_memory(const Args& a, Communicator& world, const Run& run) {
   const std::vector<int64_t> per_stage = Trainer::memory_per_stage(run.model->graph, run.config, run.layout);
   const int64_t mine = per_stage.empty() ? 0 : per_stage[run.layout.stage];
-  char host[256] = {};
-  ::gethostname(host, sizeof host - 1);
-  const uint64_t color = std::hash<std::string>{}(host) & 0x3fffffff;
-  std::unique_ptr<Communicator> machine = world.split(static_cast<int>(color), world.rank());
+  std::unique_ptr<Communicator> machine = split_by_machine(world);
   if (a.device == "cuda") {  // the processes that share this one's GPU add up their needs
     const int gpu = local_rank() % std::max(1, usable_gpus(nullptr));
     std::unique_ptr<Communicator> sharing = machine->split(gpu, machine->rank());
@@ -404,24 +455,68 @@ Status check_memory(const Args& a, Communicator& world, const Run& run) {
       bytes_text(memory.available)));
 }
 
-// The trainer, which allocates the parameters, gradients, optimizer state and
-// activations; then --resume, and the files the run writes as it goes.
-Status create_trainer(const Args& a, Communicator& world, Run& run) {
+// The GPU this process computes on: by design.md, its rank on the machine.
+int my_gpu() { return local_rank() % std::max(1, usable_gpus(nullptr)); }
+
+Status create_backend(const Args& a, Run& run) {
   if (a.device == "cuda") {
-    Result<std::unique_ptr<Backend>> gpu = make_gpu_backend(local_rank() % std::max(1, usable_gpus(nullptr)), precision_of(a));
+    Result<std::unique_ptr<Backend>> gpu = make_gpu_backend(my_gpu(), precision_of(a));
     if (!gpu) return gpu.status();
     run.backend = std::move(*gpu);
   } else {
     run.backend = make_cpu_backend();
   }
+  return Status::ok();
+}
+
+// The groups over the backend's memory (Parallel::device_groups). Collective over `world`
+// with --gpu-comm nccl, where every rank must get here (after check_gpu_comm and
+// create_backend succeeded everywhere); NCCL failures inside end the job.
+void make_device_groups(const Args& a, Communicator& world, Run& run) {
   // Several GPU processes exchange their buffers through host memory over MPI (staged
   // groups, executor/comm_staged.h): any number of processes per GPU, MPI's ordering,
   // results bitwise those of the CPU layout's arithmetic. PIPESHARD_STAGE_COMM=1 stages
   // a CPU run the same way, so the tests check the staging without a GPU.
   const char* stage_env = std::getenv("PIPESHARD_STAGE_COMM");
-  run.staged = world.size() > 1 && (a.device == "cuda" || (stage_env != nullptr && std::string(stage_env) == "1"));
-  if (run.staged) run.device_groups = make_staged_groups(run.groups, *run.backend);
-  const Parallel parallel{&world, &run.groups, &*run.model, run.staged ? &run.device_groups : nullptr};
+  if (world.size() == 1 || !(a.device == "cuda" || (stage_env != nullptr && std::string(stage_env) == "1"))) return;
+  run.device_comm = a.gpu_comm == "nccl" ? DeviceComm::kNccl : DeviceComm::kStaged;
+  run.device_groups = make_staged_groups(run.groups, *run.backend);
+  if (run.device_comm != DeviceComm::kNccl) return;
+  // --gpu-comm nccl: gradient all-reduces (data) and the tensor-parallel all-reduces and
+  // gathers over NCCL, in the GPU's memory, after the backend's queued work (its stream).
+  // Every rank makes the data group, then the tensor group; groups of one stay staged (the
+  // trainer does not use them).
+  //
+  // The pipeline group stays staged. NCCL runs one communicator's operations one after
+  // another on the GPU, in the order they were issued (executor/comm_nccl.h). The 1F1B
+  // schedules post a send_async of activations and then block on receiving gradients,
+  // while the neighbouring stage does the mirror image: over NCCL each send would sit
+  // behind its rank's receive, and once a message exceeds NCCL's buffers both ranks wait
+  // forever. MPI moves both sends along; NCCL would need the exchange issued in matching
+  // order, or one communicator per direction.
+  if (run.groups.data->size() > 1) {
+    run.device_groups.data = make_gpu_nccl_communicator(*run.groups.data, my_gpu(), *run.backend);
+  }
+  if (run.groups.tensor->size() > 1) {
+    run.device_groups.tensor = make_gpu_nccl_communicator(*run.groups.tensor, my_gpu(), *run.backend);
+  }
+}
+
+// A rank that leaves with an error (or a signal, or a failed equivalence check) does not
+// shut its NCCL communicators down in order: ncclCommDestroy waits for the other ranks of
+// the machine, which may still be training or waiting on this one. The process's exit frees
+// the GPU's resources, and mpirun ends the job, as for MPI (comm.h: no MPI_Finalize then).
+void abandon_nccl(Run& run) {
+  if (run.device_comm != DeviceComm::kNccl) return;
+  (void)run.device_groups.data.release();
+  (void)run.device_groups.tensor.release();
+}
+
+// The trainer, which allocates the parameters, gradients, optimizer state and
+// activations; then --resume, and the files the run writes as it goes.
+Status create_trainer(const Args& a, Communicator& world, Run& run) {
+  const Parallel parallel{&world, &run.groups, &*run.model,
+                          run.device_comm != DeviceComm::kHost ? &run.device_groups : nullptr};
   Result<std::unique_ptr<Trainer>> trainer = Trainer::create(run.model->graph, *run.data, *run.backend, run.config, parallel);
   if (!trainer) return trainer.status();
   run.trainer = std::move(*trainer);
@@ -504,12 +599,33 @@ int stop_on_signal(int signal, int64_t step, int64_t total_steps, bool checkpoin
   return 128 + signal;
 }
 
-}  // namespace
+// How the processes exchange the tensors in the backend's memory, said once by rank 0
+// before the first step (--check-equivalence included: the tests read it).
+void say_how_tensors_travel(const Args& a, const Run& run) {
+  const ProcessLayout& layout = run.layout;
+  if (run.device_comm == DeviceComm::kStaged) {
+    fmt::print(stderr, "note: the {} processes exchange tensors through host memory over MPI (staged: {})\n",
+               layout.world_size(),
+               a.device == "cuda" ? "any number of processes per GPU; --gpu-comm nccl for one GPU per process"
+                                  : "PIPESHARD_STAGE_COMM=1");
+  } else if (run.device_comm == DeviceComm::kNccl) {
+    const bool d = layout.replicas > 1, t = layout.shards > 1;
+    const std::string staged = "pipeline stages exchange their tensors through host memory over MPI (staged)";
+    if (!d && !t) {
+      fmt::print(stderr, "note: --gpu-comm nccl has no data-parallel or tensor-parallel group here; the {} {}\n",
+                 layout.world_size(), staged);
+      return;
+    }
+    fmt::print(stderr, "note: the {} processes exchange tensors over NCCL in their {} groups (--gpu-comm nccl, not "
+               "yet verified on a multi-GPU machine){}\n", layout.world_size(),
+               d && t ? "data-parallel and tensor-parallel" : d ? "data-parallel" : "tensor-parallel",
+               layout.stages > 1 ? "; " + staged : "");
+  }
+}
 
-int main(int argc, char** argv) {
-  // Ranks: one process, or mpirun -np N with N = stages × replicas × shards. The world
-  // comes first so that errors, --help included, are printed once, by rank 0.
-  std::unique_ptr<Communicator> world = make_world_communicator();
+// The whole run, on `world`, into `run` (which main keeps, to decide how it ends). Returns
+// the exit status.
+int run_training(Communicator* world, Run& run, int argc, char** argv) {
   const bool root = world->rank() == 0;  // writes metrics, checkpoints, the saved model and the log
   CLI::App app{
       "Train an ONNX multilayer perceptron on NumPy data, step for step as PyTorch would, and write the trained\n"
@@ -531,15 +647,24 @@ int main(int argc, char** argv) {
   a.momentum_given = app.count("--momentum") > 0;
   a.eps_given = app.count("--eps") > 0;
   a.weight_decay_given = app.count("--weight-decay") > 0;
-  Run run;
-  if (!agree_on_set_up(*world, parsed ? set_up(a, *world, run) : parsed)) return kExitBadInput;
-  if (!agree_on_set_up(*world, check_memory(a, *world, run))) return kExitBadInput;
-  if (!agree_on_set_up(*world, create_trainer(a, *world, run))) return kExitBadInput;
-  if (world->size() > 1) {  // from here on, a rank left waiting on a lost one ends the job
+  // While armed, a rank left waiting on a lost one ends the job.
+  const auto arm_watchdog = [&] {
+    if (world->size() == 1) return;
     const ProcessLayout& l = run.layout;
     watchdog_arm(a.comm_timeout, "train",
                  fmt::format("rank {} (stage {}, replica {}, shard {})", world->rank(), l.stage, l.replica, l.shard));
-  }
+  };
+  if (!agree_on_set_up(*world, parsed ? set_up(a, *world, run) : parsed)) return kExitBadInput;
+  if (!agree_on_set_up(*world, check_gpu_comm(a, *world))) return kExitBadInput;
+  if (!agree_on_set_up(*world, check_memory(a, *world, run))) return kExitBadInput;
+  if (!agree_on_set_up(*world, create_backend(a, run))) return kExitBadInput;
+  // Every rank is here: NCCL's set-up waits on the other ranks of each group, watched as
+  // training is. Not create_trainer, where --resume may keep one rank reading for long.
+  arm_watchdog();
+  make_device_groups(a, *world, run);
+  watchdog_disarm();
+  if (!agree_on_set_up(*world, create_trainer(a, *world, run))) return kExitBadInput;
+  arm_watchdog();  // from here on, for good
   // What only a neighbour can tell: the rank that finds a mismatch says so, and its exit
   // ends the job.
   if (Status s = run.trainer->check_links(); !s) return fail(s.message());
@@ -547,6 +672,7 @@ int main(int argc, char** argv) {
   TrainConfig& config = run.config;
   Trainer& trainer = *run.trainer;
   const ImportedModel& model = *run.model;
+  if (root) say_how_tensors_travel(a, run);
   if (a.check_equivalence > 0) return check_equivalence(model.graph, *run.data, config, trainer, a.check_equivalence, *world);
   Graph scratch = model.graph;  // host copy for the saved model
   trainer.start_trace(!a.trace.empty());
@@ -566,11 +692,6 @@ int main(int argc, char** argv) {
     fmt::print(stderr, "training {} ({} parameters) on {} samples: {} steps of {} samples, {}{}\n", a.model,
                model.graph.total_parameter_count(), run.data->samples, config.total_steps,
                config.batch_size * config.grad_accum, a.optimizer, how);
-    if (run.staged) {
-      fmt::print(stderr, "note: the {} processes exchange tensors through host memory over MPI (staged: {}); NCCL is "
-                 "not wired into train yet\n", layout.world_size(),
-                 a.device == "cuda" ? "any number of processes per GPU" : "PIPESHARD_STAGE_COMM=1");
-    }
     if (config.sync_batchnorm && layout.replicas == 1) {
       fmt::print(stderr, "note: --sync-batchnorm has nothing to synchronise with one data-parallel replica\n");
     }
@@ -720,4 +841,17 @@ int main(int argc, char** argv) {
     fmt::print(stderr, "wrote {}\n", a.plot);
   }
   return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  // Ranks: one process, or mpirun -np N with N = stages × replicas × shards. The world
+  // comes first so that errors, --help included, are printed once, by rank 0; the run
+  // after it, so that the run's groups are destroyed before the world.
+  std::unique_ptr<Communicator> world = make_world_communicator();
+  Run run;
+  const int status = run_training(world.get(), run, argc, argv);
+  if (status != 0) abandon_nccl(run);
+  return status;
 }

@@ -38,6 +38,7 @@ class CudaBackend final : public Backend {
   CudaBackend& operator=(const CudaBackend&) = delete;
 
   const char* name() const override { return "cuda"; }
+  cudaStream_t stream() const { return stream_; }
 
   float* allocate(int64_t n) override {
     PIPESHARD_CHECK(n >= 0, "allocate(" + std::to_string(n) + ")");
@@ -184,6 +185,11 @@ bool cuda_gpu_memory(int device, int64_t* free_bytes, int64_t* total_bytes) {
   *free_bytes = static_cast<int64_t>(free);
   *total_bytes = static_cast<int64_t>(total);
   return ok;
+}
+
+CUstream_st* cuda_backend_stream(Backend& backend) {
+  auto* cuda = dynamic_cast<CudaBackend*>(&backend);
+  return cuda != nullptr ? cuda->stream() : nullptr;
 }
 
 Result<std::unique_ptr<Backend>> make_cuda_backend(int device, Precision precision) {

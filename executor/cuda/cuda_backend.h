@@ -10,6 +10,8 @@
 #include "common/status.h"
 #include "executor/backend.h"
 
+struct CUstream_st;  // what cudaStream_t points to
+
 namespace pipeshard {
 
 // A backend on GPU `device` (0-based among the visible ones), computing in `precision`:
@@ -27,6 +29,11 @@ int cuda_usable_gpus(std::string* why);
 // Free and total memory of GPU `device` (cudaMemGetInfo), in bytes; false when it cannot
 // be asked.
 bool cuda_gpu_memory(int device, int64_t* free_bytes, int64_t* total_bytes);
+
+// The stream `backend` queues all its work on (a cudaStream_t; it lives as long as the
+// backend), or null when `backend` is not a CUDA backend. Communicators order their
+// operations after it (make_nccl_communicator's `producer`).
+CUstream_st* cuda_backend_stream(Backend& backend);
 
 }  // namespace pipeshard
 

@@ -39,4 +39,10 @@ __attribute__((visibility("default"))) int pipeshard_cuda_gpu_memory(int device,
   return pipeshard::cuda_gpu_memory(device, free_bytes, total_bytes) ? 1 : 0;
 }
 
+// The CUDA stream of a backend this plugin made (a cudaStream_t), or null for any other
+// backend: the producer an NCCL communicator orders its operations after.
+__attribute__((visibility("default"))) void* pipeshard_cuda_backend_stream(pipeshard::Backend* backend) {
+  return backend != nullptr ? pipeshard::cuda_backend_stream(*backend) : nullptr;
+}
+
 }  // extern "C"
