@@ -76,10 +76,31 @@ struct AdamStep {
   int64_t step = 1;        // 1-based, for bias correction
 };
 
+// Backend work recorded once and replayed as a whole (Backend::record).
+class RecordedWork {
+ public:
+  virtual ~RecordedWork() = default;
+  // Runs the recorded calls again, in order, with the arguments they were recorded with.
+  virtual void replay() = 0;
+};
+
 class Backend {
  public:
   virtual ~Backend() = default;
   virtual const char* name() const = 0;
+
+  // ---- recorded work (train --cuda-graph) ----
+  // Records the calls `work` makes on this backend without running them, for replay()
+  // later: the CUDA backend captures its stream into a CUDA graph, which then runs as one
+  // launch. Arguments are frozen as they were at recording, so what changes between
+  // replays must change in the buffers, not in the arguments; and nothing recorded may
+  // allocate, free or return a host value (sums, losses, the optimizers' finiteness), which
+  // is a bug that fails the recording. Host code inside `work` runs once, at recording.
+  // Null when this backend cannot record (the CPU backend: its calls cost nothing to start).
+  virtual std::unique_ptr<RecordedWork> record(const std::function<void()>& work) {
+    (void)work;
+    return nullptr;
+  }
 
   // ---- memory (float32 elements) ----
   // A zero-filled buffer of n elements; owned by the caller, released with deallocate().

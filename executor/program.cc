@@ -241,13 +241,17 @@ void Program::select_slot(int slot) {
 
 void Program::forward(const std::vector<const float*>& host_inputs, int64_t batch, Mode mode, uint64_t seed,
                       int64_t first_sample) {
+  upload_inputs(host_inputs, batch);
+  forward_resident(batch, mode, seed, first_sample);
+}
+
+void Program::upload_inputs(const std::vector<const float*>& host_inputs, int64_t batch) {
   PIPESHARD_CHECK(batch >= 1 && batch <= max_batch_, "batch " + std::to_string(batch));
   PIPESHARD_CHECK(host_inputs.size() == graph_.inputs.size());
   for (size_t k = 0; k < host_inputs.size(); ++k) {
     const int v = graph_.inputs[k];
     backend_.upload(val(v), host_inputs[k], batch * per_sample(graph_, v));
   }
-  forward_resident(batch, mode, seed, first_sample);
 }
 
 void Program::forward_resident(int64_t batch, Mode mode, uint64_t seed, int64_t first_sample) {

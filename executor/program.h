@@ -86,6 +86,8 @@ class Program {
   // batch whose masks `seed` draws (micro-batches and data-parallel slices).
   void forward(const std::vector<const float*>& host_inputs, int64_t batch, Mode mode, uint64_t seed,
                int64_t first_sample = 0);
+  // The first half of forward(): copies the host inputs into input(k).
+  void upload_inputs(const std::vector<const float*>& host_inputs, int64_t batch);
   // The same with inputs already in input(k) (received from an earlier stage).
   void forward_resident(int64_t batch, Mode mode, uint64_t seed, int64_t first_sample = 0);
   // Input k and its gradient (after backward, when it needs one), [batch, ...].
@@ -109,6 +111,9 @@ class Program {
   // from then on no later node adds into the gradients of node i's parameters unless
   // an earlier node shares them.
   void backward(int64_t batch, const std::function<void(size_t)>& after_node = {});
+  // What backward() leaves behind on the host, for a backward replayed from a recording
+  // (Backend::record), which runs no host code: later backwards of the step add.
+  void backward_replayed() { fresh_step_ = false; }
   // Zeroes the parameter gradients for a new step. Buffers that a single Linear writes
   // are not touched: its next backward overwrites them instead of adding.
   void zero_gradients();

@@ -106,6 +106,17 @@ Result<std::unique_ptr<Trainer>> Trainer::create(const Graph& graph, const Datas
     if (config.loss_scaling.growth_interval < 1) return Status::error("the loss scale's growth interval must be ≥ 1");
   }
   if (m < 1) return Status::error("--micro-batches must be at least 1");
+  if (config.cuda_graph) {
+    if (layout.world_size() > 1) {
+      return Status::error("--cuda-graph records one process's step so far: leave it out under mpirun");
+    }
+    for (const Node& n : graph.nodes) {
+      if (n.kind == OpKind::kDropout) {
+        return Status::error("--cuda-graph: node '" + n.name + "' (Dropout) draws new masks every step, which a "
+                             "recorded step cannot; leave --cuda-graph out for this model");
+      }
+    }
+  }
   if (local_batch % m != 0) {
     return Status::error("--micro-batches " + std::to_string(m) + " does not divide the " + std::to_string(local_batch) +
                          " samples each replica gets per step (--batch-size " + std::to_string(config.batch_size) +
@@ -308,6 +319,26 @@ float* Trainer::link_gradient(const LinkValue& l, bool received) {
   return it->second.grad.data() + program_->slot() * micro_ * l.per_sample;
 }
 
+// One recording per (forward or backward, micro-step of the accumulation, micro-batch):
+// the calls differ between them (where gradients are overwritten or added, which slice
+// of the input). A backend that cannot record runs `work` as it is, every time.
+void Trainer::replay_or_record(int what, int micro_batch, const std::function<void()>& work) {
+  const std::tuple<int, int64_t, int> key{what, micro_step_, micro_batch};
+  auto it = recorded_.find(key);
+  if (it == recorded_.end()) it = recorded_.emplace(key, backend_.record(work)).first;
+  if (it->second) {
+    it->second->replay();
+  } else {
+    work();
+  }
+}
+
+int64_t Trainer::recordings() const {
+  int64_t n = 0;
+  for (const auto& [key, work] : recorded_) n += work != nullptr;
+  return n;
+}
+
 double Trainer::run_schedule(bool last_micro_step, uint64_t seed, int64_t first_sample) {
   constexpr int kActivationTag = 1, kGradientTag = 2;
   const ProcessLayout& layout = rank_.layout();
@@ -319,6 +350,10 @@ double Trainer::run_schedule(bool last_micro_step, uint64_t seed, int64_t first_
                                            "send gradient", "recv gradient"};
   static constexpr const char* kCategories[] = {"compute", "compute", "send", "recv", "send", "recv"};
   const double schedule_begin = tracer_.now_us();
+  // --cuda-graph: from this process's second step on, forward and backward run as
+  // recordings (step() decides; the first step runs eagerly, so that every plan and
+  // scratch buffer the recorded calls need already exists).
+  const bool replayed = replay_this_step_;
   for (const Action& a : schedule_.actions[stage]) {
     const int k = a.micro_batch, slot = k % program_->slots();
     const int kind = static_cast<int>(a.kind);
@@ -334,7 +369,10 @@ double Trainer::run_schedule(bool last_micro_step, uint64_t seed, int64_t first_
         break;
       case ActionKind::kForward: {
         wait_slot(slot);
-        if (first) {
+        if (first && replayed) {  // the upload stays outside: the recording reads input(0)
+          program_->upload_inputs({host_features_.data() + k * micro_ * data_.features_per_sample}, micro_);
+          replay_or_record(kForwardKey, k, [&] { program_->forward_resident(micro_, Mode::kTrain, seed, first_sample + k * micro_); });
+        } else if (first) {
           program_->forward({host_features_.data() + k * micro_ * data_.features_per_sample}, micro_, Mode::kTrain, seed,
                             first_sample + k * micro_);
         } else {
@@ -363,7 +401,10 @@ double Trainer::run_schedule(bool last_micro_step, uint64_t seed, int64_t first_
         break;
       case ActionKind::kBackward:
         // Backwards run in micro-batch order: the last one completes the gradients.
-        if (replicas_ && last_micro_step && k == m - 1) {
+        if (replayed) {
+          replay_or_record(kBackwardKey, k, [&] { program_->backward(micro_); });
+          program_->backward_replayed();
+        } else if (replicas_ && last_micro_step && k == m - 1) {
           program_->backward(micro_, [this](size_t node) { on_gradients_ready(node); });
         } else {
           program_->backward(micro_);  // accumulating: no communication until the last micro-step
@@ -400,6 +441,8 @@ StepResult Trainer::step() {
   const int64_t k = config_.grad_accum, b = local_batch_;
   const bool first = layout.stage == 0, last = layout.stage == layout.stages - 1;
   program_->zero_gradients();
+  replay_this_step_ = config_.cuda_graph && warmed_up_;
+  warmed_up_ = true;
   for (int64_t micro = 0; micro < k; ++micro) {
     const int64_t batch_index = (r.step - 1) * k + micro;
     if (micro == 0) r.epoch = order_.epoch_of(batch_index);
@@ -413,6 +456,7 @@ StepResult Trainer::step() {
     }
     // One seed per batch for every rank; masks depend on the sample's place in the batch.
     const uint64_t seed = batch_seed(config_.seed, batch_index);
+    micro_step_ = micro;
     r.loss += run_schedule(micro == k - 1, seed, layout.replica * b);
   }
   double begin = tracer_.now_us();

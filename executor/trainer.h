@@ -12,10 +12,12 @@
 #define PIPESHARD_EXECUTOR_TRAINER_H_
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
 #include <string_view>
+#include <tuple>
 #include <vector>
 
 #include "common/atomic_file.h"
@@ -74,6 +76,13 @@ struct TrainConfig {
   bool sync_batchnorm = false;  // BatchNorm statistics over all replicas, not each replica's slice
   NonFinite on_nonfinite = NonFinite::kStop;  // a step whose loss or gradients are not finite
   LossScaling loss_scaling;
+  // --cuda-graph: from the second step on, each forward and backward is a recording of the
+  // first step's backend calls, replayed as one launch (Backend::record; a CUDA graph).
+  // One process, no Dropout (its masks change every step). The loss, clipping, loss
+  // scaling and the optimizer stay outside, so the learning rate, Adam's step count and
+  // the checks on the loss and gradients go on changing as they must; the results are
+  // those of the run without it, bit for bit.
+  bool cuda_graph = false;
 };
 
 // Where a Trainer sits in a multi-process job. All null: one process.
@@ -146,6 +155,9 @@ class Trainer {
   // every gradient is finite, and elsewhere. Collective over the world.
   std::string first_non_finite_gradient();
   int64_t steps_done() const { return optimizer_->steps_taken(); }
+  // --cuda-graph: the recordings the backend made (0 without it, or on a backend that
+  // cannot record).
+  int64_t recordings() const;
   // The loss scale the next step will use (1 when scaling is off).
   double loss_scale() const { return loss_scale_; }
   int64_t batches_per_epoch() const { return order_.batches_per_epoch(); }
@@ -205,6 +217,8 @@ class Trainer {
   void on_gradients_ready(size_t node);
   // The stage's schedule over one replica batch (one micro-step of grad_accum).
   double run_schedule(bool last_micro_step, uint64_t seed, int64_t first_sample);
+  static constexpr int kForwardKey = 0, kBackwardKey = 1;
+  void replay_or_record(int what, int micro_batch, const std::function<void()>& work);
   void wait_slot(int slot);
   // Where link value `l` lives in the selected slot: the program's buffer or a carried one.
   float* link_value(const LinkValue& l);
@@ -237,6 +251,12 @@ class Trainer {
   Communicator* device_tensor_ = nullptr;
   Communicator* device_pipeline_ = nullptr;
   bool log_probs_ = false;
+  // --cuda-graph's recordings, by (kForwardKey or kBackwardKey, micro-step, micro-batch);
+  // a null one: the backend cannot record, and the work runs eagerly.
+  std::map<std::tuple<int, int64_t, int>, std::unique_ptr<RecordedWork>> recorded_;
+  int64_t micro_step_ = 0;  // of the accumulation, in the step being run
+  bool warmed_up_ = false;         // this process has run a step (eagerly)
+  bool replay_this_step_ = false;  // --cuda-graph, after the warm-up
   double loss_scale_ = 1.0;        // LossScaling: the scale of the next step (1: none)
   int64_t scale_good_steps_ = 0;   // updates since the dynamic scale last changed
   BatchOrder order_;

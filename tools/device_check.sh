@@ -123,10 +123,23 @@ find_pythons() {
 }
 
 # ---------------------------------------------------------------------------------------- build
-# GPU test targets: executables named cuda_*_test, and those tests/CMakeLists.txt registers with
-# gtest_discover_tests(... LABELS gpu).
+# GPU test targets: executables named cuda_*_test, those tests/CMakeLists.txt registers with
+# gtest_discover_tests(... LABELS gpu), and the executables of its add_test entries labelled
+# gpu (the CPU suites again on the CUDA backend, backend_test_on_cuda and the like, which run
+# bin/backend_test with PIPESHARD_TEST_BACKEND=cuda: the manifest keeps that environment).
 gpu_test_targets() {
   { cmake --build "$BUILD" --target help 2>/dev/null | grep -oE '\bcuda_[A-Za-z0-9_]*_test\b'
+    # ctest does not list the command of a test whose executable is not built yet, so these
+    # come from the CTestTestfile.cmake files CMake wrote: add_test lines whose test has the
+    # label gpu and whose command is one of our binaries.
+    find "$BUILD" -name CTestTestfile.cmake -print0 2>/dev/null | xargs -0 -r cat | "${PY_ANY:-python3}" -c '
+import os, re, sys
+bindir = os.path.abspath(sys.argv[1])
+text = sys.stdin.read()
+gpu = set(re.findall(r"set_tests_properties\(\[=\[([^\]]+)\]=\] PROPERTIES[^\n]*LABELS \"gpu\"", text))
+for name, exe in re.findall(r"add_test\(\[=\[([^\]]+)\]=\] \"([^\"]+)\"", text):
+    if name in gpu and os.path.dirname(os.path.abspath(exe)) == bindir:
+        print(os.path.basename(exe))' "$BUILD/bin"
     tr '\n' ' ' <tests/CMakeLists.txt | grep -oE 'gtest_discover_tests\( *[A-Za-z0-9_]+[^)]*LABELS +gpu' |
       sed -E 's/gtest_discover_tests\( *([A-Za-z0-9_]+).*/\1/' |
       grep -v '_$'  # a name built from a variable (cuda_${name}): the target list above has it
@@ -188,7 +201,11 @@ for t in targets:
             if n_undef:
                 first = f"link failed: {n_undef} undefined references, the first: {first[:200]}"
         failed[t] = first[:400] or "not built"
-gpu_tests = {}
+# Runs: an executable, run whole, under the environment its ctest entry sets. A run is named
+# after its executable, or after its ctest test when that sets an environment (the CPU suites
+# again on the CUDA backend: backend_test_on_cuda runs bin/backend_test with
+# PIPESHARD_TEST_BACKEND=cuda).
+gpu_tests, gpu_runs = {}, {}
 try:
     doc = json.load(open(os.environ["DC_TESTS_JSON"]))
     for t in doc.get("tests", []):
@@ -196,16 +213,26 @@ try:
         # Only tests that run one of our binaries directly: a test launched through another
         # program (cuda_nccl_comm_np1 through mpiexec) would be run as bin/mpiexec, which is
         # not there; its executable is run directly below, as one ctest did not list.
-        if cmd and os.access(os.path.join(bindir, os.path.basename(cmd[0])), os.X_OK):
-            gpu_tests.setdefault(os.path.basename(cmd[0]), []).append(t["name"])
+        if not (cmd and os.access(os.path.join(bindir, os.path.basename(cmd[0])), os.X_OK)):
+            continue
+        exe = os.path.basename(cmd[0])
+        env = []
+        for p in t.get("properties", []):
+            if p.get("name") == "ENVIRONMENT":
+                env = p.get("value") or []
+                env = [env] if isinstance(env, str) else env
+        run = t["name"] if env else exe
+        gpu_runs[run] = {"exe": exe, "env": env}
+        gpu_tests.setdefault(run, []).append(t["name"])
 except (OSError, ValueError):
     pass
 for t in built:  # a GPU test executable that ctest did not list still runs
     if t.startswith("cuda_") and t.endswith("_test"):
         gpu_tests.setdefault(t, [])
+        gpu_runs.setdefault(t, {"exe": t, "env": []})
 manifest = {"source_dir": os.environ["DC_ROOT"], "build_dir": os.path.join(os.environ["DC_ROOT"], os.environ["DC_BUILD"]),
             "commit": os.environ["DC_COMMIT"], "modified_tracked_files": int(os.environ["DC_DIRTY"] or 0),
-            "built": built, "failed": failed, "gpu_tests": gpu_tests, "nvcc": os.environ["DC_NVCC"],
+            "built": built, "failed": failed, "gpu_tests": gpu_tests, "gpu_runs": gpu_runs, "nvcc": os.environ["DC_NVCC"],
             "cxx": os.environ["DC_CXX"], "uname": " ".join(os.uname())}
 json.dump(manifest, open(sys.argv[1], "w"), indent=1)
 EOF
@@ -649,11 +676,17 @@ TESTS_FAILED=0
 if [ "$BUILD_READY" = 1 ]; then
   mapfile -t TEST_EXES < <("${PY_ANY:-python3}" -c 'import json,sys; [print(t) for t in json.load(open(sys.argv[1]))["gpu_tests"] if t]' "$MANIFEST" 2>/dev/null)
   [ "$GPU_OK" = 1 ] || fact TESTS_NOTE "No usable GPU here: the GPU tests run all the same and skip, saying so (this checks the plumbing)."
-  for exe in "${TEST_EXES[@]}"; do
+  for exe in "${TEST_EXES[@]}"; do  # each a run of the manifest: an executable and its environment
     t=$(step_timeout 120 60)
     if (( t == 0 )); then say "tests: out of time before $exe"; fact "TEST_RC_$exe" "not run: out of time"; continue; fi
-    say "tests: $exe (timeout ${t}s)"
-    (cd "$ROOT/$BUILD" && LD_LIBRARY_PATH=$OURS_LD run_logged "$t" "$WORK/tests/$exe.out" "bin/$exe" --gtest_output="json:$WORK/tests/$exe.json")
+    mapfile -t run_env < <("${PY_ANY:-python3}" -c 'import json,sys; r=json.load(open(sys.argv[1])).get("gpu_runs",{}).get(sys.argv[2],{}); print(r.get("exe", sys.argv[2])); [print(e) for e in r.get("env", [])]' "$MANIFEST" "$exe" 2>/dev/null)
+    bin_name=${run_env[0]:-$exe}
+    say "tests: $exe (bin/$bin_name${run_env[1]:+ with ${run_env[*]:1}}; timeout ${t}s)"
+    (
+      cd "$ROOT/$BUILD" || exit 2
+      for setting in "${run_env[@]:1}"; do export "${setting?}"; done
+      LD_LIBRARY_PATH=$OURS_LD run_logged "$t" "$WORK/tests/$exe.out" "bin/$bin_name" --gtest_output="json:$WORK/tests/$exe.json"
+    )
     rc=$?
     cat "$WORK/tests/$exe.out" >>"$TLOG"
     fact "TEST_RC_$exe" "$rc"

@@ -54,6 +54,7 @@ struct Args {
   std::string loss_scale;   // --loss-scale: "" (by precision), none, dynamic or a power of two
   int micro_batches = 1;
   bool sync_batchnorm = false;
+  bool cuda_graph = false;  // --cuda-graph
   double bucket_mb = 25;
   double comm_timeout = 60;
   double lr = 0, momentum = 0, eps = 0, weight_decay = 0, clip = 0;
@@ -147,6 +148,10 @@ void define(CLI::App& app, Args& a) {
                  "backward order whose gradient went bad, or skip the step and go on; either way the step changes "
                  "no weight")
       ->check(CLI::IsMember({"stop", "skip"}));
+  app.add_flag("--cuda-graph", a.cuda_graph,
+               "with --device cuda in one process: from the second step on, run each forward and backward as a "
+               "CUDA graph of the first step's kernels, one launch instead of one per kernel (for small models, "
+               "where launches cost more than the work); the results are the same, bit for bit");
   app.add_flag("--sync-batchnorm", a.sync_batchnorm,
                "BatchNorm statistics over the global batch of all replicas (default: each replica's slice)");
 }
@@ -193,6 +198,7 @@ Result<TrainConfig> make_config(const Args& a) {
   c.pipeline_schedule = a.pipeline_schedule == "gpipe" ? ScheduleKind::kGPipe : ScheduleKind::k1F1B;
   c.balance = a.balance == "flops" ? BalanceBy::kFlops : a.balance == "memory" ? BalanceBy::kMemory : BalanceBy::kParams;
   c.sync_batchnorm = a.sync_batchnorm;
+  c.cuda_graph = a.cuda_graph;
   c.on_nonfinite = a.on_nonfinite == "skip" ? NonFinite::kSkip : NonFinite::kStop;
   const std::string scaling = a.loss_scale.empty() ? (a.precision == "fp16" ? "dynamic" : "none") : a.loss_scale;
   if (scaling == "dynamic") {
@@ -321,6 +327,9 @@ Status check_device(const Args& a) {
   if (a.device == "cpu") {
     if (a.precision != "fp32") {
       return Status::error("--precision " + a.precision + " needs --device cuda: the CPU backend computes in fp32");
+    }
+    if (a.cuda_graph) {
+      return Status::error("--cuda-graph needs --device cuda: the CPU backend has no kernel launches to save");
     }
     if (a.gpu_comm != "staged") {
       return Status::error("--gpu-comm " + a.gpu_comm + " needs --device cuda: the CPU backend's tensors travel over MPI");
@@ -811,6 +820,10 @@ int run_training(Communicator* world, Run& run, int argc, char** argv) {
     }
     fmt::print(stderr, "done: {} steps{} in {:.2f} s\n", config.total_steps,
                skips.empty() ? "" : " (" + fmt::format("{}", fmt::join(skips, "; ")) + ")", total);
+    if (config.cuda_graph) {
+      fmt::print(stderr, "cuda graph: after this process's first step, forward and backward ran from {} recordings\n",
+                 trainer.recordings());
+    }
   }
   const WatchdogSlowPhase slow("writing results");  // rank 0 writes, the others wait
   // The trained model first: what follows only describes the run.

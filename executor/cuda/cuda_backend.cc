@@ -8,6 +8,12 @@
 // fp32 buffers; every other kernel — activations, norms, softmax, losses, optimizers —
 // computes in fp32 whatever the precision. The buffers, and so the master weights and the
 // optimizer state, are fp32 in every mode; loss scaling for fp16 is the trainer's.
+//
+// record() captures the stream (cudaStreamBeginCapture, thread-local mode) while the work
+// runs and instantiates the CUDA graph; replay() launches it on the same stream. Calls that
+// cannot be part of a graph — allocation, copies to or from the host, and every host
+// result — stop the process with a message when made while recording: they are bugs in
+// the caller (executor/backend.h, Backend::record).
 #include "executor/cuda/cuda_backend.h"
 
 #include <algorithm>
@@ -19,6 +25,19 @@
 
 namespace pipeshard {
 namespace {
+
+class CudaGraph final : public RecordedWork {
+ public:
+  CudaGraph(cudaGraphExec_t exec, cudaStream_t stream) : exec_(exec), stream_(stream) {}
+  ~CudaGraph() override { cudaGraphExecDestroy(exec_); }
+  CudaGraph(const CudaGraph&) = delete;
+  CudaGraph& operator=(const CudaGraph&) = delete;
+  void replay() override { PIPESHARD_CUDA_CHECK(cudaGraphLaunch(exec_, stream_)); }
+
+ private:
+  cudaGraphExec_t exec_;
+  cudaStream_t stream_;
+};
 
 class CudaBackend final : public Backend {
  public:
@@ -38,22 +57,43 @@ class CudaBackend final : public Backend {
   CudaBackend& operator=(const CudaBackend&) = delete;
 
   const char* name() const override { return "cuda"; }
+
+  std::unique_ptr<RecordedWork> record(const std::function<void()>& work) override {
+    PIPESHARD_CHECK(!recording_, "a recording inside a recording");
+    PIPESHARD_CUDA_CHECK(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
+    recording_ = true;
+    work();
+    recording_ = false;
+    cudaGraph_t graph = nullptr;
+    PIPESHARD_CUDA_CHECK(cudaStreamEndCapture(stream_, &graph));
+    cudaGraphExec_t exec = nullptr;
+    const cudaError_t instantiated = cudaGraphInstantiate(&exec, graph, 0);
+    cudaGraphDestroy(graph);
+    PIPESHARD_CUDA_CHECK(instantiated);
+    return std::make_unique<CudaGraph>(exec, stream_);
+  }
   cudaStream_t stream() const { return stream_; }
 
   float* allocate(int64_t n) override {
     PIPESHARD_CHECK(n >= 0, "allocate(" + std::to_string(n) + ")");
+    not_recording("allocate");
     const size_t bytes = static_cast<size_t>(std::max<int64_t>(n, 1)) * sizeof(float);
     auto* p = static_cast<float*>(allocator_.allocate(bytes));
     PIPESHARD_CUDA_CHECK(cudaMemsetAsync(p, 0, bytes, stream_));  // the contract: zero-filled
     return p;
   }
-  void deallocate(float* p) override { allocator_.deallocate(p); }  // stream order keeps reuse safe
+  void deallocate(float* p) override {
+    not_recording("deallocate");
+    allocator_.deallocate(p);
+  }  // stream order keeps reuse safe
   void upload(float* dst, const float* host, int64_t n) override {
+    not_recording("upload");
     if (n > 0) PIPESHARD_CUDA_CHECK(cudaMemcpyAsync(dst, host, bytes(n), cudaMemcpyHostToDevice, stream_));
     // The caller may change `host` as soon as we return: pageable copies are staged by the
     // driver before cudaMemcpyAsync returns, so no synchronisation is needed for them.
   }
   void download(float* host, const float* src, int64_t n) override {
+    not_recording("download");
     if (n > 0) PIPESHARD_CUDA_CHECK(cudaMemcpyAsync(host, src, bytes(n), cudaMemcpyDeviceToHost, stream_));
     PIPESHARD_CUDA_CHECK(cudaStreamSynchronize(stream_));
   }
@@ -73,8 +113,14 @@ class CudaBackend final : public Backend {
   void bias_backward(float* db, const float* dy, int64_t rows, int64_t width) override {
     cuda::bias_backward(db, dy, rows, width, stream_);
   }
-  double sum_squares(const float* x, int64_t n) override { return cuda::sum_squares(x, n, scratch_, stream_); }
-  bool any_non_finite(const float* x, int64_t n) override { return cuda::any_non_finite(x, n, scratch_, stream_); }
+  double sum_squares(const float* x, int64_t n) override {
+    not_recording("sum_squares");
+    return cuda::sum_squares(x, n, scratch_, stream_);
+  }
+  bool any_non_finite(const float* x, int64_t n) override {
+    not_recording("any_non_finite");
+    return cuda::any_non_finite(x, n, scratch_, stream_);
+  }
 
   void linear_forward(float* y, const float* x, const float* w, const float* b, const LinearShape& s,
                       const Activation* epilogue, float* pre) override {
@@ -132,18 +178,22 @@ class CudaBackend final : public Backend {
 
   double cross_entropy(float* dlogits, const float* logits, const float* labels, int64_t rows, int64_t classes,
                        double denominator, bool log_probs) override {
+    not_recording("cross_entropy");
     return cuda::cross_entropy(dlogits, logits, labels, rows, classes, denominator, log_probs, scratch_, stream_);
   }
   double mean_squared_error(float* dpred, const float* pred, const float* target, int64_t n,
                             double denominator) override {
+    not_recording("mean_squared_error");
     return cuda::mean_squared_error(dpred, pred, target, n, denominator, scratch_, stream_);
   }
 
   bool sgd_step(float* param, const float* grad, float* momentum_buffer, int64_t n, const SgdStep& s) override {
+    not_recording("sgd_step");
     return cuda::sgd_step(param, grad, momentum_buffer, n, s, scratch_, stream_);
   }
   bool adam_step(float* param, const float* grad, float* exp_avg, float* exp_avg_sq, int64_t n,
                  const AdamStep& s) override {
+    not_recording("adam_step");
     return cuda::adam_step(param, grad, exp_avg, exp_avg_sq, n, s, scratch_, stream_);
   }
 
@@ -155,6 +205,12 @@ class CudaBackend final : public Backend {
   cuda::CachingAllocator allocator_;
   cuda::LinearContext* linear_ = nullptr;
   void* scratch_ = nullptr;  // for the reductions that return host values
+  bool recording_ = false;   // inside record(): the stream is being captured
+
+  void not_recording(const char* call) const {
+    PIPESHARD_CHECK(!recording_, std::string(call) + " while recording a CUDA graph: a recorded step may not "
+                                                     "allocate, copy to or from the host, or return a host value");
+  }
 };
 
 }  // namespace
