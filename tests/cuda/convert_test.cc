@@ -28,6 +28,7 @@
 #include "executor/backend.h"
 #include "executor/cuda/convert_math.cuh"
 #include "executor/cuda/launchers.h"
+#include "tests/cuda/gpu_test_util.h"
 
 namespace pipeshard::cuda {
 namespace {
@@ -101,12 +102,8 @@ void cuda_ok(cudaError_t rc, const char* what) {
 class CudaConvertTest : public ::testing::TestWithParam<Precision> {
  protected:
   void SetUp() override {
-    int count = 0;
-    const cudaError_t rc = cudaGetDeviceCount(&count);
-    if (rc != cudaSuccess || count == 0) {
-      cudaGetLastError();
-      GTEST_SKIP() << "no usable GPU (cudaGetDeviceCount: " << cudaGetErrorString(rc) << ", " << count
-                   << " devices); the conversion kernel check runs on a machine with one";
+    if (const std::string why = testing::no_usable_gpu(); !why.empty()) {
+      GTEST_SKIP() << why << "; the conversion kernel check runs on a machine with one";
     }
     cuda_ok(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "cudaStreamCreate");
   }

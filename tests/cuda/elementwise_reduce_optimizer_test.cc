@@ -34,6 +34,7 @@
 
 #include "executor/backend.h"
 #include "executor/cuda/launchers.h"
+#include "tests/cuda/gpu_test_util.h"
 
 namespace pipeshard::cuda {
 namespace {
@@ -116,12 +117,8 @@ std::string at(int64_t n, int64_t shift) { return " n " + std::to_string(n) + " 
 class CudaKernels : public ::testing::Test {
  protected:
   void SetUp() override {
-    int count = 0;
-    const cudaError_t rc = cudaGetDeviceCount(&count);
-    if (rc != cudaSuccess || count == 0) {
-      cudaGetLastError();
-      GTEST_SKIP() << "no usable GPU (cudaGetDeviceCount: " << cudaGetErrorString(rc)
-                   << "); these checks run on a machine with one";
+    if (const std::string why = testing::no_usable_gpu(); !why.empty()) {
+      GTEST_SKIP() << why << "; these checks run on a machine with one";
     }
     ASSERT_CUDA(cudaStreamCreate(&stream_));  // blocking: DeviceArray's cudaMemcpy waits for it
     ASSERT_CUDA(cudaMalloc(&scratch_, reduce_scratch_bytes()));

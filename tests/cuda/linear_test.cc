@@ -45,6 +45,7 @@
 #include "executor/cuda/convert_math.cuh"
 #include "executor/cuda/launchers.h"
 #include "tests/backend_check.h"
+#include "tests/cuda/gpu_test_util.h"
 
 namespace pipeshard::cuda {
 namespace {
@@ -124,12 +125,8 @@ std::string shape_name(const LinearShape& s) {
 class CudaLinearTest : public ::testing::TestWithParam<Precision> {
  protected:
   void SetUp() override {
-    int count = 0;
-    const cudaError_t rc = cudaGetDeviceCount(&count);
-    if (rc != cudaSuccess || count == 0) {
-      cudaGetLastError();
-      GTEST_SKIP() << "no usable GPU (cudaGetDeviceCount: " << cudaGetErrorString(rc) << ", " << count
-                   << " devices); the cuBLASLt check runs on a machine with one";
+    if (const std::string why = testing::no_usable_gpu(); !why.empty()) {
+      GTEST_SKIP() << why << "; the cuBLASLt check runs on a machine with one";
     }
     cuda_ok(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "cudaStreamCreate");
     context_ = create_linear_context(GetParam(), &allocator_);

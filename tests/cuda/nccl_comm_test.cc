@@ -22,6 +22,7 @@
 
 #include "executor/comm.h"
 #include "executor/comm_nccl.h"
+#include "tests/cuda/gpu_test_util.h"
 
 namespace pipeshard {
 namespace {
@@ -244,15 +245,8 @@ TEST_F(NcclCommTest, SplitGroupsWork) {
 
 // Why this process cannot use a GPU, or empty.
 std::string no_gpu_reason() {
-  int count = 0;
-  const cudaError_t rc = cudaGetDeviceCount(&count);
-  if (rc != cudaSuccess) {
-    cudaGetLastError();
-    return "no usable GPU (cudaGetDeviceCount: error " + std::to_string(static_cast<int>(rc)) + ", " +
-           cudaGetErrorString(rc) + "); the NCCL test runs on a machine with one";
-  }
-  if (count == 0) return "no usable GPU (the driver reports none); the NCCL test runs on a machine with one";
-  return "";
+  const std::string why = testing::no_usable_gpu();
+  return why.empty() ? why : why + "; the NCCL test runs on a machine with one";
 }
 
 }  // namespace

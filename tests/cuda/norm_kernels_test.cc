@@ -20,6 +20,7 @@
 #include "executor/backend.h"
 #include "executor/cuda/launchers.h"
 #include "tests/backend_check.h"
+#include "tests/cuda/gpu_test_util.h"
 
 namespace pipeshard {
 namespace {
@@ -61,10 +62,8 @@ class DeviceFloats {
 class NormKernelsTest : public BackendTest {
  protected:
   void SetUp() override {
-    int devices = 0;
-    if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) {
-      cudaGetLastError();
-      GTEST_SKIP() << "no usable GPU on this machine; the kernel checks run on a machine with one";
+    if (const std::string why = testing::no_usable_gpu(); !why.empty()) {
+      GTEST_SKIP() << why << "; the kernel checks run on a machine with one";
     }
     ASSERT_EQ(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), cudaSuccess);
     ASSERT_EQ(cudaMalloc(&scratch_, cuda::reduce_scratch_bytes()), cudaSuccess);
