@@ -687,6 +687,10 @@ EvalResult Trainer::evaluate(const Dataset& data) {
   }
   e.samples = data.samples;
   e.accuracy = config_.loss == LossKind::kCrossEntropy ? static_cast<double>(correct) / data.samples : -1.0;
+  // Evaluation runs more rows than a training micro-batch, which may have grown scratch
+  // buffers of the backend (the 16-bit GEMM operands) and moved them from where --cuda-graph's
+  // recordings point: the next step records afresh.
+  recorded_.clear();
   return e;
 }
 

@@ -148,6 +148,37 @@ TEST_P(RecordedStep, IsTheEagerStepBitForBit) {
   }
 }
 
+// Evaluation between steps runs more rows through the same program, which on a GPU may
+// move scratch buffers the recordings point into: the trainer records afresh after it.
+TEST(RecordedStepEvaluation, RecordsAfreshAndStaysBitForBit) {
+  const ImportedModel m = load("simple_digits");
+  const Dataset d = data_for(m, "data/digits_features.npy", "data/digits_labels.npy", LossKind::kCrossEntropy);
+  TrainConfig c;
+  c.optimizer.kind = OptimizerKind::kSgd;
+  c.optimizer.momentum = 0.9f;
+  c.batch_size = 32;
+  c.micro_batches = 2;
+  c.pipeline_schedule = ScheduleKind::kGPipe;
+  c.total_steps = 6;
+  std::unique_ptr<Backend> cpu = make_cpu_backend();
+  auto eager = Trainer::create(m.graph, d, *cpu, c);
+  ASSERT_TRUE(eager.is_ok());
+  std::unique_ptr<Backend> cpu2 = make_cpu_backend();
+  RecordingBackend recorder(*cpu2);
+  c.cuda_graph = true;
+  auto recorded = Trainer::create(m.graph, d, recorder, c);
+  ASSERT_TRUE(recorded.is_ok());
+  for (int s = 0; s < 6; ++s) {
+    EXPECT_EQ((*recorded)->step().loss, (*eager)->step().loss) << "step " << s + 1;
+    if (s == 2) {
+      const EvalResult want = (*eager)->evaluate(d), got = (*recorded)->evaluate(d);
+      EXPECT_EQ(got.loss, want.loss);
+      EXPECT_EQ((*recorded)->recordings(), 0) << "evaluation drops the recordings";
+    }
+  }
+  EXPECT_EQ(recorder.recordings, 2 * 2 * 2) << "two micro-batches, forward and backward, recorded twice";
+}
+
 INSTANTIATE_TEST_SUITE_P(Models, RecordedStep, ::testing::ValuesIn(cases()),
                          [](const ::testing::TestParamInfo<Case>& info) { return info.param.name; });
 

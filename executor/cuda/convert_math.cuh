@@ -21,13 +21,7 @@
 #include <cstdint>
 #include <cstring>
 
-#ifndef PIPESHARD_HD
-#ifdef __CUDACC__
-#define PIPESHARD_HD __host__ __device__
-#else
-#define PIPESHARD_HD
-#endif
-#endif
+#include "executor/cuda/host_device.h"
 
 namespace pipeshard::cuda::math {
 

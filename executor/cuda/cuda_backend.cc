@@ -88,9 +88,13 @@ class CudaBackend final : public Backend {
   }  // stream order keeps reuse safe
   void upload(float* dst, const float* host, int64_t n) override {
     not_recording("upload");
-    if (n > 0) PIPESHARD_CUDA_CHECK(cudaMemcpyAsync(dst, host, bytes(n), cudaMemcpyHostToDevice, stream_));
-    // The caller may change `host` as soon as we return: pageable copies are staged by the
-    // driver before cudaMemcpyAsync returns, so no synchronisation is needed for them.
+    if (n <= 0) return;
+    PIPESHARD_CUDA_CHECK(cudaMemcpyAsync(dst, host, bytes(n), cudaMemcpyHostToDevice, stream_));
+    // The caller may change or free `host` as soon as we return (the staged communicator's
+    // buffers do). CUDA promises that of a pageable source only for cudaMemcpy, not for the
+    // Async form ("might be synchronous with respect to host"), so wait for the copy: a
+    // few uploads a step, each after the work already queued.
+    PIPESHARD_CUDA_CHECK(cudaStreamSynchronize(stream_));
   }
   void download(float* host, const float* src, int64_t n) override {
     not_recording("download");
