@@ -40,6 +40,18 @@ Dataset data_for(const ImportedModel& m, const std::string& x, const std::string
   return std::move(d).value();
 }
 
+// The two trainers' parameters are the same, bit for bit.
+void expect_same_parameters(Trainer& want_trainer, Trainer& got_trainer, const Graph& graph) {
+  Graph want = graph, got = graph;
+  want_trainer.download_parameters(want);
+  got_trainer.download_parameters(got);
+  for (size_t p = 0; p < want.params.size(); ++p) {
+    for (size_t i = 0; i < want.params[p].data.size(); ++i) {
+      ASSERT_EQ(got.params[p].data[i], want.params[p].data[i]) << want.params[p].name << "[" << i << "]";
+    }
+  }
+}
+
 struct Case {
   std::string name, model, x, y;
   TrainConfig config;
@@ -138,14 +150,7 @@ TEST_P(RecordedStep, IsTheEagerStepBitForBit) {
   EXPECT_GT(recorder.recorded_calls, 2 * per_step) << "the recordings hold the layers' calls";
   EXPECT_EQ((*recorded)->recordings(), per_step);
 
-  Graph a = m.graph, b = m.graph;
-  (*eager)->download_parameters(a);
-  (*recorded)->download_parameters(b);
-  for (size_t p = 0; p < a.params.size(); ++p) {
-    for (size_t i = 0; i < a.params[p].data.size(); ++i) {
-      ASSERT_EQ(b.params[p].data[i], a.params[p].data[i]) << a.params[p].name << "[" << i << "]";
-    }
-  }
+  expect_same_parameters(**eager, **recorded, m.graph);
 }
 
 // Evaluation between steps runs more rows through the same program, which on a GPU may
@@ -249,14 +254,7 @@ TEST(RecordedStepOnBackend, IsTheEagerStepBitForBit) {
     }
     const bool records = std::string(graph_backend->name()) == "cuda";
     EXPECT_EQ((*recorded)->recordings() > 0, records) << graph_backend->name();
-    Graph a = m.graph, b = m.graph;
-    (*eager)->download_parameters(a);
-    (*recorded)->download_parameters(b);
-    for (size_t p = 0; p < a.params.size(); ++p) {
-      for (size_t i = 0; i < a.params[p].data.size(); ++i) {
-        ASSERT_EQ(b.params[p].data[i], a.params[p].data[i]) << a.params[p].name << "[" << i << "]";
-      }
-    }
+    expect_same_parameters(**eager, **recorded, m.graph);
   }
 }
 
