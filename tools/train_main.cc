@@ -98,7 +98,8 @@ void define(CLI::App& app, Args& a) {
                  "step and stops (exit status 130 or 143)");
   app.add_option("--checkpoint-every", a.checkpoint_every, "steps between checkpoints (default: once per epoch and at the end)");
   app.add_option("--resume", a.resume, "continue the run saved in this checkpoint folder");
-  app.add_option("--device", a.device, "cpu (default) or cuda: one GPU per process, picked by its rank on the machine")
+  app.add_option("--device", a.device, "cpu (default) or cuda: each process computes on GPU (its rank on the machine) mod (GPUs there), "
+                 "so several processes may share one")
       ->check(CLI::IsMember({"cpu", "cuda"}));
   app.add_option("--precision", a.precision,
                  "fp32 (default) or, with --device cuda: tf32 (tensor-core GEMMs, fp32 accumulation), bf16 or fp16 "
