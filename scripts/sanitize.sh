@@ -57,15 +57,45 @@ export UBSAN_OPTIONS="$common"
 # reports folder as a report (and, without log_path, in the stderr that tests compare).
 export LSAN_OPTIONS="suppressions=$PWD/scripts/lsan.supp:print_suppressions=0"
 
+# LeakSanitizer's own stop-the-world tracer sometimes crashes at a process's exit on a loaded
+# machine ("Tracer caught signal 11", then "LeakSanitizer has encountered a fatal error"; a
+# known intermittent bug of the runtime, google/sanitizers#1353, seen here once in comm_mpi_np6
+# with five of its six ranks at the same moment). That is no finding about our code, but it
+# fails the test. So when every report is such a crash, the failed tests run once more with a
+# fresh reports folder, and their second result counts; any other report fails at once.
+tracer_crash_only() {  # tracer_crash_only FILES...: every file is a tracer crash and nothing else
+  local f
+  for f in "$@"; do
+    grep -q "LeakSanitizer has encountered a fatal error" "$f" || return 1
+    grep -qE "ERROR: [A-Za-z]+Sanitizer|runtime error|SUMMARY:" "$f" && return 1
+  done
+  return 0
+}
+
 status=0
 ctest --test-dir $build --output-on-failure -j"$(nproc)" "$@" >$build/ctest.log 2>&1 || status=1
 grep -h "tests passed" $build/ctest.log || true
+mapfile -t found < <(find "$reports" -type f | sort)
+if [ ${#found[@]} -gt 0 ] && tracer_crash_only "${found[@]}"; then
+  echo "sanitize: ${#found[@]} report(s), all LeakSanitizer's tracer crashing at exit (not a finding):" \
+    "$(sed -n '/tests failed out of/,$p' $build/ctest.log | grep -oE '^[[:space:]]*[0-9]+ - [^ ]+' | awk '{print $3}' | tr '\n' ' ')"
+  rm -rf "$reports.tracer-crash"
+  mv "$reports" "$reports.tracer-crash"
+  mkdir -p "$reports"
+  if [ $status -ne 0 ]; then
+    echo "sanitize: running the failed tests once more"
+    status=0
+    ctest --test-dir $build --output-on-failure --rerun-failed >$build/ctest-rerun.log 2>&1 || status=1
+    grep -h "tests passed" $build/ctest-rerun.log || true
+    [ $status -ne 0 ] && cp $build/ctest-rerun.log $build/ctest.log
+  fi
+  mapfile -t found < <(find "$reports" -type f | sort)
+fi
 if [ $status -ne 0 ]; then
   echo "sanitize: tests failed; $build/ctest.log says which:" >&2
   sed -n '/tests failed out of/,$p' $build/ctest.log >&2
 fi
 
-mapfile -t found < <(find "$reports" -type f | sort)
 if [ ${#found[@]} -gt 0 ]; then
   echo "sanitize: ${#found[@]} sanitizer report(s) in $reports; the first:" >&2
   head -n 60 "${found[0]}" >&2
