@@ -56,6 +56,8 @@ struct LossScaling {
   Mode mode = Mode::kNone;
   double initial = 65536.0;        // 2^16, GradScaler's init_scale
   int64_t growth_interval = 2000;  // GradScaler's
+  // Scales stay within these powers of two, whose reciprocals are normal floats.
+  static constexpr double kMin = 0x1p-64, kMax = 0x1p64;
 };
 
 struct TrainConfig {
