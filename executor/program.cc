@@ -59,19 +59,16 @@ Result<std::unique_ptr<Program>> Program::create(const Graph& g, Backend& backen
   p->buffers_ = DeviceBuffer(backend, std::max<int64_t>(buffer_elements, 1));
   p->upload_parameters(g);
 
-  // Activations and gradients; Reshape shares its input's buffers.
+  // Activations; Reshape shares its input's buffers. Gradients: plan_gradient_buffers().
   const size_t nv = g.values.size();
   p->value_storage_.resize(nv);
-  p->grad_storage_.resize(nv);
   p->value_.assign(nv, nullptr);
-  p->grad_.assign(nv, nullptr);
+  p->owner_.assign(nv, -1);
   p->needs_grad_.assign(nv, false);
   auto allocate = [&](int v) {
-    const int64_t n = options.slots * max_batch * per_sample(g, v);
-    p->value_storage_[v] = DeviceBuffer(backend, n);
-    p->grad_storage_[v] = DeviceBuffer(backend, n);
+    p->value_storage_[v] = DeviceBuffer(backend, options.slots * max_batch * per_sample(g, v));
     p->value_[v] = p->value_storage_[v].data();
-    p->grad_[v] = p->grad_storage_[v].data();
+    p->owner_[v] = v;
   };
   for (size_t k = 0; k < g.inputs.size(); ++k) {
     allocate(g.inputs[k]);
@@ -87,7 +84,7 @@ Result<std::unique_ptr<Program>> Program::create(const Graph& g, Backend& backen
     const int x = n.inputs[0], y = n.outputs[0];
     if (n.kind == OpKind::kReshape) {
       p->value_[y] = p->value_[x];
-      p->grad_[y] = p->grad_[x];
+      p->owner_[y] = p->owner_[x];
     } else {
       allocate(y);
     }
@@ -120,6 +117,7 @@ Result<std::unique_ptr<Program>> Program::create(const Graph& g, Backend& backen
     }
   }
   PIPESHARD_RETURN_IF_ERROR(p->plan_tensor_parallel());
+  p->plan_gradient_buffers(options.share_gradient_buffers);
   p->plan_gradient_writes();
   return p;
 }
@@ -167,6 +165,90 @@ Status Program::plan_tensor_parallel() {
   return Status::ok();
 }
 
+// Gradient buffers. Values nobody back-propagates into get none. Model inputs and
+// outputs (or the values they alias) get their own, one per slot: the loss writes the
+// output's after forward, and a pipeline stage receives and sends them around
+// backward(). Every other value's gradient is written first by the backward of its
+// last reader (or of a Reshape of it) and read last by its producer's, all inside one
+// backward(); values whose [producer, last reader] spans do not overlap share a buffer
+// (interval colouring, greedily in backward order, reusing the best-fitting free
+// buffer and growing the largest one when none fits).
+void Program::plan_gradient_buffers(bool share) {
+  const Graph& g = graph_;
+  const size_t nv = g.values.size();
+  std::vector<bool> own(nv, !share), output(nv, false);
+  for (int v : g.inputs) own[owner_[v]] = true;
+  for (int v : g.outputs) own[owner_[v]] = output[owner_[v]] = true;
+  std::vector<int> made(nv, -1);
+  first_writer_.assign(nv, -1);
+  for (size_t v = 0; v < nv; ++v) {
+    const int o = owner_[v];
+    if (o == static_cast<int>(v)) made[o] = g.values[v].producer;
+    first_writer_[o] = std::max(first_writer_[o], g.values[v].producer);
+    for (int c : g.values[v].consumers) first_writer_[o] = std::max(first_writer_[o], c);
+  }
+  struct Shared {
+    int64_t elements = 0;
+    int free_below = 0;  // the producer of its latest value: free for spans ending below it
+    std::vector<int> values;
+  };
+  std::vector<Shared> shared;
+  std::vector<int> order;  // owners that need a shared gradient buffer
+  grad_slot_stride_.assign(nv, 0);
+  grad_.assign(nv, nullptr);
+  shared_grad_.assign(nv, false);
+  for (size_t v = 0; v < nv; ++v) {
+    if (owner_[v] != static_cast<int>(v) || !(needs_grad_[v] || output[v])) continue;
+    if (own[v]) {
+      grad_storage_.emplace_back(backend_, slots_ * max_batch_ * per_sample(g, static_cast<int>(v)));
+      grad_[v] = grad_storage_.back().data();
+      grad_slot_stride_[v] = max_batch_ * per_sample(g, static_cast<int>(v));
+    } else {
+      order.push_back(static_cast<int>(v));
+    }
+  }
+  std::stable_sort(order.begin(), order.end(), [&](int a, int b) { return first_writer_[a] > first_writer_[b]; });
+  for (int v : order) {
+    const int64_t need = max_batch_ * per_sample(g, v);
+    int best = -1;
+    for (size_t b = 0; b < shared.size(); ++b) {
+      if (shared[b].free_below <= first_writer_[v]) continue;  // still in use
+      const bool fits = shared[b].elements >= need;
+      if (best < 0) {
+        best = static_cast<int>(b);
+        continue;
+      }
+      const bool best_fits = shared[best].elements >= need;
+      if (fits != best_fits ? fits
+                            : fits ? shared[b].elements < shared[best].elements : shared[b].elements > shared[best].elements) {
+        best = static_cast<int>(b);
+      }
+    }
+    if (best < 0) {
+      best = static_cast<int>(shared.size());
+      shared.emplace_back();
+    }
+    Shared& s = shared[best];
+    s.elements = std::max(s.elements, need);
+    s.free_below = made[v];
+    s.values.push_back(v);
+  }
+  for (const Shared& s : shared) {
+    grad_storage_.emplace_back(backend_, s.elements);
+    for (int v : s.values) {
+      grad_[v] = grad_storage_.back().data();
+      shared_grad_[v] = true;
+    }
+  }
+  for (size_t v = 0; v < nv; ++v) {  // Reshapes alias their owner's gradient too
+    const int o = owner_[v];
+    grad_[v] = grad_[o];
+    grad_slot_stride_[v] = grad_slot_stride_[o];
+    shared_grad_[v] = shared_grad_[o];
+  }
+  zero_before_.assign(g.nodes.size(), {});
+}
+
 // Who writes which gradient buffer first, so that buffers one Linear writes alone are
 // overwritten by it instead of zeroed and added to: that memset traffic was a fifth of
 // the non-GEMM time of a step on a 4 x 1024 MLP.
@@ -199,14 +281,20 @@ void Program::plan_gradient_writes() {
   for (size_t v = 0; v < g.values.size(); ++v) {
     const auto& readers = g.values[v].consumers;
     const bool output = is_model_output(g, static_cast<int>(v));
-    overwritten_[v] = grad_storage_[v].data() != nullptr && readers.size() == 1 &&
+    const bool owner = owner_[v] == static_cast<int>(v);
+    overwritten_[v] = owner && readers.size() == 1 &&
                       g.nodes[readers[0]].kind == OpKind::kLinear && needs_grad_[v] && !output;
     // Cleared before each backward: value gradients something adds into. Not values
     // nobody back-propagates into, model outputs (the loss writes them), values whose
     // only reader is a Linear (it overwrites their gradient), nor aliased Reshape
-    // buffers (cleared through their owner, which has the storage).
-    if (grad_storage_[v].data() != nullptr && needs_grad_[v] && !overwritten_[v] && !output) {
-      cleared_values_.push_back(static_cast<int>(v));
+    // buffers (cleared through their owner). A shared buffer is cleared just before
+    // its value's first writer, since other values use it until then.
+    if (owner && needs_grad_[v] && !overwritten_[v] && !output) {
+      if (shared_grad_[v]) {
+        zero_before_[first_writer_[v]].push_back(static_cast<int>(v));
+      } else {
+        cleared_values_.push_back(static_cast<int>(v));
+      }
     }
   }
 }
@@ -353,6 +441,7 @@ void Program::forward_node(size_t i, int64_t batch, Mode mode, uint64_t seed, in
 
 void Program::backward(int64_t batch, const std::function<void(size_t)>& after_node) {
   for (size_t i = graph_.nodes.size(); i-- > 0;) {
+    for (int v : zero_before_[i]) backend_.fill(grad(v), 0.0f, batch * per_sample(graph_, v));
     backward_node(i, batch);
     if (after_node) after_node(i);
   }
@@ -396,14 +485,14 @@ void Program::backward_node(size_t i, int64_t batch) {
     case OpKind::kLayerNorm: {
       const int64_t width = graph_.values[x].shape.features();
       const int64_t rows = count / width;
-      backend_.layernorm_backward(grad(x), param_grad(n.weight), param_grad(n.bias), dy,
+      backend_.layernorm_backward(dx, param_grad(n.weight), param_grad(n.bias), dy,
                                   val(x), param(n.weight), saved_a_[i].data() + slot_ * rows,
                                   saved_b_[i].data() + slot_ * rows, rows, width);
       return;
     }
     case OpKind::kBatchNorm: {
       const int64_t channels = graph_.values[x].shape.dims[1];
-      backend_.batchnorm_backward(grad(x), param_grad(n.weight), param_grad(n.bias), dy,
+      backend_.batchnorm_backward(dx, param_grad(n.weight), param_grad(n.bias), dy,
                                   val(x), param(n.weight), saved_a_[i].data() + slot_ * channels,
                                   saved_b_[i].data() + slot_ * channels, batch, channels,
                                   count / (batch * channels), true, batchnorm_reducer_ ? &batchnorm_reducer_ : nullptr);
@@ -440,6 +529,18 @@ void Program::backward_node(size_t i, int64_t batch) {
 void Program::zero_gradients() {
   for (const auto& [begin, end] : zeroed_ranges_) backend_.fill(grads_.data() + begin, 0.0f, end - begin);
   fresh_step_ = true;
+}
+
+float* Program::gradient(int v) {
+  PIPESHARD_CHECK(!shared_grad_[v], "the gradient of '" + graph_.values[v].name +
+                                        "' lives only inside backward(); only model inputs' and outputs' are kept");
+  return grad(v);
+}
+
+int64_t Program::value_gradient_elements() const {
+  int64_t n = 0;
+  for (const DeviceBuffer& b : grad_storage_) n += b.size();
+  return n;
 }
 
 float* Program::input(int k) { return val(graph_.inputs[k]); }

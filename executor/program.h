@@ -1,9 +1,12 @@
 // A Program runs a Graph on a Backend: forward in topological order, backward in
 // reverse. Trainable parameters and their gradients each live in one contiguous buffer
 // (one memset, one optimizer loop, one all-reduce later); BatchNorm running statistics
-// live in a second one. Every value has an activation buffer and a gradient buffer
-// sized for the largest batch; gradients are summed where a value fans out (residual
-// connections, tied weights) because every backward adds (+=).
+// live in a second one. Every value has an activation buffer sized for the largest
+// batch. Gradients are summed where a value fans out (residual connections, tied
+// weights) because every backward adds (+=). A value's gradient lives only inside one
+// backward(), from its last reader's node down to its producer, so values whose lives
+// do not overlap share gradient buffers (an MLP of any depth needs two); the model's
+// inputs and outputs keep their own, which outlive backward().
 //
 // A Linear whose only reader is an activation runs as one fused GEMM + bias +
 // activation pass; Reshape aliases its input's buffers and costs nothing.
@@ -51,6 +54,9 @@ struct ProgramOptions {
   // Training BatchNorm statistics over several processes (--sync-batchnorm): sums the
   // per-channel partial statistics over the data-parallel replicas. Null: this batch's.
   ChannelReducer batchnorm_reducer;
+  // false: every value gets a gradient buffer of its own in every slot, as if all were
+  // model inputs or outputs (the tests' reference for sharing; it changes no result).
+  bool share_gradient_buffers = true;
 };
 
 class Program {
@@ -99,10 +105,12 @@ class Program {
   // Gradient buffer of model output k, [batch, ...]: write ∂loss/∂output here (the
   // loss functions do, a pipeline stage receives it), then call backward().
   float* output_gradient(int k);
-  // Any value's activation and gradient buffer in the selected slot, [batch, ...]
-  // (pipeline stages send and receive the values crossing a cut from here).
+  // Any value's activation buffer in the selected slot, [batch, ...] (pipeline stages
+  // send and receive the values crossing a cut from here); a model input's or output's
+  // gradient buffer (null for an input without one). Other values' gradients live only
+  // inside backward() in shared buffers, so asking for one is a bug.
   float* value(int v) { return val(v); }
-  float* gradient(int v) { return grad(v); }
+  float* gradient(int v);
   // Whether backward produces a gradient for value v (some trainable parameter, or an
   // input that needs a gradient, is upstream of it).
   bool needs_gradient(int v) const { return needs_grad_[v]; }
@@ -119,11 +127,15 @@ class Program {
   void zero_gradients();
 
   Backend& backend() { return backend_; }
+  // Elements of the gradient buffers of values (activations' gradients, not parameters'):
+  // what sharing saves shows here.
+  int64_t value_gradient_elements() const;
 
  private:
   Program(const Graph& graph, Backend& backend, int64_t max_batch, const ProgramOptions& options);
   Status plan_tensor_parallel();
   void plan_gradient_writes();
+  void plan_gradient_buffers(bool share);
   void forward_node(size_t i, int64_t batch, Mode mode, uint64_t seed, int64_t first_sample);
   void dropout_forward(size_t i, int64_t batch, uint64_t seed, int64_t first_sample);
   void backward_node(size_t i, int64_t batch);
@@ -131,7 +143,7 @@ class Program {
   float* param_grad(int p);  // null for non-trainable parameters
   // Value v's activation and gradient in the selected slot.
   float* val(int v) const { return value_[v] + slot_ * max_batch_ * graph_.values[v].shape.per_sample_elements(); }
-  float* grad(int v) const { return grad_[v] + slot_ * max_batch_ * graph_.values[v].shape.per_sample_elements(); }
+  float* grad(int v) const { return grad_[v] + slot_ * grad_slot_stride_[v]; }
 
   const Graph& graph_;
   Backend& backend_;
@@ -143,8 +155,14 @@ class Program {
   int64_t trainable_elements_ = 0;
   DeviceBuffer params_, grads_, buffers_;  // trainable, their gradients, running stats
   std::vector<int64_t> param_offset_;      // [graph params]; into params_ or buffers_
-  std::vector<DeviceBuffer> value_storage_, grad_storage_;
+  std::vector<DeviceBuffer> value_storage_; // [graph values]; empty for a Reshape's output
+  std::vector<DeviceBuffer> grad_storage_;  // each a model input's or output's, or shared by several values
   std::vector<float*> value_, grad_;       // [graph values]; Reshape aliases its input
+  std::vector<int> owner_;                 // [graph values]: the value whose buffers v aliases (Reshape), or v
+  std::vector<bool> shared_grad_;          // [graph values]: the gradient lives in a shared buffer
+  std::vector<int64_t> grad_slot_stride_;  // [graph values]: elements per slot; 0 when shared
+  std::vector<int> first_writer_;          // [graph values]: the node whose backward writes v's gradient first
+  std::vector<std::vector<int>> zero_before_;  // [graph nodes]: shared gradients zeroed before the node's backward
   std::vector<DeviceBuffer> saved_a_, saved_b_;  // [graph nodes]: mean/rstd, mask, pre-activation
   std::vector<int> fused_activation_;      // [graph nodes]: Linear -> its activation node, or -1
   std::vector<bool> skip_forward_;         // [graph nodes]: an activation fused into its Linear
@@ -158,7 +176,7 @@ class Program {
   std::vector<bool> owns_param_grads_;     // [graph nodes]: a Linear that alone uses its weight and bias
   std::vector<bool> overwritten_;          // [graph values]: read only by one Linear, which writes dx
   std::vector<std::pair<int64_t, int64_t>> zeroed_ranges_;  // [offset, end) of the other parameter gradients
-  std::vector<int> cleared_values_;        // value gradients zeroed after each kTrain forward
+  std::vector<int> cleared_values_;        // own value gradients zeroed after each kTrain forward
   bool fresh_step_ = false;                // zero_gradients() ran and no backward since
 };
 

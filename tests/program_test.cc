@@ -2,9 +2,11 @@
 // in models/, and the gradient of a real loss with respect to the parameters equals
 // finite differences — which exercises the wiring the per-op checks can't: fan-out
 // (residual, tied weights), fused Linear+activation, aliased Reshape, NLL after
-// LogSoftmax, BatchNorm with batch statistics.
+// LogSoftmax, BatchNorm with batch statistics. And the gradient buffers values share
+// change no bit of any gradient, and cost what their plan says.
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <filesystem>
 #include <random>
 
@@ -14,6 +16,7 @@
 #include "executor/program.h"
 #include "executor/reference_forward.h"
 #include "importer/onnx_importer.h"
+#include "tests/model_builder.h"
 #include "tests/test_util.h"
 
 namespace pipeshard {
@@ -160,6 +163,97 @@ INSTANTIATE_TEST_SUITE_P(
                       GradCase{"linear_nobias", LossKind::kMse}, GradCase{"gemm_alpha_beta", LossKind::kCrossEntropy},
                       GradCase{"logsoftmax", LossKind::kCrossEntropy}, GradCase{"softmax", LossKind::kMse}),
     [](const auto& info) { return info.param.model + (info.param.loss == LossKind::kMse ? "_mse" : "_ce"); });
+
+// Two micro-batches in flight, the way a 1F1B stage runs them (forward 0, forward 1,
+// backward 1, backward 0), from a fresh step and then accumulating; returns the
+// parameter gradients followed by every input's gradient in both slots.
+std::vector<float> two_slot_gradients(const Graph& g, bool share) {
+  std::unique_ptr<Backend> backend = make_cpu_backend();
+  ProgramOptions options;
+  options.slots = 2;
+  options.input_needs_grad.assign(g.inputs.size(), true);
+  options.share_gradient_buffers = share;
+  auto created = Program::create(g, *backend, 5, options);
+  EXPECT_TRUE(created.is_ok()) << created.status().message();
+  Program& p = **created;
+  const int64_t batch = 5, in = g.values[g.inputs[0]].shape.per_sample_elements();
+  const int64_t out = p.output_shape(0).per_sample_elements();
+  std::vector<float> result;
+  p.zero_gradients();
+  for (int step = 0; step < 2; ++step) {
+    std::vector<DeviceBuffer> targets;
+    for (int slot = 0; slot < 2; ++slot) {
+      const std::vector<float> x = random_vector(batch * in, 20 + 2 * step + slot);
+      const std::vector<float> t = random_vector(batch * out, 30 + 2 * step + slot);
+      targets.emplace_back(*backend, batch * out);
+      backend->upload(targets.back().data(), t.data(), batch * out);
+      p.select_slot(slot);
+      p.forward({x.data()}, batch, Mode::kTrain, 99, slot * batch);
+      apply_loss(p, LossKind::kMse, false, targets.back().data(), batch, 2 * batch);
+    }
+    for (int slot = 1; slot >= 0; --slot) {
+      p.select_slot(slot);
+      p.backward(batch);
+    }
+    for (int slot = 0; slot < 2; ++slot) {
+      p.select_slot(slot);
+      for (size_t k = 0; k < g.inputs.size(); ++k) {
+        std::vector<float> dx(static_cast<size_t>(batch * in));
+        backend->download(dx.data(), p.input_gradient(static_cast<int>(k)), batch * in);
+        result.insert(result.end(), dx.begin(), dx.end());
+      }
+    }
+  }
+  std::vector<float> dw(static_cast<size_t>(p.trainable_elements()));
+  backend->download(dw.data(), p.gradients(), p.trainable_elements());
+  result.insert(result.end(), dw.begin(), dw.end());
+  return result;
+}
+
+TEST_P(EveryModel, SharedGradientBuffersChangeNoBit) {
+  ImportedModel m = load(GetParam());
+  const std::vector<float> own = two_slot_gradients(m.graph, false);
+  const std::vector<float> shared = two_slot_gradients(m.graph, true);
+  ASSERT_EQ(own.size(), shared.size());
+  bool nonzero = false;
+  for (size_t i = 0; i < own.size(); ++i) {
+    nonzero = nonzero || own[i] != 0.0f;
+    ASSERT_EQ(std::memcmp(&own[i], &shared[i], sizeof(float)), 0)
+        << "element " << i << ": own buffers " << own[i] << ", shared " << shared[i];
+  }
+  EXPECT_TRUE(nonzero) << "the check compares nothing but zeros";
+}
+
+// A chain of fused Linear+ReLU needs two shared gradient buffers whatever its depth
+// (one for each Linear's output, one for each ReLU's), plus the output's own, per slot.
+TEST(Program, DeepChainSharesTwoGradientBuffers) {
+  testing::ModelBuilder b(48);
+  std::string x = "input";
+  int64_t width = 48;
+  for (int i = 0; i < 12; ++i) {  // widths 64 and 65 in turn
+    x = b.relu(b.linear(x, width, 64 + i % 2));
+    width = 64 + i % 2;
+  }
+  x = b.linear(x, width, 10);
+  b.output(x, 10);
+  auto proto = std::make_shared<onnx::ModelProto>(b.model());
+  Result<ImportedModel> m = import_onnx_model(proto, ".", "built");
+  ASSERT_TRUE(m.is_ok()) << m.status().message();
+  std::unique_ptr<Backend> backend = make_cpu_backend();
+  const int64_t batch = 8;
+  ProgramOptions options;
+  options.slots = 3;
+  auto shared = Program::create(m->graph, *backend, batch, options);
+  options.share_gradient_buffers = false;
+  auto own = Program::create(m->graph, *backend, batch, options);
+  ASSERT_TRUE(shared.is_ok() && own.is_ok());
+  EXPECT_EQ((*shared)->value_gradient_elements(), 2 * batch * 65 + 3 * batch * 10);
+  // Unshared: every value but the input (which needs no gradient), in every slot.
+  int64_t all = 0;
+  for (size_t v = 1; v < m->graph.values.size(); ++v) all += 3 * batch * m->graph.values[v].shape.per_sample_elements();
+  EXPECT_EQ((*own)->value_gradient_elements(), all);
+  EXPECT_EQ((*shared)->input_gradient(0), nullptr) << "nothing back-propagates into the model input";
+}
 
 TEST(Program, SharedWeightGetsTheSumOfBothUses) {
   ImportedModel m = load("shared_weight");
