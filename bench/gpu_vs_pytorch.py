@@ -23,6 +23,9 @@ What it races (bench/README.md has the CPU counterpart, bench/cpu_vs_pytorch.py)
          outputs and the GELUs in bf16.
   small  784-512-512-10 ReLU, batch 128, SGD lr 0.01 momentum 0.9 (model A of cpu_vs_pytorch.py), fp32
          and tf32: step time against PyTorch eager.
+  kernels  our softmax, log-softmax and BatchNorm kernels against cuDNN's (build/bin/bench_kernels_cudnn,
+         its header says how): time per call of each, which is faster, and whether they agree; for the
+         issue's "use cuDNN where it is the better tool, keeping the faster". Last: it is no target.
 Ours is `train MODEL.onnx … --device cuda --precision P --metrics M.jsonl`; its step time is
 B / samples_per_s of each metrics line (wall time between consecutive steps). PyTorch runs the same
 weights and batches: the model is generated here as ONNX (Gemm + exact GELU, weights as external
@@ -451,6 +454,34 @@ def gemm_section(r, res):
     res["gemm"]["torch"] = out if out else {"why": why}
 
 
+def kernels_section(r, res):
+    """Our softmax/BatchNorm kernels against cuDNN's (bench_kernels_cudnn); res['kernels']."""
+    a = r.args
+    entry = res["kernels"] = {}
+    if a.smoke_cpu:
+        entry["why"] = "not run: CPU smoke (bench_kernels_cudnn needs a GPU)"
+        return
+    if not os.access(a.bench_kernels, os.X_OK):
+        entry["why"] = f"not run: {a.bench_kernels} was not built (no cuDNN beside the CUDA toolkit at build time)"
+        return
+    t = r.budget.timeout(60)
+    if t is None:
+        entry["why"] = "not run: out of time budget"
+        return
+    r.say("kernels: ours against cuDNN, bench_kernels_cudnn")
+    status, out, _, _ = r.child([a.bench_kernels], r.ours_env, t, "bench_kernels_cudnn")
+    if status == 127:
+        entry["why"] = f"not run: bench_kernels_cudnn cannot load (no cuDNN 9 here?): {last_line(out)}"
+        return
+    try:
+        start = re.search(r"^\{", out, re.M)
+        entry.update(json.loads(out[start.start():] if start else ""))
+        if status not in (0, 1):
+            entry["why"] = f"failed (exit {status}): {entry.get('error', last_line(out))}"
+    except ValueError:
+        entry["why"] = f"failed ({status}): {last_line(out)}"
+
+
 def ours_train(r, desc, precision, steps, label):
     """One run of our train; returns a dict of its figures or {'why': …}."""
     a = r.args
@@ -657,6 +688,23 @@ def markdown(res, args):
             if "loss_rel" in f:
                 add(f"| {p} | loss, step 1 (same weights and batch) | {o['loss1']:.6f} | {t['loss1']:.6f} | "
                     f"rel diff {f['loss_rel']:.1e} ({'ok' if f['loss_ok'] else 'WRONG'}, tolerance {LOSS_TOLERANCE[p]:g}) |")
+    k = res.get("kernels")
+    if k is not None:
+        add("")
+        add("**Our kernels against cuDNN** (bench_kernels_cudnn, fp32, on the same buffers; ms per call: "
+            f"{k.get('timing', 'see its header')}; they agree when {k.get('agreement', 'the outputs match')}).")
+        add("")
+        if "why" in k:
+            add(k["why"])
+        else:
+            add(f"cuDNN {k.get('cudnn_version', '?')}.")
+            add("")
+            add("| op | shape | cuDNN variant | ours ms | cuDNN ms | ours/cuDNN | faster | results agree (max diff) |")
+            add("|---|---|---|---|---|---|---|---|")
+            for x in k.get("results", []):
+                agree = f"{'yes' if x['agree'] else 'DIFFER'} ({x['max_difference']:.1e})"
+                add(f"| {x['op']} | {x['shape']} | {x['cudnn_variant']} | {x['ours_ms']:.4f} | {x['cudnn_ms']:.4f} | "
+                    f"{x['ours_over_cudnn']:.2f} | {x['faster']} | {agree} |")
     if res.get("notes"):
         add("")
         for n in res["notes"]:
@@ -673,8 +721,9 @@ def main():
     ap.add_argument("--run-timeout", type=float, default=90, help="seconds one training run may take")
     ap.add_argument("--ours-ld-path", default=os.environ.get("PIPESHARD_OURS_LD_PATH", ""),
                     help="LD_LIBRARY_PATH entries for our binaries only (carried libraries, the machine's CUDA)")
-    ap.add_argument("--sections", default="gemm,large,small",
-                    help="which to run, in this order (the large MLP before the small one: it is the headline)")
+    ap.add_argument("--sections", default="gemm,large,small,kernels",
+                    help="which to run, in this order (the large MLP before the small one: it is the headline; "
+                         "the kernel race last: it is no target)")
     ap.add_argument("--smoke-cpu", action="store_true", help="tiny sizes on the CPU: checks the plumbing, no GPU")
     ap.add_argument("--keep", action="store_true", help="keep the folder with models, data and metrics")
     ap.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
@@ -687,6 +736,7 @@ def main():
     os.makedirs(args.out, exist_ok=True)
     args.train = os.path.join(args.bin_dir, "train")
     args.bench_gemm = os.path.join(args.bin_dir, "bench_gemm_cuda")
+    args.bench_kernels = os.path.join(args.bin_dir, "bench_kernels_cudnn")
     args.device = "cpu" if args.smoke_cpu else "cuda"
     args.gemm_size = 256 if args.smoke_cpu else GEMM_SIZE
     if args.smoke_cpu:  # tiny stand-ins with the same structure
@@ -726,6 +776,8 @@ def main():
                 model_section(r, res, SMALL, ["fp32"] if args.smoke_cpu else SMALL_PRECISIONS, SMALL_ROUNDS)
             elif section == "large":
                 model_section(r, res, LARGE, ["fp32"] if args.smoke_cpu else LARGE_PRECISIONS, 1)
+            elif section == "kernels":
+                kernels_section(r, res)
             else:
                 ap.error(f"unknown section '{section}'")
             r.say(f"{section}: {time.monotonic() - t0:.1f} s")
