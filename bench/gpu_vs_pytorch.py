@@ -34,7 +34,9 @@ copies its batch from host memory (x[b:e].cuda()), as train reads batches from t
 memory. Steps time from one loss.item() to the next. Each side runs in a child process of its own,
 never this one, so device memory is per process: the peak is the largest `used_memory` nvidia-smi
 reports for the child (polled every 0.2 s; CUDA context and library workspaces included on both
-sides), and PyTorch's own torch.cuda.max_memory_allocated/reserved is printed beside it.
+sides), and beside it each side's own count of what it allocated: ours the peak of the backend's
+caching allocator (blocks in use, rounding included: train's metrics `backend_peak_bytes`), PyTorch's
+torch.cuda.max_memory_allocated (and max_memory_reserved).
 Correctness: the step-1 loss of both sides (same weights, same batch) must agree to 1e-4 (fp32),
 5e-3 (tf32) or 1e-2 (bf16) relative (LOSS_TOLERANCE says why); bench_gemm_cuda checks its own outputs.
 
@@ -506,6 +508,7 @@ def ours_train(r, desc, precision, steps, label):
                 "command": " ".join(argv)}
     rows = [json.loads(line) for line in open(metrics)]
     return {"step_s": [desc["batch"] / row["samples_per_s"] for row in rows], "losses": [row["loss"] for row in rows],
+            "max_allocated": rows[-1].get("backend_peak_bytes") if rows else None,
             "peak_process_mib": poller.process_mib if poller else None,
             "peak_total_mib": poller.total_mib if poller else None, "wall_s": wall, "command": " ".join(argv)}
 
@@ -682,9 +685,13 @@ def markdown(res, args):
                 add(f"| {p} | peak device memory, nvidia-smi per process (GiB) | "
                     f"{fmt(o.get('peak_process_mib') and o['peak_process_mib'] / 1024, '{:.2f}')} | "
                     f"{fmt(t.get('peak_process_mib') and t['peak_process_mib'] / 1024, '{:.2f}')} | {fmt(f['memory_ratio'])} |")
-                if "max_allocated" in t:
-                    add(f"| {p} | PyTorch max_memory_allocated / reserved (GiB) | | "
-                        f"{t['max_allocated'] / 2**30:.2f} / {t['max_reserved'] / 2**30:.2f} | |")
+                if o.get("max_allocated") or "max_allocated" in t:
+                    add(f"| {p} | peak allocated (GiB): ours the backend's allocator in use, rounding included "
+                        f"(metrics backend_peak_bytes); PyTorch max_memory_allocated (reserved) | "
+                        f"{fmt(o.get('max_allocated') and o['max_allocated'] / 2**30, '{:.2f}')} | "
+                        f"{fmt(t.get('max_allocated') and t['max_allocated'] / 2**30, '{:.2f}')}"
+                        f"{fmt(t.get('max_reserved') and t['max_reserved'] / 2**30, ' ({:.2f})', '')} | "
+                        f"{fmt(ratio(o.get('max_allocated'), t.get('max_allocated')))} |")
             if "loss_rel" in f:
                 add(f"| {p} | loss, step 1 (same weights and batch) | {o['loss1']:.6f} | {t['loss1']:.6f} | "
                     f"rel diff {f['loss_rel']:.1e} ({'ok' if f['loss_ok'] else 'WRONG'}, tolerance {LOSS_TOLERANCE[p]:g}) |")

@@ -106,6 +106,14 @@ class Backend {
   // A zero-filled buffer of n elements; owned by the caller, released with deallocate().
   virtual float* allocate(int64_t n) = 0;
   virtual void deallocate(float* p) = 0;
+  // Bytes of backend memory held now and the most held at once since the backend was
+  // made, as allocated (rounding included): the CPU backend counts its allocate()
+  // buffers; the CUDA backend every block of its caching allocator that is in use, its
+  // own scratch (16-bit operand copies, reductions) included, not the cache's free blocks.
+  struct MemoryUse {
+    int64_t in_use = 0, peak = 0;
+  };
+  virtual MemoryUse memory_use() const = 0;
   virtual void upload(float* dst, const float* host, int64_t n) = 0;
   virtual void download(float* host, const float* src, int64_t n) = 0;
   virtual void fill(float* dst, float value, int64_t n) = 0;

@@ -6,10 +6,13 @@
 // in a saturated region is the one PyTorch uses (Relu'(0) = 0, LeakyRelu'(0) = slope).
 #include <cblas.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <mutex>
+#include <unordered_map>
 
 #include "common/status.h"
 #include "executor/backend.h"
@@ -170,9 +173,27 @@ class CpuBackend final : public Backend {
     void* p = std::aligned_alloc(kAlign, bytes);
     PIPESHARD_CHECK(p != nullptr, "out of host memory allocating " + std::to_string(bytes) + " bytes");
     std::memset(p, 0, bytes);
+    const std::lock_guard<std::mutex> lock(sizes_mutex_);
+    sizes_[p] = static_cast<int64_t>(bytes);
+    memory_.in_use += static_cast<int64_t>(bytes);
+    memory_.peak = std::max(memory_.peak, memory_.in_use);
     return static_cast<float*>(p);
   }
-  void deallocate(float* p) override { std::free(p); }
+  void deallocate(float* p) override {
+    if (p == nullptr) return;
+    {
+      const std::lock_guard<std::mutex> lock(sizes_mutex_);
+      auto it = sizes_.find(p);
+      PIPESHARD_CHECK(it != sizes_.end(), "deallocate() of a pointer allocate() did not return");
+      memory_.in_use -= it->second;
+      sizes_.erase(it);
+    }
+    std::free(p);
+  }
+  MemoryUse memory_use() const override {
+    const std::lock_guard<std::mutex> lock(sizes_mutex_);
+    return memory_;
+  }
   void upload(float* dst, const float* host, int64_t n) override { copy(dst, host, n); }
   void download(float* host, const float* src, int64_t n) override { copy(host, src, n); }
   void fill(float* dst, float value, int64_t n) override {
@@ -391,6 +412,10 @@ class CpuBackend final : public Backend {
       }
     });
   }
+
+  mutable std::mutex sizes_mutex_;  // allocate() may be called from any thread
+  std::unordered_map<void*, int64_t> sizes_;  // bytes of each live buffer
+  MemoryUse memory_;
 };
 
 }  // namespace

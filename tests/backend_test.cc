@@ -127,6 +127,22 @@ TEST_F(BackendTest, AllocateIsZeroFilledAndAligned) {
   }
 }
 
+TEST_F(BackendTest, MemoryUseCountsLiveBuffersAndThePeak) {
+  const Backend::MemoryUse before = be_->memory_use();
+  EXPECT_GE(before.peak, before.in_use);
+  {
+    DeviceBuffer a = zeros(1000), b = zeros(1 << 20);
+    const Backend::MemoryUse held = be_->memory_use();
+    const int64_t asked = 4 * (1000 + (1 << 20));
+    EXPECT_GE(held.in_use - before.in_use, asked);
+    EXPECT_LE(held.in_use - before.in_use, asked + (int64_t{4} << 20)) << "rounding of at most 2 MiB a buffer";
+    EXPECT_GE(held.peak, held.in_use);
+  }
+  const Backend::MemoryUse after = be_->memory_use();
+  EXPECT_EQ(after.in_use, before.in_use) << "freed buffers no longer count";
+  EXPECT_GE(after.peak, before.in_use + 4 * (1000 + (1 << 20)));
+}
+
 TEST_F(BackendTest, VectorHelpers) {
   const Floats x = random(1000), y = random(1000);
   DeviceBuffer bx = buffer(x), by = buffer(y), bz = zeros(1000);

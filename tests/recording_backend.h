@@ -48,6 +48,7 @@ class RecordingBackend final : public Backend {
     host_only("deallocate");
     inner_.deallocate(p);
   }
+  MemoryUse memory_use() const override { return inner_.memory_use(); }
   void upload(float* dst, const float* host, int64_t n) override {
     host_only("upload");
     inner_.upload(dst, host, n);

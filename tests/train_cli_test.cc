@@ -37,14 +37,24 @@ TEST(TrainCli, ShortRunWritesMetricsAndALoadableModel) {
   std::string line;
   int64_t expected = 1;
   double first = 0, last = 0;
+  std::vector<int64_t> peaks;
   while (std::getline(in, line)) {
     auto j = nlohmann::json::parse(line);
     EXPECT_EQ(j["step"].get<int64_t>(), expected++);
-    for (const char* key : {"epoch", "loss", "lr", "samples_per_s"}) EXPECT_TRUE(j.contains(key)) << key;
+    for (const char* key : {"epoch", "loss", "lr", "samples_per_s", "backend_peak_bytes"}) {
+      EXPECT_TRUE(j.contains(key)) << key;
+    }
     (expected == 2 ? first : last) = j["loss"].get<double>();
+    peaks.push_back(j.value("backend_peak_bytes", int64_t{0}));
   }
   EXPECT_EQ(expected, 13);
   EXPECT_LT(last, first) << "the loss falls";
+  // Memory: at least the weights and their gradients (simple_digits: 64-256-128-10), and
+  // after the first step no more: every buffer a step needs exists by then.
+  ASSERT_FALSE(peaks.empty());
+  EXPECT_GE(peaks.front(), 2 * 4 * (64 * 256 + 256 + 256 * 128 + 128 + 128 * 10 + 10));
+  EXPECT_EQ(peaks.back(), peaks.front()) << "backend memory grew after the first step";
+  EXPECT_NE(r.err.find("peak memory held by the backend: "), std::string::npos) << r.err;
   // The trained file: same initializer names as the input, new values.
   Result<ImportedModel> original = import_onnx_file(source_path("models/simple_digits.onnx"));
   Result<ImportedModel> trained = import_onnx_file(dir / "t.onnx");

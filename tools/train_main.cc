@@ -93,6 +93,17 @@ int check_equivalence(const Graph& graph, const Dataset& data, const TrainConfig
   return same ? 0 : 1;
 }
 
+// "peak …: …" from every process's peak of backend memory (decimal byte counts).
+std::string peak_memory_line(const std::vector<std::string>& peaks, const std::string& device) {
+  const char* where = device == "cuda" ? "GPU memory held by the backend" : "memory held by the backend";
+  std::vector<int64_t> bytes;
+  for (const std::string& p : peaks) bytes.push_back(std::stoll(p));
+  if (bytes.size() == 1) return fmt::format("peak {}: {}", where, bytes_text(bytes[0]));
+  const auto [lo, hi] = std::minmax_element(bytes.begin(), bytes.end());
+  return fmt::format("peak {} per process: {} at most (rank {}), {} at least (rank {})", where, bytes_text(*hi),
+                     hi - bytes.begin(), bytes_text(*lo), lo - bytes.begin());
+}
+
 // How the tensors in the backend's memory travel between processes.
 enum class DeviceComm {
   kHost,    // over `groups`: one process, or the CPU backend's host memory
@@ -586,6 +597,7 @@ int run_training(Communicator* world, Run& run, int argc, char** argv) {
       nlohmann::json row{{"step", r.step}, {"epoch", r.epoch}, {"loss", r.loss}, {"lr", r.lr}, {"samples_per_s", samples_per_s}};
       if (r.non_finite || r.scale_overflow) row["skipped"] = true;
       if (r.loss_scale > 0) row["loss_scale"] = r.loss_scale;
+      row["backend_peak_bytes"] = run.backend->memory_use().peak;  // this process's (rank 0's)
       run.metrics << row.dump() << "\n" << std::flush;
     }
     if (run.board) {
@@ -631,6 +643,8 @@ int run_training(Communicator* world, Run& run, int argc, char** argv) {
   }
   signals.reset();  // from here on, a signal ends the process at once
   if (live) fmt::print(stderr, "\n");
+  // Every process's peak of backend memory, to rank 0 (collective).
+  const std::vector<std::string> peaks = world->gather_text(std::to_string(run.backend->memory_use().peak), 0);
   const double total = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
   if (log) {
     std::vector<std::string> skips;
@@ -645,6 +659,7 @@ int run_training(Communicator* world, Run& run, int argc, char** argv) {
       fmt::print(stderr, "cuda graph: after this process's first step, forward and backward ran from {} recordings\n",
                  trainer.recordings());
     }
+    fmt::print(stderr, "{}\n", peak_memory_line(peaks, a.device));
   }
   const WatchdogSlowPhase slow("writing results");  // rank 0 writes, the others wait
   // The trained model first: what follows only describes the run.

@@ -86,6 +86,9 @@ class CudaBackend final : public Backend {
     not_recording("deallocate");
     allocator_.deallocate(p);
   }  // stream order keeps reuse safe
+  MemoryUse memory_use() const override {
+    return MemoryUse{static_cast<int64_t>(allocator_.bytes_in_use()), static_cast<int64_t>(allocator_.peak_bytes_in_use())};
+  }
   void upload(float* dst, const float* host, int64_t n) override {
     not_recording("upload");
     if (n <= 0) return;
