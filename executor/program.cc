@@ -20,7 +20,8 @@ Activation activation_of(const Node& n) { return Activation{n.activation, n.alph
 
 Program::Program(const Graph& graph, Backend& backend, int64_t max_batch, const ProgramOptions& options)
     : graph_(graph), backend_(backend), max_batch_(max_batch), slots_(options.slots), tensor_(options.tensor),
-      model_node_ids_(options.model_node_ids), batchnorm_reducer_(options.batchnorm_reducer) {}
+      model_node_ids_(options.model_node_ids), batchnorm_reducer_(options.batchnorm_reducer),
+      forward_only_(options.forward_only) {}
 
 Program::~Program() = default;
 
@@ -55,7 +56,7 @@ Result<std::unique_ptr<Program>> Program::create(const Graph& g, Backend& backen
     for (int i : g.node_params(n)) place(i);
   for (size_t i = 0; i < g.params.size(); ++i) place(static_cast<int>(i));
   p->params_ = DeviceBuffer(backend, std::max<int64_t>(p->trainable_elements_, 1));
-  p->grads_ = DeviceBuffer(backend, std::max<int64_t>(p->trainable_elements_, 1));
+  if (!options.forward_only) p->grads_ = DeviceBuffer(backend, std::max<int64_t>(p->trainable_elements_, 1));
   p->buffers_ = DeviceBuffer(backend, std::max<int64_t>(buffer_elements, 1));
   p->upload_parameters(g);
 
@@ -116,6 +117,12 @@ Result<std::unique_ptr<Program>> Program::create(const Graph& g, Backend& backen
         break;
     }
   }
+  for (size_t v = 0; v < nv; ++v) {  // a value nobody makes must be one nobody reads (it gets no buffers)
+    if (p->owner_[v] < 0 && (!g.values[v].consumers.empty() || is_model_output(g, static_cast<int>(v)))) {
+      return Status::error("value '" + g.values[v].name + "' is read but neither a model input nor made by a node");
+    }
+  }
+  if (options.forward_only) p->needs_grad_.assign(nv, false);
   PIPESHARD_RETURN_IF_ERROR(p->plan_tensor_parallel());
   p->plan_gradient_buffers(options.share_gradient_buffers);
   p->plan_gradient_writes();
@@ -178,11 +185,12 @@ void Program::plan_gradient_buffers(bool share) {
   const size_t nv = g.values.size();
   std::vector<bool> own(nv, !share), output(nv, false);
   for (int v : g.inputs) own[owner_[v]] = true;
-  for (int v : g.outputs) own[owner_[v]] = output[owner_[v]] = true;
+  for (int v : g.outputs) own[owner_[v]] = output[owner_[v]] = !forward_only_;
   std::vector<int> made(nv, -1);
   first_writer_.assign(nv, -1);
   for (size_t v = 0; v < nv; ++v) {
     const int o = owner_[v];
+    if (o < 0) continue;  // made by no node and read by none
     if (o == static_cast<int>(v)) made[o] = g.values[v].producer;
     first_writer_[o] = std::max(first_writer_[o], g.values[v].producer);
     for (int c : g.values[v].consumers) first_writer_[o] = std::max(first_writer_[o], c);
@@ -242,6 +250,7 @@ void Program::plan_gradient_buffers(bool share) {
   }
   for (size_t v = 0; v < nv; ++v) {  // Reshapes alias their owner's gradient too
     const int o = owner_[v];
+    if (o < 0) continue;
     grad_[v] = grad_[o];
     grad_slot_stride_[v] = grad_slot_stride_[o];
     shared_grad_[v] = shared_grad_[o];
@@ -440,6 +449,7 @@ void Program::forward_node(size_t i, int64_t batch, Mode mode, uint64_t seed, in
 }
 
 void Program::backward(int64_t batch, const std::function<void(size_t)>& after_node) {
+  PIPESHARD_CHECK(!forward_only_, "backward() of a forward-only program");
   for (size_t i = graph_.nodes.size(); i-- > 0;) {
     for (int v : zero_before_[i]) backend_.fill(grad(v), 0.0f, batch * per_sample(graph_, v));
     backward_node(i, batch);
@@ -527,6 +537,7 @@ void Program::backward_node(size_t i, int64_t batch) {
 }
 
 void Program::zero_gradients() {
+  if (forward_only_) return;
   for (const auto& [begin, end] : zeroed_ranges_) backend_.fill(grads_.data() + begin, 0.0f, end - begin);
   fresh_step_ = true;
 }

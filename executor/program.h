@@ -57,6 +57,8 @@ struct ProgramOptions {
   // false: every value gets a gradient buffer of its own in every slot, as if all were
   // model inputs or outputs (the tests' reference for sharing; it changes no result).
   bool share_gradient_buffers = true;
+  // Only kEval forwards (evaluation): no gradient buffers at all, and backward() is a bug.
+  bool forward_only = false;
 };
 
 class Program {
@@ -70,7 +72,7 @@ class Program {
   // Trainable parameter elements: the size of parameters() and gradients().
   int64_t trainable_elements() const { return trainable_elements_; }
   float* parameters() { return params_.data(); }  // [trainable_elements]
-  float* gradients() { return grads_.data(); }    // [trainable_elements]
+  float* gradients() { return grads_.data(); }    // [trainable_elements]; null when forward_only
   // Where Graph parameter `p` lives in parameters() (-1 when it is not trainable).
   int64_t parameter_offset(int p) const { return graph_.params[p].trainable ? param_offset_[p] : -1; }
 
@@ -178,6 +180,7 @@ class Program {
   std::vector<std::pair<int64_t, int64_t>> zeroed_ranges_;  // [offset, end) of the other parameter gradients
   std::vector<int> cleared_values_;        // own value gradients zeroed after each kTrain forward
   bool fresh_step_ = false;                // zero_gradients() ran and no backward since
+  bool forward_only_ = false;
 };
 
 }  // namespace pipeshard

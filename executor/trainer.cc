@@ -632,7 +632,9 @@ EvalResult Trainer::evaluate(const Dataset& data) {
     download_parameters(*eval_graph_);
     if (world_->rank() != 0) return e;
     if (!eval_program_) {
-      Result<std::unique_ptr<Program>> p = Program::create(*eval_graph_, backend_, config_.batch_size);
+      ProgramOptions forward_only;
+      forward_only.forward_only = true;
+      Result<std::unique_ptr<Program>> p = Program::create(*eval_graph_, backend_, config_.batch_size, forward_only);
       PIPESHARD_CHECK(p.is_ok(), p.status().message());
       eval_program_ = std::move(*p);
     }

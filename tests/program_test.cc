@@ -166,12 +166,12 @@ INSTANTIATE_TEST_SUITE_P(
 
 // Two micro-batches in flight, the way a 1F1B stage runs them (forward 0, forward 1,
 // backward 1, backward 0), from a fresh step and then accumulating; returns the
-// parameter gradients followed by every input's gradient in both slots.
-std::vector<float> two_slot_gradients(const Graph& g, bool share) {
+// parameter gradients, after every input's gradient in both slots when they have one.
+std::vector<float> two_slot_gradients(const Graph& g, bool share, bool inputs_need_grad) {
   std::unique_ptr<Backend> backend = make_cpu_backend();
   ProgramOptions options;
   options.slots = 2;
-  options.input_needs_grad.assign(g.inputs.size(), true);
+  options.input_needs_grad.assign(g.inputs.size(), inputs_need_grad);
   options.share_gradient_buffers = share;
   auto created = Program::create(g, *backend, 5, options);
   EXPECT_TRUE(created.is_ok()) << created.status().message();
@@ -195,7 +195,7 @@ std::vector<float> two_slot_gradients(const Graph& g, bool share) {
       p.select_slot(slot);
       p.backward(batch);
     }
-    for (int slot = 0; slot < 2; ++slot) {
+    for (int slot = 0; slot < 2 && inputs_need_grad; ++slot) {
       p.select_slot(slot);
       for (size_t k = 0; k < g.inputs.size(); ++k) {
         std::vector<float> dx(static_cast<size_t>(batch * in));
@@ -210,18 +210,55 @@ std::vector<float> two_slot_gradients(const Graph& g, bool share) {
   return result;
 }
 
+// With and without input gradients: without, LayerNorm and BatchNorm on the input get
+// no dx, and the input no buffer.
 TEST_P(EveryModel, SharedGradientBuffersChangeNoBit) {
   ImportedModel m = load(GetParam());
-  const std::vector<float> own = two_slot_gradients(m.graph, false);
-  const std::vector<float> shared = two_slot_gradients(m.graph, true);
-  ASSERT_EQ(own.size(), shared.size());
-  bool nonzero = false;
-  for (size_t i = 0; i < own.size(); ++i) {
-    nonzero = nonzero || own[i] != 0.0f;
-    ASSERT_EQ(std::memcmp(&own[i], &shared[i], sizeof(float)), 0)
-        << "element " << i << ": own buffers " << own[i] << ", shared " << shared[i];
+  for (bool inputs_need_grad : {true, false}) {
+    const std::vector<float> own = two_slot_gradients(m.graph, false, inputs_need_grad);
+    const std::vector<float> shared = two_slot_gradients(m.graph, true, inputs_need_grad);
+    ASSERT_EQ(own.size(), shared.size());
+    bool nonzero = false;
+    for (size_t i = 0; i < own.size(); ++i) {
+      nonzero = nonzero || own[i] != 0.0f;
+      ASSERT_EQ(std::memcmp(&own[i], &shared[i], sizeof(float)), 0) << "element " << i << ": own buffers " << own[i]
+                                                                   << ", shared " << shared[i]
+                                                                   << (inputs_need_grad ? "" : " (no input gradient)");
+    }
+    EXPECT_TRUE(nonzero) << "the check compares nothing but zeros";
   }
-  EXPECT_TRUE(nonzero) << "the check compares nothing but zeros";
+}
+
+// Evaluation needs no gradients: a forward-only program computes the same outputs
+// without allocating any.
+TEST_P(EveryModel, ForwardOnlyProgramHoldsNoGradients) {
+  ImportedModel m = load(GetParam());
+  const Graph& g = m.graph;
+  std::unique_ptr<Backend> backend = make_cpu_backend();
+  const int64_t batch = 5, in = g.values[g.inputs[0]].shape.per_sample_elements();
+  const std::vector<float> x = random_vector(batch * in, 8);
+  std::vector<std::vector<float>> outputs;
+  std::vector<int64_t> held;
+  for (bool forward_only : {false, true}) {
+    const int64_t before = backend->memory_use().in_use;
+    ProgramOptions options;
+    options.forward_only = forward_only;
+    auto p = Program::create(g, *backend, batch, options);
+    ASSERT_TRUE(p.is_ok()) << p.status().message();
+    held.push_back(backend->memory_use().in_use - before);
+    (*p)->forward({x.data()}, batch, Mode::kEval, 0);
+    const int64_t n = batch * (*p)->output_shape(0).per_sample_elements();
+    outputs.emplace_back(static_cast<size_t>(n));
+    backend->download(outputs.back().data(), (*p)->output(0), n);
+    if (forward_only) {
+      EXPECT_EQ((*p)->value_gradient_elements(), 0);
+      EXPECT_EQ((*p)->gradients(), nullptr);
+    }
+  }
+  EXPECT_EQ(outputs[0], outputs[1]);
+  int64_t trainable = 0;
+  for (const Parameter& q : g.params) trainable += q.trainable ? q.elements() : 0;
+  EXPECT_LE(held[1], held[0] - 4 * trainable) << "without the parameter gradients at least";
 }
 
 // A chain of fused Linear+ReLU needs two shared gradient buffers whatever its depth
