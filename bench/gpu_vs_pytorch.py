@@ -509,6 +509,7 @@ def ours_train(r, desc, precision, steps, label):
     rows = [json.loads(line) for line in open(metrics)]
     return {"step_s": [desc["batch"] / row["samples_per_s"] for row in rows], "losses": [row["loss"] for row in rows],
             "max_allocated": rows[-1].get("backend_peak_bytes") if rows else None,
+            "memory_breakdown": (re.findall(r"^peak [^:]*memory held by the backend: (.*)$", out, re.M) or [None])[-1],
             "peak_process_mib": poller.process_mib if poller else None,
             "peak_total_mib": poller.total_mib if poller else None, "wall_s": wall, "command": " ".join(argv)}
 
@@ -585,7 +586,7 @@ def summarize_runs(runs):
              "loss_last": ok[0]["losses"][-1], "rounds_ms": [x["median_s"] * 1e3 for x in ok],
              "peak_process_mib": max((x.get("peak_process_mib") or 0 for x in ok), default=0) or None,
              "peak_total_mib": max((x.get("peak_total_mib") or 0 for x in ok), default=0) or None}
-        for k in ("max_allocated", "max_reserved", "foreach", "fused", "optimizer"):
+        for k in ("max_allocated", "max_reserved", "foreach", "fused", "optimizer", "memory_breakdown"):
             if k in ok[0]:
                 s[k] = ok[0][k]
         return s
@@ -692,6 +693,8 @@ def markdown(res, args):
                         f"{fmt(t.get('max_allocated') and t['max_allocated'] / 2**30, '{:.2f}')}"
                         f"{fmt(t.get('max_reserved') and t['max_reserved'] / 2**30, ' ({:.2f})', '')} | "
                         f"{fmt(ratio(o.get('max_allocated'), t.get('max_allocated')))} |")
+            if name == "large" and o.get("memory_breakdown"):
+                add(f"| {p} | ours at its peak (train's summary line) | {o['memory_breakdown'].replace('|', '/')} | | |")
             if "loss_rel" in f:
                 add(f"| {p} | loss, step 1 (same weights and batch) | {o['loss1']:.6f} | {t['loss1']:.6f} | "
                     f"rel diff {f['loss_rel']:.1e} ({'ok' if f['loss_ok'] else 'WRONG'}, tolerance {LOSS_TOLERANCE[p]:g}) |")

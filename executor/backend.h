@@ -109,7 +109,9 @@ class Backend {
   // Bytes of backend memory held now and the most held at once since the backend was
   // made, as allocated (rounding included): the CPU backend counts its allocate()
   // buffers; the CUDA backend every block of its caching allocator that is in use, its
-  // own scratch (16-bit operand copies, reductions) included, not the cache's free blocks.
+  // own scratch from there (16-bit operand copies, reductions) included, not the cache's
+  // free blocks, cuBLASLt's 32 MiB workspace nor synchronized BatchNorm's few doubles
+  // (cudaMalloc'd apart).
   struct MemoryUse {
     int64_t in_use = 0, peak = 0;
   };

@@ -46,6 +46,7 @@ class Optimizer {
   // `updates` were not skipped.
   void restore(int64_t steps, int64_t updates, const std::vector<std::vector<float>>& slots);
   int slots() const { return static_cast<int>(state_.size()); }
+  int64_t state_bytes() const { return static_cast<int64_t>(state_.size() * sizeof(float)) * n_; }
 
  private:
   Backend& backend_;

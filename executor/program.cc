@@ -554,6 +554,20 @@ int64_t Program::value_gradient_elements() const {
   return n;
 }
 
+Program::Memory Program::memory() const {
+  auto bytes = [](const std::vector<DeviceBuffer>& buffers) {
+    int64_t n = 0;
+    for (const DeviceBuffer& b : buffers) n += b.size();
+    return static_cast<int64_t>(sizeof(float)) * n;
+  };
+  Memory m;
+  m.weights = static_cast<int64_t>(sizeof(float)) * (params_.size() + buffers_.size());
+  m.gradients = static_cast<int64_t>(sizeof(float)) * grads_.size();
+  m.activations = bytes(value_storage_) + bytes(saved_a_) + bytes(saved_b_) + bytes(scratch_);
+  m.activation_gradients = bytes(grad_storage_);
+  return m;
+}
+
 float* Program::input(int k) { return val(graph_.inputs[k]); }
 float* Program::input_gradient(int k) { return grad(graph_.inputs[k]); }
 const float* Program::output(int k) const { return val(graph_.outputs[k]); }

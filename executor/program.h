@@ -132,6 +132,14 @@ class Program {
   // Elements of the gradient buffers of values (activations' gradients, not parameters'):
   // what sharing saves shows here.
   int64_t value_gradient_elements() const;
+  // Bytes of the buffers this program holds, as asked of the backend (before its rounding):
+  // parameters and running statistics; their gradients; activations with what backward
+  // saves of them (masks, statistics) and collective staging; the activations' gradients.
+  struct Memory {
+    int64_t weights = 0, gradients = 0, activations = 0, activation_gradients = 0;
+    int64_t total() const { return weights + gradients + activations + activation_gradients; }
+  };
+  Memory memory() const;
 
  private:
   Program(const Graph& graph, Backend& backend, int64_t max_batch, const ProgramOptions& options);

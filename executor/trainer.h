@@ -160,6 +160,16 @@ class Trainer {
   // --cuda-graph: the recordings the backend made (0 without it, or on a backend that
   // cannot record).
   int64_t recordings() const;
+  // What this process's backend memory holds: the training program's buffers, the
+  // optimizer state, and the backend's peak (the rest of which is the trainer's own
+  // buffers, evaluation, the backend's scratch and rounding: peak − the others).
+  struct Memory {
+    Program::Memory program;
+    int64_t optimizer = 0, peak = 0;
+  };
+  Memory memory() const {
+    return Memory{program_->memory(), optimizer_->state_bytes(), backend_.memory_use().peak};
+  }
   // The loss scale the next step will use (1 when scaling is off).
   double loss_scale() const { return loss_scale_; }
   int64_t batches_per_epoch() const { return order_.batches_per_epoch(); }

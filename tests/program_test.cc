@@ -261,6 +261,36 @@ TEST_P(EveryModel, ForwardOnlyProgramHoldsNoGradients) {
   EXPECT_LE(held[1], held[0] - 4 * trainable) << "without the parameter gradients at least";
 }
 
+// Program::memory() accounts for what the program asked of the backend: the backend's
+// count grows by that, plus its rounding (64 bytes a buffer on the CPU).
+TEST_P(EveryModel, MemoryAccountsForEveryBuffer) {
+  ImportedModel m = load(GetParam());
+  const Graph& g = m.graph;
+  std::unique_ptr<Backend> backend = make_cpu_backend();
+  ProgramOptions options;
+  options.slots = 2;
+  const int64_t before = backend->memory_use().in_use;
+  auto p = Program::create(g, *backend, 6, options);
+  ASSERT_TRUE(p.is_ok()) << p.status().message();
+  const int64_t held = backend->memory_use().in_use - before;
+  const Program::Memory mem = (*p)->memory();
+  const int64_t buffers = 3 + 4 * static_cast<int64_t>(g.nodes.size()) + 2 * static_cast<int64_t>(g.values.size());
+  EXPECT_GE(held, mem.total());
+  EXPECT_LE(held, mem.total() + 64 * buffers);
+  int64_t params = 0, trainable = 0;
+  for (const Parameter& q : g.params) {
+    params += q.elements();
+    trainable += q.trainable ? q.elements() : 0;
+  }
+  EXPECT_EQ(mem.weights, 4 * std::max<int64_t>(trainable, 1) + 4 * std::max<int64_t>(params - trainable, 1));
+  EXPECT_EQ(mem.gradients, 4 * std::max<int64_t>(trainable, 1));
+  EXPECT_EQ(mem.activation_gradients, 4 * (*p)->value_gradient_elements());
+  int64_t values = 0;  // every value a node makes but a Reshape, in both slots
+  for (const Node& n : g.nodes) values += n.kind == OpKind::kReshape ? 0 : g.values[n.outputs[0]].shape.per_sample_elements();
+  for (int v : g.inputs) values += g.values[v].shape.per_sample_elements();
+  EXPECT_GE(mem.activations, 4 * 2 * 6 * values);
+}
+
 // A chain of fused Linear+ReLU needs two shared gradient buffers whatever its depth
 // (one for each Linear's output, one for each ReLU's), plus the output's own, per slot.
 TEST(Program, DeepChainSharesTwoGradientBuffers) {

@@ -55,6 +55,9 @@ TEST(TrainCli, ShortRunWritesMetricsAndALoadableModel) {
   EXPECT_GE(peaks.front(), 2 * 4 * (64 * 256 + 256 + 256 * 128 + 128 + 128 * 10 + 10));
   EXPECT_EQ(peaks.back(), peaks.front()) << "backend memory grew after the first step";
   EXPECT_NE(r.err.find("peak memory held by the backend: "), std::string::npos) << r.err;
+  for (const char* part : {"(weights 198.5 KiB, gradients 198.5 KiB, optimizer state ", "activation gradients "}) {
+    EXPECT_NE(r.err.find(part), std::string::npos) << part << " in\n" << r.err;  // 50,826 weights, SGD
+  }
   // The trained file: same initializer names as the input, new values.
   Result<ImportedModel> original = import_onnx_file(source_path("models/simple_digits.onnx"));
   Result<ImportedModel> trained = import_onnx_file(dir / "t.onnx");

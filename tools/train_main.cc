@@ -93,15 +93,23 @@ int check_equivalence(const Graph& graph, const Dataset& data, const TrainConfig
   return same ? 0 : 1;
 }
 
-// "peak …: …" from every process's peak of backend memory (decimal byte counts).
-std::string peak_memory_line(const std::vector<std::string>& peaks, const std::string& device) {
+// "peak …: …" from every process's peak of backend memory (decimal byte counts) and
+// what rank 0's holds.
+std::string peak_memory_line(const std::vector<std::string>& peaks, const std::string& device,
+                             const Trainer::Memory& mine) {
   const char* where = device == "cuda" ? "GPU memory held by the backend" : "memory held by the backend";
   std::vector<int64_t> bytes;
   for (const std::string& p : peaks) bytes.push_back(std::stoll(p));
-  if (bytes.size() == 1) return fmt::format("peak {}: {}", where, bytes_text(bytes[0]));
+  const Program::Memory& m = mine.program;
+  const int64_t other = mine.peak - m.total() - mine.optimizer;
+  const std::string parts =
+      fmt::format("weights {}, gradients {}, optimizer state {}, activations {}, activation gradients {}, other {}",
+                  bytes_text(m.weights), bytes_text(m.gradients), bytes_text(mine.optimizer), bytes_text(m.activations),
+                  bytes_text(m.activation_gradients), bytes_text(std::max<int64_t>(other, 0)));
+  if (bytes.size() == 1) return fmt::format("peak {}: {} ({})", where, bytes_text(bytes[0]), parts);
   const auto [lo, hi] = std::minmax_element(bytes.begin(), bytes.end());
-  return fmt::format("peak {} per process: {} at most (rank {}), {} at least (rank {})", where, bytes_text(*hi),
-                     hi - bytes.begin(), bytes_text(*lo), lo - bytes.begin());
+  return fmt::format("peak {} per process: {} at most (rank {}), {} at least (rank {}); rank 0: {}", where,
+                     bytes_text(*hi), hi - bytes.begin(), bytes_text(*lo), lo - bytes.begin(), parts);
 }
 
 // How the tensors in the backend's memory travel between processes.
@@ -659,7 +667,7 @@ int run_training(Communicator* world, Run& run, int argc, char** argv) {
       fmt::print(stderr, "cuda graph: after this process's first step, forward and backward ran from {} recordings\n",
                  trainer.recordings());
     }
-    fmt::print(stderr, "{}\n", peak_memory_line(peaks, a.device));
+    fmt::print(stderr, "{}\n", peak_memory_line(peaks, a.device, trainer.memory()));
   }
   const WatchdogSlowPhase slow("writing results");  // rank 0 writes, the others wait
   // The trained model first: what follows only describes the run.
