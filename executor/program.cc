@@ -218,19 +218,17 @@ void Program::plan_gradient_buffers(bool share) {
   std::stable_sort(order.begin(), order.end(), [&](int a, int b) { return first_writer_[a] > first_writer_[b]; });
   for (int v : order) {
     const int64_t need = max_batch_ * per_sample(g, v);
+    // Of two free buffers: one that fits over one that does not; of two that fit, the
+    // smaller; of two that do not, the larger (it grows least).
+    auto better = [need](const Shared& a, const Shared& b) {
+      const bool a_fits = a.elements >= need, b_fits = b.elements >= need;
+      if (a_fits != b_fits) return a_fits;
+      return a_fits ? a.elements < b.elements : a.elements > b.elements;
+    };
     int best = -1;
     for (size_t b = 0; b < shared.size(); ++b) {
       if (shared[b].free_below <= first_writer_[v]) continue;  // still in use
-      const bool fits = shared[b].elements >= need;
-      if (best < 0) {
-        best = static_cast<int>(b);
-        continue;
-      }
-      const bool best_fits = shared[best].elements >= need;
-      if (fits != best_fits ? fits
-                            : fits ? shared[b].elements < shared[best].elements : shared[b].elements > shared[best].elements) {
-        best = static_cast<int>(b);
-      }
+      if (best < 0 || better(shared[b], shared[best])) best = static_cast<int>(b);
     }
     if (best < 0) {
       best = static_cast<int>(shared.size());
