@@ -8,19 +8,15 @@
 #include "importer/onnx_importer.h"
 #include "partitioner/plan.h"
 #include "tests/model_builder.h"
+#include "tests/model_util.h"
 #include "tests/test_util.h"
 
 namespace pipeshard {
 namespace {
 
 using testing::ModelBuilder;
+using testing::load_model;
 using testing::source_path;
-
-ImportedModel load(const std::string& name) {
-  Result<ImportedModel> m = import_onnx_file(source_path("models/" + name));
-  EXPECT_TRUE(m.is_ok()) << m.status().message();
-  return std::move(m).value();
-}
 
 Plan plan_or_die(const Graph& g, PartitionOptions o) {
   Result<Plan> p = make_plan(g, "model", o);
@@ -42,7 +38,7 @@ ImportedModel import_built(ModelBuilder& b) {
 }
 
 TEST(Plan, CourseSimpleModel) {
-  ImportedModel m = load("simple.onnx");
+  ImportedModel m = load_model("simple");
   EXPECT_EQ(m.graph.total_parameter_count(), 60042);
   PartitionOptions o;
   o.stages = 2;
@@ -60,7 +56,7 @@ TEST(Plan, CourseSimpleModel) {
 }
 
 TEST(Plan, CoursePipelineParallelModelBeatsTheHandSplit) {
-  ImportedModel m = load("pipeline_parallel.onnx");
+  ImportedModel m = load_model("pipeline_parallel");
   PartitionOptions o;
   o.stages = 2;
   Plan p = plan_or_die(m.graph, o);
@@ -70,8 +66,8 @@ TEST(Plan, CoursePipelineParallelModelBeatsTheHandSplit) {
 }
 
 TEST(Plan, NoStageIsEverEmpty) {
-  for (const char* name : {"simple.onnx", "pipeline_parallel.onnx", "residual.onnx", "flatten.onnx", "layernorm_decomposed.onnx"}) {
-    ImportedModel m = load(name);
+  for (const char* name : {"simple", "pipeline_parallel", "residual", "flatten", "layernorm_decomposed"}) {
+    ImportedModel m = load_model(name);
     const int layers = layer_of_nodes(m.graph).back() + 1;
     for (int p = 1; p <= layers; ++p) {
       PartitionOptions o;
@@ -110,7 +106,7 @@ TEST(Plan, ResidualCrossingSeveralCutsIsCarried) {
 }
 
 TEST(Plan, TensorParallelPairsLinearsMegatronStyle) {
-  ImportedModel m = load("simple.onnx");
+  ImportedModel m = load_model("simple");
   PartitionOptions o;
   o.tensor_parallel = 2;
   Plan p = plan_or_die(m.graph, o);
@@ -130,7 +126,7 @@ TEST(Plan, TensorParallelPairsLinearsMegatronStyle) {
 // of it, while a pair's halves take different ones (review: they made stage files that
 // did not import).
 TEST(Plan, TensorParallelNeverSplitsASharedWeight) {
-  ImportedModel m = load("shared_weight.onnx");
+  ImportedModel m = load_model("shared_weight");
   PartitionOptions o;
   o.tensor_parallel = 2;
   o.min_shard_parameters = 0;
@@ -149,7 +145,7 @@ TEST(Plan, TensorParallelNeverSplitsASharedWeight) {
 }
 
 TEST(Plan, TensorParallelWidthMustDivide) {
-  ImportedModel m = load("simple.onnx");
+  ImportedModel m = load_model("simple");
   PartitionOptions o;
   o.tensor_parallel = 3;
   Result<Plan> p = make_plan(m.graph, "model", o);
@@ -159,7 +155,7 @@ TEST(Plan, TensorParallelWidthMustDivide) {
 }
 
 TEST(Plan, StagesAndTensorParallelCombine) {
-  ImportedModel m = load("pipeline_parallel.onnx");
+  ImportedModel m = load_model("pipeline_parallel");
   PartitionOptions o;
   o.stages = 2;
   o.tensor_parallel = 2;
@@ -172,8 +168,8 @@ TEST(Plan, StagesAndTensorParallelCombine) {
 }
 
 TEST(Plan, MemoryBalanceMinimisesTheLargestMemoryEstimate) {
-  for (const char* name : {"simple.onnx", "pipeline_parallel.onnx", "residual.onnx", "batchnorm_eval.onnx"}) {
-    ImportedModel m = load(name);
+  for (const char* name : {"simple", "pipeline_parallel", "residual", "batchnorm_eval"}) {
+    ImportedModel m = load_model(name);
     for (int stages = 2; stages <= 3; ++stages) {
       for (ScheduleKind schedule : {ScheduleKind::k1F1B, ScheduleKind::kGPipe}) {
         PartitionOptions o;
@@ -215,7 +211,7 @@ TEST(Plan, FirstStageKeepsMoreActivationsUnder1F1B) {
 }
 
 TEST(Plan, JsonHasTheDocumentedFields) {
-  ImportedModel m = load("residual.onnx");
+  ImportedModel m = load_model("residual");
   PartitionOptions o;
   o.stages = 2;
   nlohmann::json j = plan_to_json(plan_or_die(m.graph, o), m.graph);

@@ -17,19 +17,15 @@
 #include "executor/reference_forward.h"
 #include "importer/onnx_importer.h"
 #include "tests/model_builder.h"
+#include "tests/model_util.h"
 #include "tests/test_util.h"
 
 namespace pipeshard {
 namespace {
 
 using testing::model_names;
+using testing::load_model;
 using testing::source_path;
-
-ImportedModel load(const std::string& name) {
-  Result<ImportedModel> m = import_onnx_file(source_path("models/" + name + ".onnx"));
-  EXPECT_TRUE(m.is_ok()) << m.status().message();
-  return std::move(m).value();
-}
 
 
 std::vector<float> random_vector(int64_t n, unsigned seed, float scale = 1.0f) {
@@ -43,7 +39,7 @@ std::vector<float> random_vector(int64_t n, unsigned seed, float scale = 1.0f) {
 class EveryModel : public ::testing::TestWithParam<std::string> {};
 
 TEST_P(EveryModel, EvalForwardEqualsTheReferenceEvaluator) {
-  ImportedModel m = load(GetParam());
+  ImportedModel m = load_model(GetParam());
   const Graph& g = m.graph;
   std::unique_ptr<Backend> backend = make_cpu_backend();
   const int64_t batch = 7;
@@ -101,7 +97,7 @@ struct GradCase {
 class WholeModelGradient : public ::testing::TestWithParam<GradCase> {};
 
 TEST_P(WholeModelGradient, MatchesFiniteDifferences) {
-  ImportedModel m = load(GetParam().model);
+  ImportedModel m = load_model(GetParam().model);
   Graph g = m.graph;
   const int64_t batch = 6;
   const int in = g.inputs[0], out = g.outputs[0];
@@ -213,7 +209,7 @@ std::vector<float> two_slot_gradients(const Graph& g, bool share, bool inputs_ne
 // With and without input gradients: without, LayerNorm and BatchNorm on the input get
 // no dx, and the input no buffer.
 TEST_P(EveryModel, SharedGradientBuffersChangeNoBit) {
-  ImportedModel m = load(GetParam());
+  ImportedModel m = load_model(GetParam());
   for (bool inputs_need_grad : {true, false}) {
     const std::vector<float> own = two_slot_gradients(m.graph, false, inputs_need_grad);
     const std::vector<float> shared = two_slot_gradients(m.graph, true, inputs_need_grad);
@@ -232,7 +228,7 @@ TEST_P(EveryModel, SharedGradientBuffersChangeNoBit) {
 // Evaluation needs no gradients: a forward-only program computes the same outputs
 // without allocating any.
 TEST_P(EveryModel, ForwardOnlyProgramHoldsNoGradients) {
-  ImportedModel m = load(GetParam());
+  ImportedModel m = load_model(GetParam());
   const Graph& g = m.graph;
   std::unique_ptr<Backend> backend = make_cpu_backend();
   const int64_t batch = 5, in = g.values[g.inputs[0]].shape.per_sample_elements();
@@ -264,7 +260,7 @@ TEST_P(EveryModel, ForwardOnlyProgramHoldsNoGradients) {
 // Program::memory() accounts for what the program asked of the backend: the backend's
 // count grows by that, plus its rounding (64 bytes a buffer on the CPU).
 TEST_P(EveryModel, MemoryAccountsForEveryBuffer) {
-  ImportedModel m = load(GetParam());
+  ImportedModel m = load_model(GetParam());
   const Graph& g = m.graph;
   std::unique_ptr<Backend> backend = make_cpu_backend();
   ProgramOptions options;
@@ -323,7 +319,7 @@ TEST(Program, DeepChainSharesTwoGradientBuffers) {
 }
 
 TEST(Program, SharedWeightGetsTheSumOfBothUses) {
-  ImportedModel m = load("shared_weight");
+  ImportedModel m = load_model("shared_weight");
   const Graph& g = m.graph;
   int shared = -1, uses = 0;
   for (const Node& n : g.nodes) {

@@ -7,16 +7,13 @@
 
 #include "importer/onnx_importer.h"
 #include "model_builder.h"
+#include "tests/model_util.h"
 #include "test_util.h"
 
 namespace pipeshard {
 namespace {
 
-ImportedModel load(const std::string& name) {
-  Result<ImportedModel> m = import_onnx_file(testing::source_path("models/" + name + ".onnx"));
-  EXPECT_TRUE(m.is_ok()) << m.status().message();
-  return std::move(*m);
-}
+using testing::load_model;
 
 RankModel rank_of(const ImportedModel& m, int rank, int world, int stages, int shards) {
   Result<ProcessLayout> layout = ProcessLayout::for_rank(rank, world, stages, shards);
@@ -33,7 +30,7 @@ std::vector<std::string> names(const std::vector<LinkValue>& links) {
 }
 
 TEST(RankModel, ResidualInputIsCarriedAcrossTheFirstCut) {
-  const ImportedModel m = load("residual");  // x -> Linear Relu | Linear Add(x) | Linear
+  const ImportedModel m = load_model("residual");  // x -> Linear Relu | Linear Add(x) | Linear
   const RankModel s0 = rank_of(m, 0, 3, 3, 1), s1 = rank_of(m, 1, 3, 3, 1), s2 = rank_of(m, 2, 3, 3, 1);
   EXPECT_TRUE(s0.incoming().empty());
   const std::vector<std::string> cut0 = {"input", "/Relu_output_0"};
@@ -59,7 +56,7 @@ TEST(RankModel, ResidualInputIsCarriedAcrossTheFirstCut) {
 }
 
 TEST(RankModel, ShardsSliceAndNameTheWholeParameters) {
-  const ImportedModel m = load("simple_digits");  // Linear(64,256) Relu Linear(256,128) Relu Linear(128,10)
+  const ImportedModel m = load_model("simple_digits");  // Linear(64,256) Relu Linear(256,128) Relu Linear(128,10)
   for (int t = 0; t < 2; ++t) {
     SCOPED_TRACE("shard " + std::to_string(t));
     const RankModel r = rank_of(m, t, 2, 1, 2);
@@ -121,7 +118,7 @@ TEST(RankModel, NodesAreTheWholeModelsEvenWithRepeatedNames) {
 }
 
 TEST(RankModel, OneStageOneShardIsTheWholeModel) {
-  const ImportedModel m = load("simple_digits");
+  const ImportedModel m = load_model("simple_digits");
   const RankModel r = RankModel::whole(m.graph);
   EXPECT_TRUE(r.is_whole());
   EXPECT_EQ(&r.graph(), &m.graph);
@@ -130,7 +127,7 @@ TEST(RankModel, OneStageOneShardIsTheWholeModel) {
 }
 
 TEST(RankModel, WeightsSharedAcrossStagesAreRefused) {
-  const ImportedModel m = load("shared_weight");
+  const ImportedModel m = load_model("shared_weight");
   Result<ProcessLayout> layout = ProcessLayout::for_rank(0, 2, 2, 1);
   ASSERT_TRUE(layout.is_ok());
   Result<RankModel> r = RankModel::create(m, *layout, PartitionOptions{});

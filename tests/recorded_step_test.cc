@@ -15,6 +15,7 @@
 #include "importer/onnx_importer.h"
 #include "tests/backend_check.h"
 #include "tests/recording_backend.h"
+#include "tests/model_util.h"
 #include "tests/test_util.h"
 
 namespace pipeshard {
@@ -25,14 +26,9 @@ using testing::quote;
 using testing::RecordingBackend;
 using testing::run_command;
 using testing::ScratchDir;
+using testing::load_model;
 using testing::source_path;
 using testing::tool_path;
-
-ImportedModel load(const std::string& name) {
-  Result<ImportedModel> m = import_onnx_file(source_path("models/" + name + ".onnx"));
-  EXPECT_TRUE(m.is_ok()) << m.status().message();
-  return std::move(m).value();
-}
 
 Dataset data_for(const ImportedModel& m, const std::string& x, const std::string& y, LossKind loss) {
   Result<Dataset> d = load_dataset(source_path(x), source_path(y), m.graph, loss);
@@ -122,7 +118,7 @@ class RecordedStep : public ::testing::TestWithParam<Case> {};
 
 TEST_P(RecordedStep, IsTheEagerStepBitForBit) {
   const Case& c = GetParam();
-  const ImportedModel m = load(c.model);
+  const ImportedModel m = load_model(c.model);
   const Dataset d = data_for(m, c.x, c.y, c.config.loss);
   const int64_t steps = c.config.total_steps;
 
@@ -156,7 +152,7 @@ TEST_P(RecordedStep, IsTheEagerStepBitForBit) {
 // Evaluation between steps runs more rows through the same program, which on a GPU may
 // move scratch buffers the recordings point into: the trainer records afresh after it.
 TEST(RecordedStepEvaluation, RecordsAfreshAndStaysBitForBit) {
-  const ImportedModel m = load("simple_digits");
+  const ImportedModel m = load_model("simple_digits");
   const Dataset d = data_for(m, "data/digits_features.npy", "data/digits_labels.npy", LossKind::kCrossEntropy);
   TrainConfig c;
   c.optimizer.kind = OptimizerKind::kSgd;
@@ -209,7 +205,7 @@ TEST(RecordingBackendItself, FreezesArgumentsNotBuffers) {
 }
 
 TEST(RecordedStepRefusals, DropoutAndTheCpu) {
-  const ImportedModel m = load("dropout_train");
+  const ImportedModel m = load_model("dropout_train");
   const Dataset d = data_for(m, "tests/golden/gelu_layernorm/x.npy", "tests/golden/gelu_layernorm/y.npy",
                              LossKind::kCrossEntropy);
   std::unique_ptr<Backend> cpu = make_cpu_backend();
@@ -240,7 +236,7 @@ TEST(RecordedStepOnBackend, IsTheEagerStepBitForBit) {
   ASSERT_TRUE(graph_backend) << why;
   for (const Case& c : cases()) {
     SCOPED_TRACE(c.name);
-    const ImportedModel m = load(c.model);
+    const ImportedModel m = load_model(c.model);
     const Dataset d = data_for(m, c.x, c.y, c.config.loss);
     auto eager = Trainer::create(m.graph, d, *eager_backend, c.config);
     ASSERT_TRUE(eager.is_ok()) << eager.status().message();
@@ -261,7 +257,7 @@ TEST(RecordedStepOnBackend, IsTheEagerStepBitForBit) {
 // A resumed run warms up eagerly again before it records (a checkpoint does not carry the
 // backend's plans and scratch), and still gives the uninterrupted run's numbers.
 TEST(RecordedStepResume, GoesOnBitForBit) {
-  const ImportedModel m = load("simple_digits");
+  const ImportedModel m = load_model("simple_digits");
   const Dataset d = data_for(m, "data/digits_features.npy", "data/digits_labels.npy", LossKind::kCrossEntropy);
   TrainConfig c;
   c.optimizer.kind = OptimizerKind::kAdam;

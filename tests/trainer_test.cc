@@ -9,12 +9,14 @@
 #include "executor/npy.h"
 #include "executor/trainer.h"
 #include "importer/onnx_importer.h"
+#include "tests/model_util.h"
 #include "tests/test_util.h"
 
 namespace pipeshard {
 namespace {
 
 using testing::ScratchDir;
+using testing::load_model;
 using testing::source_path;
 
 struct RunResult {
@@ -22,14 +24,8 @@ struct RunResult {
   Graph trained;
 };
 
-ImportedModel load(const std::string& name) {
-  Result<ImportedModel> m = import_onnx_file(source_path("models/" + name + ".onnx"));
-  EXPECT_TRUE(m.is_ok()) << m.status().message();
-  return std::move(m).value();
-}
-
 Dataset digits() {
-  ImportedModel m = load("simple_digits");
+  ImportedModel m = load_model("simple_digits");
   Result<Dataset> d = load_dataset(source_path("data/digits_features.npy"), source_path("data/digits_labels.npy"),
                                    m.graph, LossKind::kCrossEntropy);
   EXPECT_TRUE(d.is_ok()) << d.status().message();
@@ -68,7 +64,7 @@ double max_weight_difference(const Graph& a, const Graph& b) {
 }
 
 TEST(Trainer, GradientAccumulationIsALargerBatch) {
-  ImportedModel m = load("simple_digits");
+  ImportedModel m = load_model("simple_digits");
   const Dataset d = digits();
   RunResult big = train(m.graph, d, sgd(64, 1, 10), 10);
   RunResult accumulated = train(m.graph, d, sgd(32, 2, 10), 10);
@@ -80,7 +76,7 @@ TEST(Trainer, GradientAccumulationIsALargerBatch) {
 }
 
 TEST(Trainer, ResumedRunEqualsTheUninterruptedRun) {
-  ImportedModel m = load("simple_digits");
+  ImportedModel m = load_model("simple_digits");
   const Dataset d = digits();
   for (OptimizerKind kind : {OptimizerKind::kSgd, OptimizerKind::kAdamW}) {
     TrainConfig c = sgd(64, 1, 12);
@@ -118,7 +114,7 @@ TEST(Trainer, ResumedRunEqualsTheUninterruptedRun) {
 // they are checkpointed by value, and the resumed run is still bit-identical, with and
 // without clipping.
 TEST(Trainer, ResumesABatchNormModelBitIdentically) {
-  ImportedModel m = load("batchnorm_train");
+  ImportedModel m = load_model("batchnorm_train");
   Result<Dataset> loaded = load_dataset(source_path("tests/golden/gelu_layernorm/x.npy"),
                                         source_path("tests/golden/gelu_layernorm/y.npy"), m.graph, LossKind::kCrossEntropy);
   ASSERT_TRUE(loaded.is_ok()) << loaded.status().message();
@@ -149,7 +145,7 @@ TEST(Trainer, ResumesABatchNormModelBitIdentically) {
 
 TEST(Trainer, CheckpointOfAnotherModelIsRefused) {
   const Dataset d = digits();
-  ImportedModel digits_model = load("simple_digits");
+  ImportedModel digits_model = load_model("simple_digits");
   ScratchDir dir("other");
   std::unique_ptr<Backend> backend = make_cpu_backend();
   {
@@ -191,7 +187,7 @@ TEST(Trainer, IncompleteLastBatchIsDropped) {
 }
 
 TEST(Trainer, EvaluationReportsLossAndAccuracy) {
-  ImportedModel m = load("simple_digits");
+  ImportedModel m = load_model("simple_digits");
   const Dataset d = digits();
   std::unique_ptr<Backend> backend = make_cpu_backend();
   auto t = Trainer::create(m.graph, d, *backend, sgd(64, 1, 60));
@@ -206,7 +202,7 @@ TEST(Trainer, EvaluationReportsLossAndAccuracy) {
 
 class BadData : public ::testing::Test {
  protected:
-  ImportedModel model_ = load("simple_digits");
+  ImportedModel model_ = load_model("simple_digits");
   ScratchDir dir_{"data"};
   std::string message(const std::string& x, const std::string& y, LossKind loss = LossKind::kCrossEntropy) {
     Result<Dataset> d = load_dataset(x, y, model_.graph, loss);
