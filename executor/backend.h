@@ -144,6 +144,10 @@ class Backend {
   // pre [rows, out] then receives the pre-activation values backward needs.
   virtual void linear_forward(float* y, const float* x, const float* w, const float* b, const LinearShape& s,
                               const Activation* epilogue = nullptr, float* pre = nullptr) = 0;
+  // Whether activation_forward(y, pre, …) writes, bit for bit, the y that linear_forward
+  // wrote with epilogue `a` beside `pre`. Where it does, a Program recomputes such a y in
+  // backward instead of keeping it from forward (ProgramOptions::recompute_activations).
+  virtual bool epilogue_recomputes_exactly(const Activation& a) const = 0;
   // dx [rows, in] += alpha·dy·W ; dw += alpha·dyᵀx laid out like w ; db [out] += beta·Σ_rows dy.
   // Any of dx, dw, db may be null (not needed). dy [rows, out] is not modified.
   // `param_grads` applies to dw and db, `input_grad` to dx (kOverwrite: = instead of +=).
@@ -154,7 +158,8 @@ class Backend {
   // ---- elementwise ----
   // y[n] = act(x[n])
   virtual void activation_forward(float* y, const float* x, int64_t n, const Activation& a) = 0;
-  // dx[n] += dy[n] * act'(x[n]); y = act(x) is passed for kinds whose derivative uses it.
+  // dx[n] += dy[n] * act'(x[n]); y = act(x), or null: the kinds whose derivative uses y
+  // then recompute it from x.
   virtual void activation_backward(float* dx, const float* dy, const float* x, const float* y, int64_t n,
                                    const Activation& a) = 0;
   // y[n] = a[n] + b[n]

@@ -277,6 +277,8 @@ class CpuBackend final : public Backend {
     }
     cpu::bias_activation_rows(y, epilogue ? pre : nullptr, b, s.beta, s.rows, s.out, epilogue);
   }
+  // Both apply the same op.forward() to the same float.
+  bool epilogue_recomputes_exactly(const Activation&) const override { return true; }
 
   void linear_backward(float* dx, float* dw, float* db, const float* dy, const float* x, const float* w,
                        const LinearShape& s, GradWrite param_grads, GradWrite input_grad) override {

@@ -10,6 +10,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <random>
 #include <string>
 #include <vector>
@@ -307,6 +308,33 @@ TEST_F(LinearTest, FusedEpilogueForwardAndChainedGradient) {
                            what + " dw");
       expect_gradient_near(host(gb), numeric_gradient([&](const Doubles& v) { return dot(rd, linear_ref(xd, wd, &v, s, &act)); }, bd2),
                            what + " db");
+    }
+  }
+}
+
+// Where the backend says so, activation_forward(pre) rewrites the fused forward's y bit
+// for bit: Program recomputes such outputs in backward instead of keeping them. The
+// 64-wide shape is one cuBLASLt's epilogues take on a GPU.
+TEST_F(LinearTest, RecomputedActivationIsTheFusedOutput) {
+  for (ActivationKind kind : kAllActivations) {
+    const Activation act{kind, 0.05f};
+    if (!be_->epilogue_recomputes_exactly(act)) {
+      std::printf("%s: %s is not recomputed exactly (Program keeps its output)\n", be_->name(), kind_name(kind).c_str());
+      continue;
+    }
+    for (const LinearShape& s : {LinearShape{7, 5, 33, WeightLayout::kOutIn, 0.9f, 1.1f},
+                                 LinearShape{64, 64, 64, WeightLayout::kOutIn, 1.0f, 1.0f}}) {
+      const int64_t n = s.rows * s.out;
+      DeviceBuffer x = buffer(random(s.rows * s.in)), w = buffer(random(s.in * s.out)), b = buffer(random(s.out));
+      DeviceBuffer y = zeros(n), pre = zeros(n), again = zeros(n);
+      be_->linear_forward(y.data(), x.data(), w.data(), b.data(), s, &act, pre.data());
+      be_->activation_forward(again.data(), pre.data(), n, act);
+      const Floats fused = host(y), recomputed = host(again);
+      for (int64_t i = 0; i < n; ++i) {
+        ASSERT_EQ(std::memcmp(&fused[i], &recomputed[i], sizeof(float)), 0)
+            << kind_name(kind) << " out=" << s.out << " element " << i << ": fused " << fused[i] << ", recomputed "
+            << recomputed[i];
+      }
     }
   }
 }

@@ -49,6 +49,7 @@ class RecordingBackend final : public Backend {
     inner_.deallocate(p);
   }
   MemoryUse memory_use() const override { return inner_.memory_use(); }
+  bool epilogue_recomputes_exactly(const Activation& a) const override { return inner_.epilogue_recomputes_exactly(a); }
   void upload(float* dst, const float* host, int64_t n) override {
     host_only("upload");
     inner_.upload(dst, host, n);

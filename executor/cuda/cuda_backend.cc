@@ -133,6 +133,9 @@ class CudaBackend final : public Backend {
                       const Activation* epilogue, float* pre) override {
     cuda::linear_forward(linear_, y, x, w, b, s, epilogue, pre, stream_);
   }
+  bool epilogue_recomputes_exactly(const Activation& a) const override {
+    return cuda::epilogue_recomputes_exactly(linear_, a);
+  }
   void linear_backward(float* dx, float* dw, float* db, const float* dy, const float* x, const float* w,
                        const LinearShape& s, GradWrite param_grads, GradWrite input_grad) override {
     cuda::linear_backward(linear_, dx, dw, db, dy, x, w, s, param_grads, input_grad, stream_);

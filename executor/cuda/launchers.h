@@ -88,6 +88,9 @@ class CachingAllocator;
 struct LinearContext;
 LinearContext* create_linear_context(Precision precision, CachingAllocator* allocator);
 void destroy_linear_context(LinearContext* context);
+// Whether activation_forward reproduces bit for bit the y a fused linear_forward writes
+// beside `pre` with this activation (Backend::epilogue_recomputes_exactly).
+bool epilogue_recomputes_exactly(const LinearContext* context, const Activation& a);
 void linear_forward(LinearContext* context, float* y, const float* x, const float* w, const float* b,
                     const LinearShape& s, const Activation* epilogue, float* pre, cudaStream_t stream);
 void linear_backward(LinearContext* context, float* dx, float* dw, float* db, const float* dy, const float* x,

@@ -67,6 +67,7 @@
 #include "common/status.h"
 #include "executor/cuda/allocator.h"
 #include "executor/cuda/cuda_check.h"
+#include "executor/cuda/elementwise_math.cuh"
 #include "executor/cuda/launchers.h"
 
 namespace pipeshard::cuda {
@@ -377,34 +378,16 @@ GemmShape weight_grad_shape(const LinearShape& s) {
 
 // ---- kernels: what no epilogue does ----
 
-// The CPU backend's formulas (cpu_backend.cc), term by term.
 struct Identity {
   __device__ float operator()(float x) const { return x; }
 };
-struct Relu {
-  __device__ float operator()(float x) const { return x < 0.0f ? 0.0f : x; }  // NaN propagates
-};
-struct LeakyRelu {
-  float slope;
-  __device__ float operator()(float x) const { return x > 0.0f ? x : x * slope; }
-};
-struct Sigmoid {
-  __device__ float operator()(float x) const { return 1.0f / (1.0f + expf(-x)); }
-};
-struct Tanh {
-  __device__ float operator()(float x) const { return tanhf(x); }
-};
-struct Gelu {  // exact: x·Φ(x)
-  __device__ float operator()(float x) const { return x * 0.5f * (1.0f + erff(x * 0.70710678118654752440f)); }
-};
-struct GeluTanh {  // 0.5x(1 + tanh(√(2/π)(x + 0.044715x³)))
-  __device__ float operator()(float x) const {
-    const float inner = 0.79788456080286535588f * (x + 0.044715f * (x * x * x));
-    return 0.5f * x * (1.0f + tanhf(inner));
-  }
-};
-struct Silu {
-  __device__ float operator()(float x) const { return x / (1.0f + expf(-x)); }
+// The activations of activation_forward (elementwise_math.cuh, the CPU's formulas operation
+// by operation, never contracted), so that a y recomputed from `pre` in backward is the y
+// written here, bit for bit.
+template <ActivationKind K>
+struct Act {
+  float alpha;
+  __device__ float operator()(float x) const { return math::activation_value(K, alpha, x); }
 };
 
 constexpr int kThreads = 256;
@@ -438,16 +421,16 @@ void bias_activation(float* y, float* pre, const float* src, const float* b, flo
                      const Activation* act, cudaStream_t stream) {
   if (rows * width == 0) return;
   if (act == nullptr) return launch_bias_activation(y, nullptr, src, b, beta, rows, width, Identity{}, stream);
+  const float a = act->alpha;
+  auto run = [&](auto f) { launch_bias_activation(y, pre, src, b, beta, rows, width, f, stream); };
   switch (act->kind) {
-    case ActivationKind::kRelu: return launch_bias_activation(y, pre, src, b, beta, rows, width, Relu{}, stream);
-    case ActivationKind::kLeakyRelu:
-      return launch_bias_activation(y, pre, src, b, beta, rows, width, LeakyRelu{act->alpha}, stream);
-    case ActivationKind::kSigmoid: return launch_bias_activation(y, pre, src, b, beta, rows, width, Sigmoid{}, stream);
-    case ActivationKind::kTanh: return launch_bias_activation(y, pre, src, b, beta, rows, width, Tanh{}, stream);
-    case ActivationKind::kGelu: return launch_bias_activation(y, pre, src, b, beta, rows, width, Gelu{}, stream);
-    case ActivationKind::kGeluTanh:
-      return launch_bias_activation(y, pre, src, b, beta, rows, width, GeluTanh{}, stream);
-    case ActivationKind::kSilu: return launch_bias_activation(y, pre, src, b, beta, rows, width, Silu{}, stream);
+    case ActivationKind::kRelu: return run(Act<ActivationKind::kRelu>{a});
+    case ActivationKind::kLeakyRelu: return run(Act<ActivationKind::kLeakyRelu>{a});
+    case ActivationKind::kSigmoid: return run(Act<ActivationKind::kSigmoid>{a});
+    case ActivationKind::kTanh: return run(Act<ActivationKind::kTanh>{a});
+    case ActivationKind::kGelu: return run(Act<ActivationKind::kGelu>{a});
+    case ActivationKind::kGeluTanh: return run(Act<ActivationKind::kGeluTanh>{a});
+    case ActivationKind::kSilu: return run(Act<ActivationKind::kSilu>{a});
   }
   PIPESHARD_CHECK(false, "unknown activation kind " + std::to_string(static_cast<int>(act->kind)));
 }
@@ -581,6 +564,12 @@ void destroy_linear_context(LinearContext* context) {
   cudaFree(context->workspace);  // waits for the GEMMs that still use it
   cublasLtDestroy(context->handle);
   delete context;
+}
+
+// Every activation but cuBLASLt's GELU epilogue goes through bias_activation_kernel's Act,
+// which is activation_forward's formula.
+bool epilogue_recomputes_exactly(const LinearContext* context, const Activation& a) {
+  return !(a.kind == ActivationKind::kGeluTanh && gelu_epilogue_allowed(*context));
 }
 
 void linear_forward(LinearContext* context, float* y, const float* x, const float* w, const float* b,
