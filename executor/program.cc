@@ -16,6 +16,32 @@ int64_t rows_per_sample(const Graph& g, int v) { return per_sample(g, v) / g.val
 
 Activation activation_of(const Node& n) { return Activation{n.activation, n.alpha}; }
 
+// Whether node n's backward reads its input's activation (val(x)); then only when that
+// backward runs at all.
+bool backward_reads_input(const Node& n) {
+  return n.kind == OpKind::kLinear || n.kind == OpKind::kActivation || n.kind == OpKind::kLayerNorm ||
+         n.kind == OpKind::kBatchNorm;
+}
+
+// Interval colouring's choice for a value of `need` elements among the buffers (their
+// sizes) that `usable` allows: one that fits over one that does not; of two that fit, the
+// smaller; of two that do not, the larger (it grows least). -1 when none is usable.
+template <typename Usable>
+int best_buffer(const std::vector<int64_t>& sizes, int64_t need, Usable&& usable) {
+  int best = -1;
+  for (size_t b = 0; b < sizes.size(); ++b) {
+    if (!usable(b)) continue;
+    if (best < 0) {
+      best = static_cast<int>(b);
+      continue;
+    }
+    const int64_t a_size = sizes[b], b_size = sizes[best];
+    const bool a_fits = a_size >= need, b_fits = b_size >= need;
+    if (a_fits != b_fits ? a_fits : (a_fits ? a_size < b_size : a_size > b_size)) best = static_cast<int>(b);
+  }
+  return best;
+}
+
 }  // namespace
 
 Program::Program(const Graph& graph, Backend& backend, int64_t max_batch, const ProgramOptions& options)
@@ -60,19 +86,16 @@ Result<std::unique_ptr<Program>> Program::create(const Graph& g, Backend& backen
   p->buffers_ = DeviceBuffer(backend, std::max<int64_t>(buffer_elements, 1));
   p->upload_parameters(g);
 
-  // Activations; Reshape shares its input's buffers. Gradients: plan_gradient_buffers().
+  // Activations: a buffer per value, with a slot per micro-batch, except that Reshape
+  // shares its input's buffers and recomputed values share one-slot buffers
+  // (plan_recomputed_values()). Gradients: plan_gradient_buffers().
   const size_t nv = g.values.size();
   p->value_storage_.resize(nv);
   p->value_.assign(nv, nullptr);
+  p->value_slot_stride_.assign(nv, 0);
   p->owner_.assign(nv, -1);
   p->needs_grad_.assign(nv, false);
-  auto allocate = [&](int v) {
-    p->value_storage_[v] = DeviceBuffer(backend, options.slots * max_batch * per_sample(g, v));
-    p->value_[v] = p->value_storage_[v].data();
-    p->owner_[v] = v;
-  };
   for (size_t k = 0; k < g.inputs.size(); ++k) {
-    allocate(g.inputs[k]);
     p->needs_grad_[g.inputs[k]] = !options.input_needs_grad.empty() && options.input_needs_grad[k];
   }
   const size_t nn = g.nodes.size();
@@ -83,12 +106,6 @@ Result<std::unique_ptr<Program>> Program::create(const Graph& g, Backend& backen
   for (size_t i = 0; i < nn; ++i) {
     const Node& n = g.nodes[i];
     const int x = n.inputs[0], y = n.outputs[0];
-    if (n.kind == OpKind::kReshape) {
-      p->value_[y] = p->value_[x];
-      p->owner_[y] = p->owner_[x];
-    } else {
-      allocate(y);
-    }
     bool upstream = !g.node_params(n).empty();
     for (int in : n.inputs) upstream = upstream || p->needs_grad_[in];
     p->needs_grad_[y] = upstream;
@@ -117,12 +134,43 @@ Result<std::unique_ptr<Program>> Program::create(const Graph& g, Backend& backen
         break;
     }
   }
+  // Recomputed: what recomputable_values() names, unless the backend could not recompute
+  // a fused activation exactly.
+  p->recomputed_.assign(nv, false);
+  if (options.recompute_activations) {
+    const std::vector<bool> recomputable = recomputable_values(g);
+    for (size_t i = 0; i < nn; ++i) {
+      const Node& n = g.nodes[i];
+      const int y = n.outputs[0];
+      p->recomputed_[y] = recomputable[y] && (!p->skip_forward_[i] || backend.epilogue_recomputes_exactly(activation_of(n)));
+    }
+  }
+  auto allocate = [&](int v) {
+    p->value_slot_stride_[v] = max_batch * per_sample(g, v);
+    p->value_storage_[v] = DeviceBuffer(backend, options.slots * p->value_slot_stride_[v]);
+    p->value_[v] = p->value_storage_[v].data();
+    p->owner_[v] = v;
+  };
+  for (int v : g.inputs) allocate(v);
+  for (const Node& n : g.nodes) {
+    const int x = n.inputs[0], y = n.outputs[0];
+    if (n.kind == OpKind::kReshape) {
+      p->value_[y] = p->value_[x];
+      p->value_slot_stride_[y] = p->value_slot_stride_[x];
+      p->owner_[y] = p->owner_[x];
+    } else if (p->recomputed_[y]) {
+      p->owner_[y] = y;  // its buffer: plan_recomputed_values()
+    } else {
+      allocate(y);
+    }
+  }
   for (size_t v = 0; v < nv; ++v) {  // a value nobody makes must be one nobody reads (it gets no buffers)
     if (p->owner_[v] < 0 && (!g.values[v].consumers.empty() || is_model_output(g, static_cast<int>(v)))) {
       return Status::error("value '" + g.values[v].name + "' is read but neither a model input nor made by a node");
     }
   }
   if (options.forward_only) p->needs_grad_.assign(nv, false);
+  p->plan_recomputed_values();
   PIPESHARD_RETURN_IF_ERROR(p->plan_tensor_parallel());
   p->plan_gradient_buffers(options.share_gradient_buffers);
   p->plan_gradient_writes();
@@ -172,6 +220,60 @@ Status Program::plan_tensor_parallel() {
   return Status::ok();
 }
 
+// Recomputed values live in one-slot buffers they share. Steps run forward 0 .. N−1, then
+// backward N−1 .. 0 (step 2N−1−i). A value needs its buffer from the node that writes it
+// (its Linear when fused) to its last reader in forward; and, when some node's backward
+// reads it, again from just before the first such backward, where it is recomputed from
+// the activation's input, to its producer's backward. Values whose spans do not overlap
+// share a buffer. A micro-batch's forward and backward each run whole, so the slots can
+// share too: whatever a buffer held in between is recomputed before it is read.
+void Program::plan_recomputed_values() {
+  const Graph& g = graph_;
+  const int steps = 2 * static_cast<int>(g.nodes.size());
+  recompute_before_.assign(g.nodes.size(), {});
+  back_for_producer_.assign(g.values.size(), false);
+  std::vector<int64_t> sizes;
+  std::vector<std::vector<std::pair<int, int>>> spans;  // [buffer]: [first, last] steps in use
+  std::vector<std::vector<int>> users;                  // [buffer]: values
+  for (size_t v = 0; v < g.values.size(); ++v) {  // by producer: in order of their forward spans
+    if (!recomputed_[v]) continue;
+    const Value& val = g.values[v];
+    const int p = val.producer, x = g.nodes[p].inputs[0];
+    const int written = skip_forward_[p] ? g.values[x].producer : p;
+    std::vector<std::pair<int, int>> mine{{written, val.consumers.empty() ? written : val.consumers.back()}};
+    int first_reader = -1;  // in backward order: the highest node
+    for (int c : val.consumers) {
+      if (backward_reads_input(g.nodes[c]) && needs_grad_[g.nodes[c].outputs[0]]) first_reader = std::max(first_reader, c);
+    }
+    if (first_reader >= 0) {
+      recompute_before_[first_reader].push_back(static_cast<int>(v));
+      back_for_producer_[v] = true;
+      mine.emplace_back(steps - 1 - first_reader, steps - 1 - p);
+    }
+    auto overlaps = [&](size_t b) {
+      for (const auto& [first, last] : spans[b])
+        for (const auto& [mine_first, mine_last] : mine)
+          if (first <= mine_last && mine_first <= last) return true;
+      return false;
+    };
+    const int64_t need = max_batch_ * per_sample(g, static_cast<int>(v));
+    int b = best_buffer(sizes, need, [&](size_t b) { return !overlaps(b); });
+    if (b < 0) {
+      b = static_cast<int>(sizes.size());
+      sizes.push_back(0);
+      spans.emplace_back();
+      users.emplace_back();
+    }
+    sizes[b] = std::max(sizes[b], need);
+    spans[b].insert(spans[b].end(), mine.begin(), mine.end());
+    users[b].push_back(static_cast<int>(v));
+  }
+  for (size_t b = 0; b < sizes.size(); ++b) {
+    transient_storage_.emplace_back(backend_, sizes[b]);
+    for (int v : users[b]) value_[v] = transient_storage_.back().data();
+  }
+}
+
 // Gradient buffers. Values nobody back-propagates into get none. Model inputs and
 // outputs (or the values they alias) get their own, one per slot: the loss writes the
 // output's after forward, and a pipeline stage receives and sends them around
@@ -196,11 +298,11 @@ void Program::plan_gradient_buffers(bool share) {
     for (int c : g.values[v].consumers) first_writer_[o] = std::max(first_writer_[o], c);
   }
   struct Shared {
-    int64_t elements = 0;
     int free_below = 0;  // the producer of its latest value: free for spans ending below it
     std::vector<int> values;
   };
   std::vector<Shared> shared;
+  std::vector<int64_t> sizes;  // [shared]
   std::vector<int> order;  // owners that need a shared gradient buffer
   grad_slot_stride_.assign(nv, 0);
   grad_.assign(nv, nullptr);
@@ -218,30 +320,19 @@ void Program::plan_gradient_buffers(bool share) {
   std::stable_sort(order.begin(), order.end(), [&](int a, int b) { return first_writer_[a] > first_writer_[b]; });
   for (int v : order) {
     const int64_t need = max_batch_ * per_sample(g, v);
-    // Of two free buffers: one that fits over one that does not; of two that fit, the
-    // smaller; of two that do not, the larger (it grows least).
-    auto better = [need](const Shared& a, const Shared& b) {
-      const bool a_fits = a.elements >= need, b_fits = b.elements >= need;
-      if (a_fits != b_fits) return a_fits;
-      return a_fits ? a.elements < b.elements : a.elements > b.elements;
-    };
-    int best = -1;
-    for (size_t b = 0; b < shared.size(); ++b) {
-      if (shared[b].free_below <= first_writer_[v]) continue;  // still in use
-      if (best < 0 || better(shared[b], shared[best])) best = static_cast<int>(b);
-    }
-    if (best < 0) {
+    int best = best_buffer(sizes, need, [&](size_t b) { return shared[b].free_below > first_writer_[v]; });
+    if (best < 0) {  // all still in use
       best = static_cast<int>(shared.size());
       shared.emplace_back();
+      sizes.push_back(0);
     }
-    Shared& s = shared[best];
-    s.elements = std::max(s.elements, need);
-    s.free_below = made[v];
-    s.values.push_back(v);
+    sizes[best] = std::max(sizes[best], need);
+    shared[best].free_below = made[v];
+    shared[best].values.push_back(v);
   }
-  for (const Shared& s : shared) {
-    grad_storage_.emplace_back(backend_, s.elements);
-    for (int v : s.values) {
+  for (size_t b = 0; b < shared.size(); ++b) {
+    grad_storage_.emplace_back(backend_, sizes[b]);
+    for (int v : shared[b].values) {
       grad_[v] = grad_storage_.back().data();
       shared_grad_[v] = true;
     }
@@ -450,6 +541,10 @@ void Program::backward(int64_t batch, const std::function<void(size_t)>& after_n
   PIPESHARD_CHECK(!forward_only_, "backward() of a forward-only program");
   for (size_t i = graph_.nodes.size(); i-- > 0;) {
     for (int v : zero_before_[i]) backend_.fill(grad(v), 0.0f, batch * per_sample(graph_, v));
+    for (int v : recompute_before_[i]) {
+      const Node& act = graph_.nodes[graph_.values[v].producer];
+      backend_.activation_forward(val(v), val(act.inputs[0]), batch * per_sample(graph_, v), activation_of(act));
+    }
     backward_node(i, batch);
     if (after_node) after_node(i);
   }
@@ -482,7 +577,10 @@ void Program::backward_node(size_t i, int64_t batch) {
       return;
     }
     case OpKind::kActivation:
-      if (dx) backend_.activation_backward(dx, dy, val(x), val(y), count, activation_of(n));
+      if (dx) {
+        const float* kept = recomputed_[y] && !back_for_producer_[y] ? nullptr : val(y);
+        backend_.activation_backward(dx, dy, val(x), kept, count, activation_of(n));
+      }
       return;
     case OpKind::kSoftmax:
     case OpKind::kLogSoftmax: {
@@ -540,6 +638,11 @@ void Program::zero_gradients() {
   fresh_step_ = true;
 }
 
+float* Program::value(int v) {
+  PIPESHARD_CHECK(!recomputed_[v], "'" + graph_.values[v].name + "' is recomputed in backward, not kept from forward");
+  return val(v);
+}
+
 float* Program::gradient(int v) {
   PIPESHARD_CHECK(!shared_grad_[v], "the gradient of '" + graph_.values[v].name +
                                         "' lives only inside backward(); only model inputs' and outputs' are kept");
@@ -561,7 +664,8 @@ Program::Memory Program::memory() const {
   Memory m;
   m.weights = static_cast<int64_t>(sizeof(float)) * (params_.size() + buffers_.size());
   m.gradients = static_cast<int64_t>(sizeof(float)) * grads_.size();
-  m.activations = bytes(value_storage_) + bytes(saved_a_) + bytes(saved_b_) + bytes(scratch_);
+  m.activations =
+      bytes(value_storage_) + bytes(transient_storage_) + bytes(saved_a_) + bytes(saved_b_) + bytes(scratch_);
   m.activation_gradients = bytes(grad_storage_);
   return m;
 }

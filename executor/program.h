@@ -2,7 +2,10 @@
 // reverse. Trainable parameters and their gradients each live in one contiguous buffer
 // (one memset, one optimizer loop, one all-reduce later); BatchNorm running statistics
 // live in a second one. Every value has an activation buffer sized for the largest
-// batch. Gradients are summed where a value fans out (residual connections, tied
+// batch, except an activation's output that backward can recompute from the activation's
+// input: it lives only while forward needs it and again from where backward recomputes it
+// (one elementwise pass) to the activation's backward, in buffers such values share; an
+// MLP of Linear + activation layers keeps half the activations it would. Gradients are summed where a value fans out (residual connections, tied
 // weights) because every backward adds (+=). A value's gradient lives only inside one
 // backward(), from its last reader's node down to its producer, so values whose lives
 // do not overlap share gradient buffers (an MLP of any depth needs two); the model's
@@ -57,6 +60,10 @@ struct ProgramOptions {
   // false: every value gets a gradient buffer of its own in every slot, as if all were
   // model inputs or outputs (the tests' reference for sharing; it changes no result).
   bool share_gradient_buffers = true;
+  // true: values that recomputable_values() names, and whose recomputation the backend
+  // says is exact, are recomputed in backward instead of kept from forward. false: every
+  // value keeps its own buffer in every slot (the tests' reference; it changes no result).
+  bool recompute_activations = true;
   // Only kEval forwards (evaluation): no gradient buffers at all, and backward() is a bug.
   bool forward_only = false;
 };
@@ -107,11 +114,12 @@ class Program {
   // Gradient buffer of model output k, [batch, ...]: write ∂loss/∂output here (the
   // loss functions do, a pipeline stage receives it), then call backward().
   float* output_gradient(int k);
-  // Any value's activation buffer in the selected slot, [batch, ...] (pipeline stages
-  // send and receive the values crossing a cut from here); a model input's or output's
+  // A kept value's activation buffer in the selected slot, [batch, ...] (pipeline stages
+  // send and receive the values crossing a cut from here; a recomputed value is a bug to
+  // ask for, since the next forward or backward overwrites it); a model input's or output's
   // gradient buffer (null for an input without one). Other values' gradients live only
   // inside backward() in shared buffers, so asking for one is a bug.
-  float* value(int v) { return val(v); }
+  float* value(int v);
   float* gradient(int v);
   // Whether backward produces a gradient for value v (some trainable parameter, or an
   // input that needs a gradient, is upstream of it).
@@ -132,9 +140,12 @@ class Program {
   // Elements of the gradient buffers of values (activations' gradients, not parameters'):
   // what sharing saves shows here.
   int64_t value_gradient_elements() const;
+  // Whether value v is recomputed in backward rather than kept from forward.
+  bool recomputed(int v) const { return recomputed_[v]; }
   // Bytes of the buffers this program holds, as asked of the backend (before its rounding):
-  // parameters and running statistics; their gradients; activations with what backward
-  // saves of them (masks, statistics) and collective staging; the activations' gradients.
+  // parameters and running statistics; their gradients; activations (kept and recomputed)
+  // with what backward saves of them (masks, statistics) and collective staging; the
+  // activations' gradients.
   struct Memory {
     int64_t weights = 0, gradients = 0, activations = 0, activation_gradients = 0;
     int64_t total() const { return weights + gradients + activations + activation_gradients; }
@@ -145,6 +156,7 @@ class Program {
   Program(const Graph& graph, Backend& backend, int64_t max_batch, const ProgramOptions& options);
   Status plan_tensor_parallel();
   void plan_gradient_writes();
+  void plan_recomputed_values();
   void plan_gradient_buffers(bool share);
   void forward_node(size_t i, int64_t batch, Mode mode, uint64_t seed, int64_t first_sample);
   void dropout_forward(size_t i, int64_t batch, uint64_t seed, int64_t first_sample);
@@ -152,7 +164,7 @@ class Program {
   const float* param(int p) const;
   float* param_grad(int p);  // null for non-trainable parameters
   // Value v's activation and gradient in the selected slot.
-  float* val(int v) const { return value_[v] + slot_ * max_batch_ * graph_.values[v].shape.per_sample_elements(); }
+  float* val(int v) const { return value_[v] + slot_ * value_slot_stride_[v]; }
   float* grad(int v) const { return grad_[v] + slot_ * grad_slot_stride_[v]; }
 
   const Graph& graph_;
@@ -165,7 +177,15 @@ class Program {
   int64_t trainable_elements_ = 0;
   DeviceBuffer params_, grads_, buffers_;  // trainable, their gradients, running stats
   std::vector<int64_t> param_offset_;      // [graph params]; into params_ or buffers_
-  std::vector<DeviceBuffer> value_storage_; // [graph values]; empty for a Reshape's output
+  std::vector<DeviceBuffer> value_storage_; // [graph values]; empty for a Reshape's output and recomputed values
+  std::vector<int64_t> value_slot_stride_;  // [graph values]: elements per slot; 0 for a recomputed value
+  // Recomputed values (plan_recomputed_values): their shared one-slot buffers, the values
+  // each node's backward recomputes first, and whether the value is there again by its
+  // producer's backward (when not, the activation's backward gets y = null).
+  std::vector<DeviceBuffer> transient_storage_;
+  std::vector<bool> recomputed_;               // [graph values]
+  std::vector<std::vector<int>> recompute_before_;  // [graph nodes]
+  std::vector<bool> back_for_producer_;        // [graph values]
   std::vector<DeviceBuffer> grad_storage_;  // each a model input's or output's, or shared by several values
   std::vector<float*> value_, grad_;       // [graph values]; Reshape aliases its input
   std::vector<int> owner_;                 // [graph values]: the value whose buffers v aliases (Reshape), or v

@@ -42,6 +42,7 @@ PartitionOptions partition_options(const TrainConfig& config, int64_t local_batc
   o.batch_size = local_batch;
   o.micro_batches = config.micro_batches;
   o.schedule = config.pipeline_schedule;
+  o.recompute_activations = !config.keep_activations;
   const OptimizerConfig& opt = config.optimizer;
   o.optimizer_slots = opt.kind != OptimizerKind::kSgd ? 2 : opt.momentum != 0.0f ? 1 : 0;
   return o;
@@ -163,6 +164,7 @@ Result<std::unique_ptr<Trainer>> Trainer::create(const Graph& graph, const Datas
   options.input_needs_grad = t->rank_.input_needs_grad();
   options.tensor = t->device_tensor_;
   options.model_node_ids = t->rank_.model_node_ids();
+  options.recompute_activations = !config.keep_activations;
   if (config.sync_batchnorm && t->device_replicas_) {
     Communicator* replicas = t->device_replicas_;
     options.batchnorm_reducer = [replicas](double* data, int64_t n) { replicas->all_reduce_sum(data, n); };

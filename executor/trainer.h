@@ -85,6 +85,10 @@ struct TrainConfig {
   // the checks on the loss and gradients go on changing as they must; the results are
   // those of the run without it, bit for bit.
   bool cuda_graph = false;
+  // Keep every activation's output from forward to backward instead of recomputing it
+  // there from the activation's input (ProgramOptions::recompute_activations): one
+  // elementwise pass per activation less, one tensor per activation more. Same results.
+  bool keep_activations = false;
 };
 
 // Where a Trainer sits in a multi-process job. All null: one process.

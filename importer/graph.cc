@@ -1,5 +1,6 @@
 #include "importer/graph.h"
 
+#include <algorithm>
 #include <set>
 
 namespace pipeshard {
@@ -69,6 +70,19 @@ const char* activation_name(ActivationKind kind) {
     case ActivationKind::kSilu: return "Silu";
   }
   return "Activation";
+}
+
+std::vector<bool> recomputable_values(const Graph& g) {
+  std::vector<bool> r(g.values.size(), false);
+  for (const Node& n : g.nodes) {  // topological: an input's verdict comes first
+    if (n.kind != OpKind::kActivation || r[n.inputs[0]]) continue;
+    const int y = n.outputs[0];
+    if (std::find(g.outputs.begin(), g.outputs.end(), y) != g.outputs.end()) continue;
+    bool aliased = false;
+    for (int c : g.values[y].consumers) aliased = aliased || g.nodes[c].kind == OpKind::kReshape;
+    r[y] = !aliased;
+  }
+  return r;
 }
 
 const char* op_kind_name(const Node& node) {

@@ -126,6 +126,13 @@ struct Graph {
   int64_t node_flops_per_sample(const Node& node) const;
 };
 
+// [values] Activations that training need not keep from forward to backward: the output
+// of an activation node whose input is kept, which backward can recompute from that input
+// in one elementwise pass. Not model outputs (the loss and the next pipeline stage read
+// them), nor values a Reshape aliases, nor an activation of an activation that is itself
+// recomputed.
+std::vector<bool> recomputable_values(const Graph& g);
+
 // "Linear", "Relu", "Gelu", ... : the names used in messages, plan.json and tests.
 const char* op_kind_name(const Node& node);
 // "Relu", "LeakyRelu", "Gelu", "GeluTanh", ...

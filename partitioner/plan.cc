@@ -46,15 +46,18 @@ int64_t micro_batch_size(const PartitionOptions& o) {
 }
 
 // Per-layer figures: trainable parameters (each tensor at its first use), all parameter
-// elements (running statistics too), flops and activation bytes kept for backward.
+// elements (running statistics too), flops and activation bytes kept for backward (not
+// the activations' outputs that training recomputes there, see recomputable_values()).
 struct LayerFigures {
   std::vector<int64_t> params, all_param_elements, flops, activation_bytes;
 };
 
-LayerFigures layer_figures(const Graph& g, const std::vector<int>& layer, int layers) {
+LayerFigures layer_figures(const Graph& g, const std::vector<int>& layer, int layers, bool recompute) {
   LayerFigures f{std::vector<int64_t>(layers), std::vector<int64_t>(layers), std::vector<int64_t>(layers),
                  std::vector<int64_t>(layers)};
   std::set<int> seen;
+  const std::vector<bool> recomputed =
+      recompute ? recomputable_values(g) : std::vector<bool>(g.values.size(), false);
   for (size_t i = 0; i < g.nodes.size(); ++i) {
     const Node& n = g.nodes[i];
     const int l = layer[i];
@@ -64,7 +67,7 @@ LayerFigures layer_figures(const Graph& g, const std::vector<int>& layer, int la
       if (g.params[p].trainable) f.params[l] += g.params[p].elements();
     }
     f.flops[l] += g.node_flops_per_sample(n);
-    f.activation_bytes[l] += value_bytes(g, n.outputs[0]);
+    if (!recomputed[n.outputs[0]]) f.activation_bytes[l] += value_bytes(g, n.outputs[0]);
   }
   return f;
 }
@@ -152,7 +155,7 @@ Result<Plan> make_plan(const Graph& g, const std::string& model_path, const Part
       if (j >= 0) cut_bytes[j] += value_bytes(g, static_cast<int>(v));
     }
   }
-  const LayerFigures fig = layer_figures(g, layer, layers);
+  const LayerFigures fig = layer_figures(g, layer, layers, o.recompute_activations);
   const PipelineSplitProblem problem = make_problem(o, fig, cut_bytes);
   Result<PipelineSplit> split = split_pipeline(problem);
   if (!split) return split.status();

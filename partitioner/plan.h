@@ -44,6 +44,7 @@ struct PartitionOptions {
   int micro_batches = 0;            // 0: as many as stages
   ScheduleKind schedule = ScheduleKind::k1F1B;
   int optimizer_slots = 2;          // float32 state per parameter (Adam: 2, SGD+momentum: 1)
+  bool recompute_activations = true;  // training recomputes recomputable_values() (train --keep-activations: false)
   // An unpaired Linear with fewer parameters than this stays replicated.
   int64_t min_shard_parameters = 65536;
 };

@@ -40,6 +40,10 @@ class ModelBuilder {
     return n->output(0);
   }
   std::string relu(const std::string& x) { return add_node("Relu", "relu" + std::to_string(nodes_), {x})->output(0); }
+  // An operator of one input and no attributes: "Sigmoid", "Tanh", ...
+  std::string unary(const std::string& op, const std::string& x) {
+    return add_node(op, op + std::to_string(nodes_), {x})->output(0);
+  }
   std::string add(const std::string& a, const std::string& b) {
     return add_node("Add", "add" + std::to_string(nodes_), {a, b})->output(0);
   }

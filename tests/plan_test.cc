@@ -210,6 +210,22 @@ TEST(Plan, FirstStageKeepsMoreActivationsUnder1F1B) {
   EXPECT_LT(mem.stages[0].end_layer - mem.stages[0].first_layer, mem.stages[3].end_layer - mem.stages[3].first_layer);
 }
 
+// The estimate leaves out what training recomputes in backward: here every ReLU's output
+// but the last, which is the model's output.
+TEST(Plan, MemoryEstimateLeavesOutRecomputedActivations) {
+  ModelBuilder b(64);
+  std::string h = "input";
+  for (int i = 0; i < 8; ++i) h = b.relu(b.linear(h, 64, 64));
+  b.output(h, 64);
+  ImportedModel m = import_built(b);
+  PartitionOptions o;
+  o.batch_size = 4096;
+  const int64_t recomputed = plan_or_die(m.graph, o).stages[0].memory_bytes;
+  o.recompute_activations = false;
+  const int64_t kept = plan_or_die(m.graph, o).stages[0].memory_bytes;
+  EXPECT_EQ(kept - recomputed, 7 * 4096 * 64 * 4);
+}
+
 TEST(Plan, JsonHasTheDocumentedFields) {
   ImportedModel m = load_model("residual");
   PartitionOptions o;

@@ -163,12 +163,10 @@ INSTANTIATE_TEST_SUITE_P(
 // Two micro-batches in flight, the way a 1F1B stage runs them (forward 0, forward 1,
 // backward 1, backward 0), from a fresh step and then accumulating; returns the
 // parameter gradients, after every input's gradient in both slots when they have one.
-std::vector<float> two_slot_gradients(const Graph& g, bool share, bool inputs_need_grad) {
+std::vector<float> two_slot_gradients(const Graph& g, ProgramOptions options, bool inputs_need_grad) {
   std::unique_ptr<Backend> backend = make_cpu_backend();
-  ProgramOptions options;
   options.slots = 2;
   options.input_needs_grad.assign(g.inputs.size(), inputs_need_grad);
-  options.share_gradient_buffers = share;
   auto created = Program::create(g, *backend, 5, options);
   EXPECT_TRUE(created.is_ok()) << created.status().message();
   Program& p = **created;
@@ -206,23 +204,77 @@ std::vector<float> two_slot_gradients(const Graph& g, bool share, bool inputs_ne
   return result;
 }
 
-// With and without input gradients: without, LayerNorm and BatchNorm on the input get
-// no dx, and the input no buffer.
-TEST_P(EveryModel, SharedGradientBuffersChangeNoBit) {
-  ImportedModel m = load_model(GetParam());
+// Two_slot_gradients() with `plain` (every value in buffers of its own) and `planned`
+// options, bit for bit, with and without input gradients: without, LayerNorm and
+// BatchNorm on the input get no dx, and the input no buffer.
+void expect_same_gradients(const Graph& g, const ProgramOptions& plain, const ProgramOptions& planned) {
   for (bool inputs_need_grad : {true, false}) {
-    const std::vector<float> own = two_slot_gradients(m.graph, false, inputs_need_grad);
-    const std::vector<float> shared = two_slot_gradients(m.graph, true, inputs_need_grad);
+    const std::vector<float> own = two_slot_gradients(g, plain, inputs_need_grad);
+    const std::vector<float> shared = two_slot_gradients(g, planned, inputs_need_grad);
     ASSERT_EQ(own.size(), shared.size());
     bool nonzero = false;
     for (size_t i = 0; i < own.size(); ++i) {
       nonzero = nonzero || own[i] != 0.0f;
       ASSERT_EQ(std::memcmp(&own[i], &shared[i], sizeof(float)), 0) << "element " << i << ": own buffers " << own[i]
-                                                                   << ", shared " << shared[i]
+                                                                   << ", planned " << shared[i]
                                                                    << (inputs_need_grad ? "" : " (no input gradient)");
     }
     EXPECT_TRUE(nonzero) << "the check compares nothing but zeros";
   }
+}
+
+ProgramOptions own_buffers() {
+  ProgramOptions o;
+  o.share_gradient_buffers = false;
+  o.recompute_activations = false;
+  return o;
+}
+
+TEST_P(EveryModel, SharedGradientBuffersChangeNoBit) {
+  ImportedModel m = load_model(GetParam());
+  ProgramOptions shared = own_buffers();
+  shared.share_gradient_buffers = true;
+  expect_same_gradients(m.graph, own_buffers(), shared);
+}
+
+TEST_P(EveryModel, RecomputedActivationsChangeNoBit) {
+  ImportedModel m = load_model(GetParam());
+  ProgramOptions recomputed = own_buffers();
+  recomputed.recompute_activations = true;
+  expect_same_gradients(m.graph, own_buffers(), recomputed);
+  expect_same_gradients(m.graph, own_buffers(), ProgramOptions{});  // both, as training runs
+}
+
+// The cases no exported model has: a recomputed Sigmoid read in backward by two Linears
+// and a Tanh (an activation of a recomputed activation, kept itself); a ReLU after an Add
+// (not fused) read by a Linear; a Sigmoid whose readers' backwards never read it (an Add),
+// so its own backward gets y = null and recomputes what it needs.
+TEST(Program, RecomputationAcrossFanOutChainsAndAdds) {
+  testing::ModelBuilder b(24);
+  const std::string a1 = b.unary("Sigmoid", b.linear("input", 24, 32));
+  const std::string t = b.unary("Tanh", a1);
+  const std::string h2 = b.linear(a1, 32, 32), h3 = b.linear(a1, 32, 32);
+  const std::string r2 = b.relu(b.add(h2, t));
+  const std::string h4 = b.linear(r2, 32, 32);
+  const std::string s3 = b.unary("Sigmoid", b.add(h4, h3));
+  b.output(b.linear(b.add(s3, h4), 32, 10), 10);
+  auto proto = std::make_shared<onnx::ModelProto>(b.model());
+  Result<ImportedModel> m = import_onnx_model(proto, ".", "built");
+  ASSERT_TRUE(m.is_ok()) << m.status().message();
+  const Graph& g = m->graph;
+  std::unique_ptr<Backend> backend = make_cpu_backend();
+  auto p = Program::create(g, *backend, 4);
+  ASSERT_TRUE(p.is_ok()) << p.status().message();
+  std::vector<bool> recomputed;  // the activations in order: Sigmoid, Tanh, ReLU, Sigmoid
+  for (const Node& n : g.nodes) {
+    if (n.kind == OpKind::kActivation) recomputed.push_back((*p)->recomputed(n.outputs[0]));
+  }
+  EXPECT_EQ(recomputed, (std::vector<bool>{true, false, true, true}))
+      << "the Tanh of a recomputed Sigmoid is kept";
+  ProgramOptions recomputed_options = own_buffers();
+  recomputed_options.recompute_activations = true;
+  expect_same_gradients(g, own_buffers(), recomputed_options);
+  expect_same_gradients(g, own_buffers(), ProgramOptions{});
 }
 
 // Evaluation needs no gradients: a forward-only program computes the same outputs
@@ -281,15 +333,26 @@ TEST_P(EveryModel, MemoryAccountsForEveryBuffer) {
   EXPECT_EQ(mem.weights, 4 * std::max<int64_t>(trainable, 1) + 4 * std::max<int64_t>(params - trainable, 1));
   EXPECT_EQ(mem.gradients, 4 * std::max<int64_t>(trainable, 1));
   EXPECT_EQ(mem.activation_gradients, 4 * (*p)->value_gradient_elements());
-  int64_t values = 0;  // every value a node makes but a Reshape, in both slots
-  for (const Node& n : g.nodes) values += n.kind == OpKind::kReshape ? 0 : g.values[n.outputs[0]].shape.per_sample_elements();
-  for (int v : g.inputs) values += g.values[v].shape.per_sample_elements();
-  EXPECT_GE(mem.activations, 4 * 2 * 6 * values);
+  // Every value a node makes but a Reshape, kept values in both slots, recomputed ones in
+  // one buffer at least as large as the largest.
+  int64_t kept = 0, largest_recomputed = 0;
+  for (const Node& n : g.nodes) {
+    const int y = n.outputs[0];
+    const int64_t elements = g.values[y].shape.per_sample_elements();
+    if ((*p)->recomputed(y)) {
+      largest_recomputed = std::max(largest_recomputed, elements);
+    } else if (n.kind != OpKind::kReshape) {
+      kept += elements;
+    }
+  }
+  for (int v : g.inputs) kept += g.values[v].shape.per_sample_elements();
+  EXPECT_GE(mem.activations, 4 * 6 * (2 * kept + largest_recomputed));
 }
 
 // A chain of fused Linear+ReLU needs two shared gradient buffers whatever its depth
-// (one for each Linear's output, one for each ReLU's), plus the output's own, per slot.
-TEST(Program, DeepChainSharesTwoGradientBuffers) {
+// (one for each Linear's output, one for each ReLU's), plus the output's own, per slot;
+// and two buffers for the ReLUs' outputs, which backward recomputes.
+TEST(Program, DeepChainSharesTwoBuffers) {
   testing::ModelBuilder b(48);
   std::string x = "input";
   int64_t width = 48;
@@ -308,6 +371,7 @@ TEST(Program, DeepChainSharesTwoGradientBuffers) {
   options.slots = 3;
   auto shared = Program::create(m->graph, *backend, batch, options);
   options.share_gradient_buffers = false;
+  options.recompute_activations = false;
   auto own = Program::create(m->graph, *backend, batch, options);
   ASSERT_TRUE(shared.is_ok() && own.is_ok());
   EXPECT_EQ((*shared)->value_gradient_elements(), 2 * batch * 65 + 3 * batch * 10);
@@ -316,6 +380,12 @@ TEST(Program, DeepChainSharesTwoGradientBuffers) {
   for (size_t v = 1; v < m->graph.values.size(); ++v) all += 3 * batch * m->graph.values[v].shape.per_sample_elements();
   EXPECT_EQ((*own)->value_gradient_elements(), all);
   EXPECT_EQ((*shared)->input_gradient(0), nullptr) << "nothing back-propagates into the model input";
+  // Activations: the input, every Linear's output (the ReLUs' pre-activations) and the
+  // model output in each slot; the ReLUs' outputs, recomputed, in two shared one-slot
+  // buffers (each ReLU's output and the next one's live at once in the fused forward).
+  const int64_t kept = 48 + 6 * 64 + 6 * 65 + 10;
+  EXPECT_EQ((*shared)->memory().activations, 4 * batch * (3 * kept + 64 + 65));
+  EXPECT_EQ((*own)->memory().activations, 4 * batch * 3 * (kept + 6 * 64 + 6 * 65));
 }
 
 TEST(Program, SharedWeightGetsTheSumOfBothUses) {

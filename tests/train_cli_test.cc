@@ -4,13 +4,18 @@
 #include <algorithm>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <set>
+#include <string>
+#include <vector>
 
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 #include <onnx/onnx_pb.h>
 
+#include "executor/npy.h"
 #include "importer/onnx_importer.h"
+#include "tests/model_builder.h"
 #include "tests/test_util.h"
 
 namespace pipeshard {
@@ -71,6 +76,44 @@ TEST(TrainCli, ShortRunWritesMetricsAndALoadableModel) {
   auto ort = run_command("node " + quote(source_path("tests/ort/eval.mjs")) + " " + quote(dir / "t.onnx") + " " +
                          quote(source_path("models/reference/simple_digits.input.npy")) + " " + quote(dir / "out.npy"));
   EXPECT_EQ(ort.exit_code, 0) << ort.err;
+}
+
+std::string file_bytes(const std::filesystem::path& path) {
+  std::ifstream in(path, std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(in), {});
+}
+
+// Six Linear(32) + ReLU layers at batch 64: by default backward recomputes the ReLUs'
+// outputs, which then need two shared buffers instead of six; --keep-activations keeps
+// them. Both train the same model, bit for bit.
+TEST(TrainCli, KeepActivationsHoldsMoreAndChangesNoBit) {
+  ScratchDir dir("keep_activations");
+  testing::ModelBuilder b(32);
+  std::string x = "input";
+  for (int i = 0; i < 6; ++i) x = b.relu(b.linear(x, 32, 32));
+  b.output(b.linear(x, 32, 10), 10);
+  b.save(dir / "relu6.onnx");
+  const int64_t samples = 256;
+  std::vector<float> features(samples * 32);
+  std::vector<int64_t> labels(samples);
+  for (int64_t i = 0; i < samples * 32; ++i) features[i] = static_cast<float>((i * 37) % 101) / 50.0f - 1.0f;
+  for (int64_t i = 0; i < samples; ++i) labels[i] = (i * 7) % 10;
+  ASSERT_TRUE(write_npy(dir / "x.npy", {samples, 32}, features.data()));
+  ASSERT_TRUE(write_npy(dir / "y.npy", {samples}, labels.data()));
+  std::vector<int64_t> peaks;
+  for (const std::string flag : {"", " --keep-activations"}) {
+    const std::string name = flag.empty() ? "recomputed" : "kept";
+    auto r = run_command(quote(tool_path("train")) + " " + quote(dir / "relu6.onnx") + " --data " + quote(dir / "x.npy") +
+                         " --labels " + quote(dir / "y.npy") + " --batch-size 64 --steps 3 --optimizer adam --save " +
+                         quote(dir / (name + ".onnx")) + " --metrics " + quote(dir / (name + ".jsonl")) + flag);
+    ASSERT_EQ(r.exit_code, 0) << r.err;
+    std::ifstream in(dir / (name + ".jsonl"));
+    std::string line, last;
+    while (std::getline(in, line)) last = line;
+    peaks.push_back(nlohmann::json::parse(last)["backend_peak_bytes"].get<int64_t>());
+  }
+  EXPECT_EQ(file_bytes(dir / "recomputed.onnx"), file_bytes(dir / "kept.onnx"));
+  EXPECT_EQ(peaks[1] - peaks[0], (6 - 2) * 64 * 32 * 4) << "four ReLU outputs of 64 x 32 floats";
 }
 
 TEST(TrainCli, BatchNormStatisticsFoldedIntoWeightsAreSavedSeparately) {

@@ -81,9 +81,10 @@ void print_table(const ImportedModel& m, const Plan& plan, const std::string& di
              balance_name(o.balance), plan.balance, bytes_text(plan.crossing_bytes));
   const int m_batches = o.micro_batches > 0 ? o.micro_batches : o.stages;
   fmt::print("memory: per rank, fp32 weights + grads + {} optimizer slot{}, activations of batch {} in {} "
-             "micro-batch{} under {}\n",
+             "micro-batch{} under {}{}\n",
              o.optimizer_slots, o.optimizer_slots == 1 ? "" : "s", o.batch_size, m_batches, m_batches == 1 ? "" : "es",
-             o.schedule == ScheduleKind::kGPipe ? "GPipe" : "1F1B");
+             o.schedule == ScheduleKind::kGPipe ? "GPipe" : "1F1B",
+             o.recompute_activations ? "" : ", activation functions' outputs kept (--keep-activations)");
   size_t files = 0;
   for (const StagePlan& s : plan.stages) files += s.files.size();
   fmt::print("wrote {} stage file{} and plan.json to {}/\n", files, files == 1 ? "" : "s", dir);
@@ -120,6 +121,11 @@ int main(int argc, char** argv) {
       ->check(CLI::IsMember({"1f1b", "gpipe"}))->group(est);
   app.add_option("--optimizer", optimizer, "sgd (momentum: 1 slot) or adam/adamw (2 slots; default)")
       ->check(CLI::IsMember({"sgd", "adam", "adamw"}))->group(est);
+  bool keep_activations = false;
+  app.add_flag("--keep-activations", keep_activations,
+               "as train --keep-activations: count the activation functions' outputs, which training otherwise "
+               "recomputes in backward (memory estimate)")
+      ->group(est);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -130,6 +136,7 @@ int main(int argc, char** argv) {
   o.balance = balance == "flops" ? BalanceBy::kFlops : balance == "memory" ? BalanceBy::kMemory : BalanceBy::kParams;
   o.schedule = schedule == "gpipe" ? ScheduleKind::kGPipe : ScheduleKind::k1F1B;
   o.optimizer_slots = optimizer == "sgd" ? 1 : 2;
+  o.recompute_activations = !keep_activations;
   if (out_dir.empty()) out_dir = std::filesystem::path(model).stem().string() + "_stages";
   if (!chart.empty()) {  // before any work: a chart that cannot be drawn is a bad flag
     if (Status s = check_picture_output(chart); !s) return fail("--chart: " + s.message());

@@ -94,6 +94,10 @@ void define(CLI::App& app, Args& a) {
                "with --device cuda in one process: from the second step on, run each forward and backward as a "
                "CUDA graph of the first step's kernels, one launch instead of one per kernel (for small models, "
                "where launches cost more than the work); the results are the same, bit for bit");
+  app.add_flag("--keep-activations", a.keep_activations,
+               "keep each activation function's output from forward to backward instead of recomputing it there "
+               "from its input (default: recompute, which holds one tensor less per activation for one more "
+               "elementwise pass); the results are the same, bit for bit");
   app.add_flag("--sync-batchnorm", a.sync_batchnorm,
                "BatchNorm statistics over the global batch of all replicas (default: each replica's slice)");
 }
@@ -140,6 +144,7 @@ Result<TrainConfig> make_config(const Args& a) {
   c.balance = a.balance == "flops" ? BalanceBy::kFlops : a.balance == "memory" ? BalanceBy::kMemory : BalanceBy::kParams;
   c.sync_batchnorm = a.sync_batchnorm;
   c.cuda_graph = a.cuda_graph;
+  c.keep_activations = a.keep_activations;
   c.on_nonfinite = a.on_nonfinite == "skip" ? NonFinite::kSkip : NonFinite::kStop;
   const std::string scaling = a.loss_scale.empty() ? (a.precision == "fp16" ? "dynamic" : "none") : a.loss_scale;
   if (scaling == "dynamic") {

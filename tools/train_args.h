@@ -26,6 +26,7 @@ struct Args {
   int micro_batches = 1;
   bool sync_batchnorm = false;
   bool cuda_graph = false;  // --cuda-graph
+  bool keep_activations = false;  // --keep-activations
   double bucket_mb = 25;
   double comm_timeout = 60;
   double lr = 0, momentum = 0, eps = 0, weight_decay = 0, clip = 0;
