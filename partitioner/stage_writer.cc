@@ -273,15 +273,17 @@ Result<std::shared_ptr<onnx::ModelProto>> build_stage_model(const ImportedModel&
   return out;
 }
 
-Status write_partition(const ImportedModel& model, const Plan& plan, const std::string& dir) {
+Status write_partition(const ImportedModel& model, const Plan& plan, const std::string& dir, int64_t inline_limit) {
   std::vector<std::pair<std::string, std::string>> files;  // path, bytes
   for (const StagePlan& s : plan.stages) {
     for (size_t t = 0; t < s.files.size(); ++t) {
       auto m = build_stage_model(model, plan, s.stage, static_cast<int>(t));
       if (!m) return m.status();
-      std::string bytes;
-      PIPESHARD_CHECK((*m)->SerializeToString(&bytes), "serialising a stage model");
-      files.emplace_back((fs::path(dir) / s.files[t]).string(), std::move(bytes));
+      const std::string path = (fs::path(dir) / s.files[t]).string();
+      Result<ModelFiles> bytes = serialize_model(**m, path, inline_limit);
+      if (!bytes) return bytes.status().with_context(s.files[t]);
+      if (!bytes->data_name.empty()) files.emplace_back((fs::path(dir) / bytes->data_name).string(), std::move(bytes->data));
+      files.emplace_back(path, std::move(bytes->model));
     }
   }
   files.emplace_back((fs::path(dir) / "plan.json").string(), plan_json_text(plan, model.graph));

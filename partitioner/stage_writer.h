@@ -17,6 +17,7 @@
 #include "common/atomic_file.h"
 #include "common/status.h"
 #include "importer/onnx_importer.h"
+#include "importer/onnx_writer.h"
 #include "partitioner/plan.h"
 
 namespace pipeshard {
@@ -25,10 +26,13 @@ namespace pipeshard {
 Result<std::shared_ptr<onnx::ModelProto>> build_stage_model(const ImportedModel& model, const Plan& plan,
                                                             int stage, int tp_rank);
 
-// Writes every stage file named in `plan` and plan.json into `dir`, creating it. All
-// models are built before the first byte is written, and each file is written to a
-// temporary name and renamed, so a failure never leaves a half-written file.
-Status write_partition(const ImportedModel& model, const Plan& plan, const std::string& dir);
+// Writes every stage file named in `plan` and plan.json into `dir`, creating it; a stage
+// too large for one protobuf message keeps its weights in `<stage file>.data` beside it
+// (serialize_model()). All models are built before the first byte is written, and each
+// file is written to a temporary name and renamed, so a failure never leaves a
+// half-written file.
+Status write_partition(const ImportedModel& model, const Plan& plan, const std::string& dir,
+                       int64_t inline_limit = kProtobufLimit);
 
 }  // namespace pipeshard
 
