@@ -8,6 +8,7 @@
 #include <csignal>
 #include <cstdio>
 #include <filesystem>
+#include <string_view>
 
 namespace pipeshard {
 namespace {
@@ -28,14 +29,23 @@ bool write_all(int fd, const char* bytes, size_t n) {
   return true;
 }
 
-Status write_synced(const std::string& path, const std::string& bytes, const CrashPoint& crash) {
+Status write_synced(const std::string& path, const std::vector<std::string_view>& pieces, const CrashPoint& crash) {
   int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
   if (fd < 0) return Status::error("cannot write '" + path + "'");
-  size_t first = bytes.size();
+  size_t total = 0;
+  for (std::string_view p : pieces) total += p.size();
+  size_t first = total;  // bytes before the crash point
   if (crash.where == CrashPoint::Where::kAfterBytes) first = std::min(first, static_cast<size_t>(std::max<int64_t>(crash.bytes, 0)));
-  bool written = write_all(fd, bytes.data(), first);
-  crash_if(crash, CrashPoint::Where::kAfterBytes);
-  written = written && write_all(fd, bytes.data() + first, bytes.size() - first);
+  bool written = true;
+  size_t done = 0;
+  for (std::string_view p : pieces) {
+    const size_t before = first > done ? std::min(p.size(), first - done) : 0;  // this piece's part before it
+    written = written && write_all(fd, p.data(), before);
+    if (done + before == first) crash_if(crash, CrashPoint::Where::kAfterBytes);
+    written = written && write_all(fd, p.data() + before, p.size() - before);
+    done += p.size();
+  }
+  crash_if(crash, CrashPoint::Where::kAfterBytes);  // no pieces, or a point past the end
   if (!written) {
     ::close(fd);
     std::remove(path.c_str());
@@ -50,13 +60,13 @@ Status write_synced(const std::string& path, const std::string& bytes, const Cra
   return Status::ok();
 }
 
-}  // namespace
+std::vector<std::string_view> views(const std::vector<std::string>& pieces) {
+  return std::vector<std::string_view>(pieces.begin(), pieces.end());
+}
 
-Status write_file_synced(const std::string& path, const std::string& bytes) { return write_synced(path, bytes, {}); }
-
-Status write_file_atomically(const std::string& path, const std::string& bytes, const CrashPoint& crash) {
+Status write_atomically(const std::string& path, const std::vector<std::string_view>& pieces, const CrashPoint& crash) {
   const std::string tmp = path + ".tmp" + std::to_string(::getpid());
-  PIPESHARD_RETURN_IF_ERROR(write_synced(tmp, bytes, crash));
+  PIPESHARD_RETURN_IF_ERROR(write_synced(tmp, pieces, crash));
   crash_if(crash, CrashPoint::Where::kBeforeRename);
   if (std::rename(tmp.c_str(), path.c_str()) != 0) {
     std::remove(tmp.c_str());
@@ -71,6 +81,22 @@ Status write_file_atomically(const std::string& path, const std::string& bytes, 
   if (dfd >= 0) ::close(dfd);
   if (!synced) return Status::error("wrote '" + path + "' but cannot sync its folder: the new file may not survive a power cut");
   return Status::ok();
+}
+
+}  // namespace
+
+Status write_file_synced(const std::string& path, const std::string& bytes) { return write_synced(path, {bytes}, {}); }
+
+Status write_file_synced(const std::string& path, const std::vector<std::string>& pieces) {
+  return write_synced(path, views(pieces), {});
+}
+
+Status write_file_atomically(const std::string& path, const std::string& bytes, const CrashPoint& crash) {
+  return write_atomically(path, {bytes}, crash);
+}
+
+Status write_file_atomically(const std::string& path, const std::vector<std::string>& pieces, const CrashPoint& crash) {
+  return write_atomically(path, views(pieces), crash);
 }
 
 }  // namespace pipeshard

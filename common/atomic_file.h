@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "common/status.h"
 
@@ -25,11 +26,16 @@ struct CrashPoint {
 
 // Writes `bytes` to `path` and fsyncs it (no rename); removes the file on failure.
 Status write_file_synced(const std::string& path, const std::string& bytes);
+// The same for a file made of `pieces` one after another (parts of a large file that
+// exist apart need not be joined in memory first).
+Status write_file_synced(const std::string& path, const std::vector<std::string>& pieces);
 
 // Writes `bytes` to `path` atomically: a temporary file in the same folder
 // (`path`.tmp<pid>), fsync, rename over `path`, fsync of the folder. A crash at any
 // point leaves either the old file or the new one, and at worst a stray temporary file.
 Status write_file_atomically(const std::string& path, const std::string& bytes, const CrashPoint& crash = {});
+Status write_file_atomically(const std::string& path, const std::vector<std::string>& pieces,
+                             const CrashPoint& crash = {});
 
 }  // namespace pipeshard
 

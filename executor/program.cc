@@ -235,18 +235,26 @@ void Program::plan_recomputed_values() {
   std::vector<int64_t> sizes;
   std::vector<std::vector<std::pair<int, int>>> spans;  // [buffer]: [first, last] steps in use
   std::vector<std::vector<int>> users;                  // [buffer]: values
-  for (size_t v = 0; v < g.values.size(); ++v) {  // by producer: in order of their forward spans
-    if (!recomputed_[v]) continue;
+  auto written_at = [&](int v) {  // the fused Linear's step, or the activation's own
+    const int p = g.values[v].producer;
+    return skip_forward_[p] ? g.values[g.nodes[p].inputs[0]].producer : p;
+  };
+  std::vector<int> order;  // greedy colouring is tightest in the order the spans start
+  for (size_t v = 0; v < g.values.size(); ++v) {
+    if (recomputed_[v]) order.push_back(static_cast<int>(v));
+  }
+  std::stable_sort(order.begin(), order.end(), [&](int a, int b) { return written_at(a) < written_at(b); });
+  for (int v : order) {
     const Value& val = g.values[v];
-    const int p = val.producer, x = g.nodes[p].inputs[0];
-    const int written = skip_forward_[p] ? g.values[x].producer : p;
+    const int p = val.producer;
+    const int written = written_at(v);
     std::vector<std::pair<int, int>> mine{{written, val.consumers.empty() ? written : val.consumers.back()}};
     int first_reader = -1;  // in backward order: the highest node
     for (int c : val.consumers) {
       if (backward_reads_input(g.nodes[c]) && needs_grad_[g.nodes[c].outputs[0]]) first_reader = std::max(first_reader, c);
     }
     if (first_reader >= 0) {
-      recompute_before_[first_reader].push_back(static_cast<int>(v));
+      recompute_before_[first_reader].push_back(v);
       back_for_producer_[v] = true;
       mine.emplace_back(steps - 1 - first_reader, steps - 1 - p);
     }
@@ -256,7 +264,7 @@ void Program::plan_recomputed_values() {
           if (first <= mine_last && mine_first <= last) return true;
       return false;
     };
-    const int64_t need = max_batch_ * per_sample(g, static_cast<int>(v));
+    const int64_t need = max_batch_ * per_sample(g, v);
     int b = best_buffer(sizes, need, [&](size_t b) { return !overlaps(b); });
     if (b < 0) {
       b = static_cast<int>(sizes.size());
@@ -266,7 +274,7 @@ void Program::plan_recomputed_values() {
     }
     sizes[b] = std::max(sizes[b], need);
     spans[b].insert(spans[b].end(), mine.begin(), mine.end());
-    users[b].push_back(static_cast<int>(v));
+    users[b].push_back(v);
   }
   for (size_t b = 0; b < sizes.size(); ++b) {
     transient_storage_.emplace_back(backend_, sizes[b]);

@@ -6,7 +6,9 @@
 #define PIPESHARD_IMPORTER_ONNX_WRITER_H_
 
 #include <cstdint>
+#include <set>
 #include <string>
+#include <vector>
 
 #include <onnx/onnx_pb.h>
 
@@ -20,23 +22,31 @@ namespace pipeshard {
 constexpr int64_t kProtobufLimit = (int64_t{1} << 31) - 1;
 
 // A model as the bytes of its files: `model` for the .onnx file and, for a model too large
-// for one protobuf message, `data` for the external-data file `data_name` beside it.
+// for one protobuf message, the pieces of the external-data file `data_name` beside it,
+// one after another. `stale`: external-data files beside it that the file being replaced
+// named and the new one does not, to remove once the new model is in place.
 struct ModelFiles {
-  std::string model, data_name, data;
+  std::string model, data_name;
+  std::vector<std::string> data;
+  std::set<std::string> stale;
 };
 
 // Serialises `model` for the file `path`. A model of up to `inline_limit` bytes is one
 // file. A larger one keeps every initializer of 1 KiB or more in `<file name>.data`
 // beside it instead (ONNX external data, each tensor at an offset aligned to 4 KiB), as
-// torch.onnx.export does; onnxruntime and onnx.load read it from there. `model`'s
-// initializers are moved out in the process. Fails only when even that leaves the model
-// over the limit.
+// torch.onnx.export does; onnxruntime and onnx.load read it from there. When the file
+// already at `path` uses that name, the data goes to `<file name>.1.data` (and back the
+// next time), so that the old pair stays whole until the new model replaces it: write the
+// data, then the model, then remove_stale_data(). `model`'s initializers' bytes are moved
+// into the pieces, not copied. Fails only when even that leaves the model over the limit.
 Result<ModelFiles> serialize_model(onnx::ModelProto& model, const std::string& path,
                                    int64_t inline_limit = kProtobufLimit);
+// Removes `files.stale` from beside `path`, quietly.
+void remove_stale_data(const std::string& path, const ModelFiles& files);
 
 // Writes `model`'s source with the values of `trained` (a Graph with model.graph's
 // parameters, e.g. after training) to `path`, atomically (with serialize_model()'s
-// `<path>.data` first, when the model needs one). A parameter that was an Identity of
+// external data first, when the model needs it). A parameter that was an Identity of
 // another tensor (BatchNorm statistics that the exporter folded into the weight) becomes
 // an initializer of its own, replacing that Identity.
 Status write_trained_model(const ImportedModel& model, const Graph& trained, const std::string& path,

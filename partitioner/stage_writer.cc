@@ -274,7 +274,8 @@ Result<std::shared_ptr<onnx::ModelProto>> build_stage_model(const ImportedModel&
 }
 
 Status write_partition(const ImportedModel& model, const Plan& plan, const std::string& dir, int64_t inline_limit) {
-  std::vector<std::pair<std::string, std::string>> files;  // path, bytes
+  std::vector<std::pair<std::string, std::vector<std::string>>> files;  // path, its bytes in pieces
+  std::vector<std::pair<std::string, ModelFiles>> models;                // for their stale data
   for (const StagePlan& s : plan.stages) {
     for (size_t t = 0; t < s.files.size(); ++t) {
       auto m = build_stage_model(model, plan, s.stage, static_cast<int>(t));
@@ -282,11 +283,13 @@ Status write_partition(const ImportedModel& model, const Plan& plan, const std::
       const std::string path = (fs::path(dir) / s.files[t]).string();
       Result<ModelFiles> bytes = serialize_model(**m, path, inline_limit);
       if (!bytes) return bytes.status().with_context(s.files[t]);
+      m->reset();  // its weights now live in bytes->data
       if (!bytes->data_name.empty()) files.emplace_back((fs::path(dir) / bytes->data_name).string(), std::move(bytes->data));
-      files.emplace_back(path, std::move(bytes->model));
+      files.emplace_back(path, std::vector<std::string>{std::move(bytes->model)});
+      models.emplace_back(path, std::move(*bytes));
     }
   }
-  files.emplace_back((fs::path(dir) / "plan.json").string(), plan_json_text(plan, model.graph));
+  files.emplace_back((fs::path(dir) / "plan.json").string(), std::vector<std::string>{plan_json_text(plan, model.graph)});
   // Nothing may be left half-written: first every file goes to a temporary beside its
   // target, then every target is checked, and only then is anything renamed.
   std::error_code ec;
@@ -312,6 +315,7 @@ Status write_partition(const ImportedModel& model, const Plan& plan, const std::
       return abandon(Status::error("cannot write '" + files[i].first + "'"));
     }
   }
+  for (const auto& [path, written] : models) remove_stale_data(path, written);
   return Status::ok();
 }
 

@@ -44,6 +44,28 @@ TEST(WriteTrainedModel, InlineWhenItFits) { round_trip(kProtobufLimit, false); }
 
 TEST(WriteTrainedModel, ExternalDataWhenItDoesNot) { round_trip(4096, true); }
 
+// Saving over a model that keeps its weights in external data writes the new weights
+// under the other of two names, so the old pair stays whole until the new model is in
+// place, and then removes the old data; an inline save removes it too.
+TEST(WriteTrainedModel, OverwritingAlternatesTheDataFileAndLeavesNoStaleOne) {
+  Result<ImportedModel> m = import_onnx_file(source_path("models/simple.onnx"));
+  ASSERT_TRUE(m.is_ok()) << m.status().message();
+  ScratchDir dir("writer_again");
+  const std::filesystem::path path = dir / "trained.onnx";
+  const std::string first = path.string() + ".data", second = dir / "trained.onnx.1.data";
+  Graph trained = m->graph;
+  for (const auto& [limit, data] : {std::pair{int64_t{4096}, first}, std::pair{int64_t{4096}, second},
+                                    std::pair{int64_t{4096}, first}, std::pair{kProtobufLimit, std::string()}}) {
+    for (Parameter& p : trained.params) p.data[0] += 1.0f;
+    ASSERT_TRUE(write_trained_model(*m, trained, path.string(), limit).is_ok());
+    EXPECT_EQ(std::filesystem::exists(first), data == first);
+    EXPECT_EQ(std::filesystem::exists(second), data == second);
+    Result<ImportedModel> back = import_onnx_file(path.string());
+    ASSERT_TRUE(back.is_ok()) << back.status().message();
+    for (size_t i = 0; i < trained.params.size(); ++i) EXPECT_EQ(back->graph.params[i].data, trained.params[i].data);
+  }
+}
+
 // Only initializers move: a limit below what the graph's nodes alone need is an error,
 // and nothing is written.
 TEST(WriteTrainedModel, ALimitTheGraphItselfExceedsIsAnError) {
