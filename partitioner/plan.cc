@@ -1,7 +1,9 @@
 #include "partitioner/plan.h"
 
 #include <algorithm>
+#include <map>
 #include <set>
+#include <string>
 
 #include "partitioner/pipeline_split.h"
 #include "partitioner/tensor_parallel.h"
@@ -52,12 +54,11 @@ struct LayerFigures {
   std::vector<int64_t> params, all_param_elements, flops, activation_bytes;
 };
 
-LayerFigures layer_figures(const Graph& g, const std::vector<int>& layer, int layers, bool recompute) {
+LayerFigures layer_figures(const Graph& g, const std::vector<int>& layer, int layers,
+                           const std::vector<bool>& recomputed) {
   LayerFigures f{std::vector<int64_t>(layers), std::vector<int64_t>(layers), std::vector<int64_t>(layers),
                  std::vector<int64_t>(layers)};
   std::set<int> seen;
-  const std::vector<bool> recomputed =
-      recompute ? recomputable_values(g) : std::vector<bool>(g.values.size(), false);
   for (size_t i = 0; i < g.nodes.size(); ++i) {
     const Node& n = g.nodes[i];
     const int l = layer[i];
@@ -67,7 +68,14 @@ LayerFigures layer_figures(const Graph& g, const std::vector<int>& layer, int la
       if (g.params[p].trainable) f.params[l] += g.params[p].elements();
     }
     f.flops[l] += g.node_flops_per_sample(n);
-    if (!recomputed[n.outputs[0]]) f.activation_bytes[l] += value_bytes(g, n.outputs[0]);
+    // What a Program keeps for backward: every output but a Reshape's (an alias) and a
+    // recomputed one, Dropout's mask and LayerNorm's mean and 1/σ per row.
+    const int x = n.inputs[0], y = n.outputs[0];
+    if (n.kind != OpKind::kReshape && !recomputed[y]) f.activation_bytes[l] += value_bytes(g, y);
+    if (n.kind == OpKind::kDropout) f.activation_bytes[l] += value_bytes(g, x);
+    if (n.kind == OpKind::kLayerNorm) {
+      f.activation_bytes[l] += 2 * kFloatBytes * g.values[x].shape.per_sample_elements() / g.values[x].shape.features();
+    }
   }
   return f;
 }
@@ -75,6 +83,45 @@ LayerFigures layer_figures(const Graph& g, const std::vector<int>& layer, int la
 int64_t memory_bytes(const PartitionOptions& o, int k, int64_t param_elements, int64_t activation_bytes) {
   return param_elements * kFloatBytes * (2 + o.optimizer_slots) +
          in_flight(o, k) * micro_batch_size(o) * activation_bytes;
+}
+
+// What the per-layer figures leave out: a rank's working set beside them. The stage's
+// inputs in every slot in flight, and their gradients when an earlier stage made them;
+// its outputs' gradients there too, and recomputed values that leave the stage (kept,
+// since the next stage or the loss reads them); and one micro-batch of the buffers that
+// values share: two for activation gradients, two for recomputed outputs, together no
+// larger than the two largest such values (executor/program.h; an MLP needs no more).
+// Not in the balance, which stays additive over layers.
+int64_t working_bytes(const Graph& g, const PartitionOptions& o, int k, const StagePlan& s,
+                      const std::vector<bool>& recomputed) {
+  std::map<std::string, int> by_name;
+  for (size_t v = 0; v < g.values.size(); ++v) by_name[g.values[v].name] = static_cast<int>(v);
+  auto bytes = [](const TensorSpec& t) { return t.shape.per_sample_elements() * kFloatBytes; };
+  int64_t per_slot = 0, shared = 0;
+  std::set<int> outputs;
+  for (const TensorSpec& t : s.inputs) per_slot += bytes(t) * (k > 0 ? 2 : 1);
+  for (const TensorSpec& t : s.outputs) {
+    const int v = by_name.at(t.name);
+    outputs.insert(v);
+    per_slot += bytes(t) * (recomputed[v] ? 2 : 1);
+  }
+  for (auto i = s.nodes.rbegin(); i != s.nodes.rend(); ++i) {  // a Reshape's input shares its output's buffers
+    const Node& n = g.nodes[*i];
+    if (n.kind == OpKind::kReshape && outputs.count(n.outputs[0])) outputs.insert(n.inputs[0]);
+  }
+  std::vector<int64_t> values, recomputed_values;  // per sample, in shared buffers
+  for (int i : s.nodes) {
+    const int v = g.nodes[i].outputs[0];
+    if (outputs.count(v)) continue;  // their own buffers, above
+    values.push_back(value_bytes(g, v));
+    if (recomputed[v]) recomputed_values.push_back(value_bytes(g, v));
+  }
+  auto two_largest = [](std::vector<int64_t>& b) {
+    std::sort(b.begin(), b.end(), std::greater<>());
+    return (b.empty() ? 0 : b[0]) + (b.size() < 2 ? 0 : b[1]);
+  };
+  shared = two_largest(values) + two_largest(recomputed_values);
+  return micro_batch_size(o) * (in_flight(o, k) * per_slot + shared);
 }
 
 PipelineSplitProblem make_problem(const PartitionOptions& o, const LayerFigures& f,
@@ -155,7 +202,9 @@ Result<Plan> make_plan(const Graph& g, const std::string& model_path, const Part
       if (j >= 0) cut_bytes[j] += value_bytes(g, static_cast<int>(v));
     }
   }
-  const LayerFigures fig = layer_figures(g, layer, layers, o.recompute_activations);
+  const std::vector<bool> recomputed =
+      o.recompute_activations ? recomputable_values(g) : std::vector<bool>(g.values.size(), false);
+  const LayerFigures fig = layer_figures(g, layer, layers, recomputed);
   const PipelineSplitProblem problem = make_problem(o, fig, cut_bytes);
   Result<PipelineSplit> split = split_pipeline(problem);
   if (!split) return split.status();
@@ -175,16 +224,18 @@ Result<Plan> make_plan(const Graph& g, const std::string& model_path, const Part
     int64_t elements = 0, activation = 0;
     for (int l = s.first_layer; l < s.end_layer; ++l) {
       s.flops_per_sample += fig.flops[l];
-      elements += fig.all_param_elements[l];
       activation += fig.activation_bytes[l];
     }
-    std::set<int> params;
+    std::set<int> params;  // every one the stage's nodes use: a weight shared with an earlier stage too
     for (size_t i = 0; i < g.nodes.size(); ++i) {
       if (layer[i] < s.first_layer || layer[i] >= s.end_layer) continue;
       s.nodes.push_back(static_cast<int>(i));
-      for (int p : g.node_params(g.nodes[i])) if (g.params[p].trainable) params.insert(p);
+      for (int p : g.node_params(g.nodes[i])) params.insert(p);
     }
-    for (int p : params) s.parameters += g.params[p].elements();
+    for (int p : params) {
+      elements += g.params[p].elements();
+      if (g.params[p].trainable) s.parameters += g.params[p].elements();
+    }
     s.cost = split->stage_cost[k];
     cost_sum += s.cost;
     s.activation_bytes_out = cut_bytes[s.end_layer];
@@ -199,7 +250,7 @@ Result<Plan> make_plan(const Graph& g, const std::string& model_path, const Part
     } else {
       s.files.push_back("stage_" + std::to_string(k) + ".onnx");
     }
-    s.memory_bytes = memory_bytes(o, k, elements, activation);
+    s.memory_bytes = memory_bytes(o, k, elements, activation) + working_bytes(g, o, k, s, recomputed);
     plan.stages.push_back(std::move(s));
   }
   const double mean = static_cast<double>(cost_sum) / o.stages;

@@ -76,7 +76,7 @@ TEST(HostMemory, TheRealSystemHasAFigure) {
 }
 
 // 1000 ReLUs on 4096 features keep every other one's output (backward recomputes the rest
-// from it), 8 MiB of activations per sample; a batch of 16384 needs about 125 GiB, more
+// from it), 8 MiB of activations per sample; a batch of 16384 needs about 126 GiB, more
 // than any test machine has. The file is 1 MiB and the data 4 MiB.
 TEST(MemoryCheck, ARunThatCannotFitIsRefusedBeforeAllocatingWithTheFigures) {
   ScratchDir dir("memory_check");

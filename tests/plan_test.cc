@@ -186,7 +186,8 @@ TEST(Plan, MemoryBalanceMinimisesTheLargestMemoryEstimate) {
         o.balance = BalanceBy::kMemory;
         const Plan by_memory = plan_or_die(m.graph, o);
         EXPECT_LE(largest(by_memory), by_params) << name;
-        for (const auto& s : by_memory.stages) EXPECT_EQ(s.cost, s.memory_bytes) << name;
+        // The balance is over the per-layer part; the estimate adds each stage's working set.
+        for (const auto& s : by_memory.stages) EXPECT_GT(s.memory_bytes, s.cost) << name;
       }
     }
   }
@@ -210,8 +211,9 @@ TEST(Plan, FirstStageKeepsMoreActivationsUnder1F1B) {
   EXPECT_LT(mem.stages[0].end_layer - mem.stages[0].first_layer, mem.stages[3].end_layer - mem.stages[3].first_layer);
 }
 
-// The estimate leaves out what training recomputes in backward: here every ReLU's output
-// but the last, which is the model's output.
+// The estimate leaves out what training recomputes in backward, here every ReLU's output
+// but the last (the model's output), counting instead the two buffers of one micro-batch
+// that hold them in turn.
 TEST(Plan, MemoryEstimateLeavesOutRecomputedActivations) {
   ModelBuilder b(64);
   std::string h = "input";
@@ -223,7 +225,7 @@ TEST(Plan, MemoryEstimateLeavesOutRecomputedActivations) {
   const int64_t recomputed = plan_or_die(m.graph, o).stages[0].memory_bytes;
   o.recompute_activations = false;
   const int64_t kept = plan_or_die(m.graph, o).stages[0].memory_bytes;
-  EXPECT_EQ(kept - recomputed, 7 * 4096 * 64 * 4);
+  EXPECT_EQ(kept - recomputed, (7 - 2) * 4096 * 64 * 4);
 }
 
 TEST(Plan, JsonHasTheDocumentedFields) {
