@@ -193,13 +193,18 @@ TEST(Plan, MemoryBalanceMinimisesTheLargestMemoryEstimate) {
   }
 }
 
-TEST(Plan, FirstStageKeepsMoreActivationsUnder1F1B) {
-  // Equal layers: under 1F1B stage 0 holds P micro-batches in flight, the last one 1.
+// 8 x (Linear(64, 64) + ReLU), the last ReLU's output the model's.
+ImportedModel relu_chain() {
   ModelBuilder b(64);
   std::string h = "input";
   for (int i = 0; i < 8; ++i) h = b.relu(b.linear(h, 64, 64));
   b.output(h, 64);
-  ImportedModel m = import_built(b);
+  return import_built(b);
+}
+
+TEST(Plan, FirstStageKeepsMoreActivationsUnder1F1B) {
+  // Equal layers: under 1F1B stage 0 holds P micro-batches in flight, the last one 1.
+  ImportedModel m = relu_chain();
   PartitionOptions o;
   o.stages = 4;
   o.batch_size = 4096;
@@ -215,11 +220,7 @@ TEST(Plan, FirstStageKeepsMoreActivationsUnder1F1B) {
 // but the last (the model's output), counting instead the two buffers of one micro-batch
 // that hold them in turn.
 TEST(Plan, MemoryEstimateLeavesOutRecomputedActivations) {
-  ModelBuilder b(64);
-  std::string h = "input";
-  for (int i = 0; i < 8; ++i) h = b.relu(b.linear(h, 64, 64));
-  b.output(h, 64);
-  ImportedModel m = import_built(b);
+  ImportedModel m = relu_chain();
   PartitionOptions o;
   o.batch_size = 4096;
   const int64_t recomputed = plan_or_die(m.graph, o).stages[0].memory_bytes;
