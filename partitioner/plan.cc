@@ -1,6 +1,7 @@
 #include "partitioner/plan.h"
 
 #include <algorithm>
+#include <functional>
 #include <map>
 #include <set>
 #include <string>
@@ -97,7 +98,7 @@ int64_t working_bytes(const Graph& g, const PartitionOptions& o, int k, const St
   std::map<std::string, int> by_name;
   for (size_t v = 0; v < g.values.size(); ++v) by_name[g.values[v].name] = static_cast<int>(v);
   auto bytes = [](const TensorSpec& t) { return t.shape.per_sample_elements() * kFloatBytes; };
-  int64_t per_slot = 0, shared = 0;
+  int64_t per_slot = 0;
   std::set<int> outputs;
   for (const TensorSpec& t : s.inputs) per_slot += bytes(t) * (k > 0 ? 2 : 1);
   for (const TensorSpec& t : s.outputs) {
@@ -120,7 +121,7 @@ int64_t working_bytes(const Graph& g, const PartitionOptions& o, int k, const St
     std::sort(b.begin(), b.end(), std::greater<>());
     return (b.empty() ? 0 : b[0]) + (b.size() < 2 ? 0 : b[1]);
   };
-  shared = two_largest(values) + two_largest(recomputed_values);
+  const int64_t shared = two_largest(values) + two_largest(recomputed_values);
   return micro_batch_size(o) * (in_flight(o, k) * per_slot + shared);
 }
 
