@@ -2,8 +2,6 @@
 #include "common/atomic_file.h"
 
 #include <filesystem>
-#include <fstream>
-#include <iterator>
 #include <string>
 #include <vector>
 
@@ -14,22 +12,17 @@
 namespace pipeshard {
 namespace {
 
-std::string contents(const std::filesystem::path& path) {
-  std::ifstream in(path, std::ios::binary);
-  return std::string(std::istreambuf_iterator<char>(in), {});
-}
-
 TEST(AtomicFile, PiecesAreWrittenInOrder) {
   testing::ScratchDir dir("atomic_pieces");
   const std::vector<std::string> pieces = {"", "abc", std::string(70000, 'x'), "", std::string(3, '\0'), "end"};
   std::string joined;
   for (const std::string& p : pieces) joined += p;
   ASSERT_TRUE(write_file_atomically(dir / "a", pieces).is_ok());
-  EXPECT_EQ(contents(dir / "a"), joined);
+  EXPECT_EQ(testing::read_text(dir / "a"), joined);
   ASSERT_TRUE(write_file_synced(dir / "b", pieces).is_ok());
-  EXPECT_EQ(contents(dir / "b"), joined);
+  EXPECT_EQ(testing::read_text(dir / "b"), joined);
   ASSERT_TRUE(write_file_atomically(dir / "a", std::vector<std::string>{}).is_ok());
-  EXPECT_EQ(contents(dir / "a"), "");
+  EXPECT_EQ(testing::read_text(dir / "a"), "");
   EXPECT_FALSE(write_file_atomically(dir / "missing/c", pieces).is_ok());
 }
 

@@ -4,7 +4,6 @@
 #include <algorithm>
 #include <filesystem>
 #include <fstream>
-#include <iterator>
 #include <set>
 #include <string>
 #include <vector>
@@ -78,11 +77,6 @@ TEST(TrainCli, ShortRunWritesMetricsAndALoadableModel) {
   EXPECT_EQ(ort.exit_code, 0) << ort.err;
 }
 
-std::string file_bytes(const std::filesystem::path& path) {
-  std::ifstream in(path, std::ios::binary);
-  return std::string(std::istreambuf_iterator<char>(in), {});
-}
-
 // Six Linear(32) + ReLU layers at batch 64: by default backward recomputes the ReLUs'
 // outputs, which then need two shared buffers instead of six; --keep-activations keeps
 // them. Both train the same model, bit for bit.
@@ -112,7 +106,7 @@ TEST(TrainCli, KeepActivationsHoldsMoreAndChangesNoBit) {
     while (std::getline(in, line)) last = line;
     peaks.push_back(nlohmann::json::parse(last)["backend_peak_bytes"].get<int64_t>());
   }
-  EXPECT_EQ(file_bytes(dir / "recomputed.onnx"), file_bytes(dir / "kept.onnx"));
+  EXPECT_EQ(testing::read_text(dir / "recomputed.onnx"), testing::read_text(dir / "kept.onnx"));
   EXPECT_EQ(peaks[1] - peaks[0], (6 - 2) * 64 * 32 * 4) << "four ReLU outputs of 64 x 32 floats";
 }
 
