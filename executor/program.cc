@@ -42,6 +42,18 @@ int best_buffer(const std::vector<int64_t>& sizes, int64_t need, Usable&& usable
   return best;
 }
 
+// A row-parallel Linear's partial sums are read by nothing but their AllReduce, which
+// then sums them where they lie: the reduced value aliases them, as a Reshape's output
+// aliases its input, instead of being a copy held as long (a whole activation per layer
+// and slot), and its gradient is theirs (dx = dy).
+bool reduces_in_place(const Graph& g, const Node& n, const std::vector<bool>& recomputed) {
+  if (n.kind != OpKind::kAllReduce) return false;
+  const int x = n.inputs[0];
+  const int producer = g.values[x].producer;
+  return producer >= 0 && g.nodes[producer].kind == OpKind::kLinear && g.values[x].consumers.size() == 1 &&
+         !is_model_output(g, x) && !recomputed[x];
+}
+
 }  // namespace
 
 Program::Program(const Graph& graph, Backend& backend, int64_t max_batch, const ProgramOptions& options)
@@ -87,8 +99,9 @@ Result<std::unique_ptr<Program>> Program::create(const Graph& g, Backend& backen
   p->upload_parameters(g);
 
   // Activations: a buffer per value, with a slot per micro-batch, except that Reshape
-  // shares its input's buffers and recomputed values share one-slot buffers
-  // (plan_recomputed_values()). Gradients: plan_gradient_buffers().
+  // and an AllReduce in place (reduces_in_place()) share their input's buffers, and
+  // recomputed values share one-slot buffers (plan_recomputed_values()). Gradients:
+  // plan_gradient_buffers().
   const size_t nv = g.values.size();
   p->value_storage_.resize(nv);
   p->value_.assign(nv, nullptr);
@@ -154,7 +167,7 @@ Result<std::unique_ptr<Program>> Program::create(const Graph& g, Backend& backen
   for (int v : g.inputs) allocate(v);
   for (const Node& n : g.nodes) {
     const int x = n.inputs[0], y = n.outputs[0];
-    if (n.kind == OpKind::kReshape) {
+    if (n.kind == OpKind::kReshape || reduces_in_place(g, n, p->recomputed_)) {
       p->value_[y] = p->value_[x];
       p->value_slot_stride_[y] = p->value_slot_stride_[x];
       p->owner_[y] = p->owner_[x];
@@ -345,7 +358,7 @@ void Program::plan_gradient_buffers(bool share) {
       shared_grad_[v] = true;
     }
   }
-  for (size_t v = 0; v < nv; ++v) {  // Reshapes alias their owner's gradient too
+  for (size_t v = 0; v < nv; ++v) {  // aliases share their owner's gradient too
     const int o = owner_[v];
     if (o < 0) continue;
     grad_[v] = grad_[o];
@@ -529,7 +542,7 @@ void Program::forward_node(size_t i, int64_t batch, Mode mode, uint64_t seed, in
     case OpKind::kReshape: return;  // aliased
     case OpKind::kAdd: backend_.add_forward(val(y), val(x), val(n.inputs[1]), count); return;
     case OpKind::kAllReduce: {  // y = Σ_shards x (+ bias)
-      backend_.copy(val(y), val(x), count);
+      if (owner_[y] != owner_[x]) backend_.copy(val(y), val(x), count);
       tensor_->all_reduce(val(y), count, ReduceOp::kSum);
       const int64_t width = graph_.values[y].shape.features();
       if (n.bias >= 0) backend_.add_bias(val(y), param(n.bias), count / width, width);
@@ -628,7 +641,7 @@ void Program::backward_node(size_t i, int64_t batch) {
       return;
     case OpKind::kAllReduce: {  // every shard's x contributed to y: dx = dy (Megatron's g in backward)
       const int64_t width = graph_.values[y].shape.features();
-      if (dx) backend_.axpy(dx, 1.0f, dy, count);
+      if (dx && owner_[y] != owner_[x]) backend_.axpy(dx, 1.0f, dy, count);  // in place: the same buffer
       if (float* db = param_grad(n.bias)) backend_.bias_backward(db, dy, count / width, width);
       return;
     }

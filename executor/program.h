@@ -12,7 +12,8 @@
 // inputs and outputs keep their own, which outlive backward().
 //
 // A Linear whose only reader is an activation runs as one fused GEMM + bias +
-// activation pass; Reshape aliases its input's buffers and costs nothing.
+// activation pass; Reshape aliases its input's buffers and costs nothing, and so does a
+// row-parallel Linear's AllReduce, which sums the partial sums in place.
 //
 // The same Program runs one pipeline stage or one tensor-parallel shard of a model
 // (the Graph imported from a stage file, see partitioner/stage_writer.h):
@@ -188,7 +189,7 @@ class Program {
   std::vector<bool> back_for_producer_;        // [graph values]
   std::vector<DeviceBuffer> grad_storage_;  // each a model input's or output's, or shared by several values
   std::vector<float*> value_, grad_;       // [graph values]; Reshape aliases its input
-  std::vector<int> owner_;                 // [graph values]: the value whose buffers v aliases (Reshape), or v
+  std::vector<int> owner_;                 // [graph values]: the value whose buffers v aliases (Reshape, AllReduce in place), or v
   std::vector<bool> shared_grad_;          // [graph values]: the gradient lives in a shared buffer
   std::vector<int64_t> grad_slot_stride_;  // [graph values]: elements per slot; 0 when shared
   std::vector<int> first_writer_;          // [graph values]: the node whose backward writes v's gradient first

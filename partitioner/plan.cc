@@ -48,9 +48,30 @@ int64_t micro_batch_size(const PartitionOptions& o) {
   return (o.batch_size + m - 1) / m;
 }
 
+// Bytes per sample a Program keeps in every slot for node `n` running as `role` on one
+// of `shards` tensor-parallel ranks: every output but a Reshape's (an alias) and a
+// recomputed one (see recomputable_values()), Dropout's mask, LayerNorm's mean and 1/σ
+// per row. Column-parallel and shard-local nodes make a shard of their output, and a
+// column-gather Linear keeps the whole output it gathers beside its shard; a row-parallel
+// Linear's partial sums are all-reduced in place (stage_writer.cc writes them as values
+// of their own; executor/program.cc's reduces_in_place()).
+int64_t kept_bytes(const Graph& g, const Node& n, const std::vector<bool>& recomputed, ShardRole role, int shards) {
+  const int x = n.inputs[0], y = n.outputs[0];
+  const bool split = role == ShardRole::kColumn || role == ShardRole::kShardLocal || role == ShardRole::kColumnGather;
+  const int64_t part = split ? shards : 1;
+  int64_t bytes = 0;
+  if (n.kind != OpKind::kReshape && !recomputed[y]) bytes += value_bytes(g, y) / part;
+  if (role == ShardRole::kColumnGather) bytes += value_bytes(g, y);
+  if (n.kind == OpKind::kDropout) bytes += value_bytes(g, x) / part;
+  if (n.kind == OpKind::kLayerNorm) {
+    bytes += 2 * kFloatBytes * g.values[x].shape.per_sample_elements() / g.values[x].shape.features();
+  }
+  return bytes;
+}
+
 // Per-layer figures: trainable parameters (each tensor at its first use), all parameter
-// elements (running statistics too), flops and activation bytes kept for backward (not
-// the activations' outputs that training recomputes there, see recomputable_values()).
+// elements (running statistics too), flops and activation bytes kept for backward, all
+// as if unsharded (the balance's view; a stage's estimate uses its shard roles).
 struct LayerFigures {
   std::vector<int64_t> params, all_param_elements, flops, activation_bytes;
 };
@@ -69,32 +90,24 @@ LayerFigures layer_figures(const Graph& g, const std::vector<int>& layer, int la
       if (g.params[p].trainable) f.params[l] += g.params[p].elements();
     }
     f.flops[l] += g.node_flops_per_sample(n);
-    // What a Program keeps for backward: every output but a Reshape's (an alias) and a
-    // recomputed one, Dropout's mask and LayerNorm's mean and 1/σ per row.
-    const int x = n.inputs[0], y = n.outputs[0];
-    if (n.kind != OpKind::kReshape && !recomputed[y]) f.activation_bytes[l] += value_bytes(g, y);
-    if (n.kind == OpKind::kDropout) f.activation_bytes[l] += value_bytes(g, x);
-    if (n.kind == OpKind::kLayerNorm) {
-      f.activation_bytes[l] += 2 * kFloatBytes * g.values[x].shape.per_sample_elements() / g.values[x].shape.features();
-    }
+    f.activation_bytes[l] += kept_bytes(g, n, recomputed, ShardRole::kReplicated, 1);
   }
   return f;
 }
 
-int64_t memory_bytes(const PartitionOptions& o, int k, int64_t param_elements, int64_t activation_bytes) {
-  return param_elements * kFloatBytes * (2 + o.optimizer_slots) +
-         in_flight(o, k) * micro_batch_size(o) * activation_bytes;
-}
-
-// What the per-layer figures leave out: a rank's working set beside them. The stage's
-// inputs in every slot in flight, and their gradients when an earlier stage made them;
-// its outputs' gradients there too, and recomputed values that leave the stage (kept,
-// since the next stage or the loss reads them); and one micro-batch of the buffers that
-// values share: two for activation gradients, two for recomputed outputs, together no
-// larger than the two largest such values (executor/program.h; an MLP needs no more).
-// Not in the balance, which stays additive over layers.
-int64_t working_bytes(const Graph& g, const PartitionOptions& o, int k, const StagePlan& s,
-                      const std::vector<bool>& recomputed) {
+// Estimate per rank of stage `k`: parameters, their gradients and optimizer state; what
+// its nodes keep for backward in every slot in flight (kept_bytes()); and the working set
+// beside them:
+// - the stage's inputs in every slot, and their gradients when an earlier stage made
+//   them; its outputs' gradients there too, and recomputed values that leave the stage
+//   (kept, since the next stage or the loss reads them);
+// - one micro-batch of the buffers that values share: two for activation gradients, two
+//   for recomputed outputs, together no larger than the two largest such values
+//   (executor/program.h; an MLP needs no more);
+// - one micro-batch of tensor-parallel scratch: an AllGather's whole output, and the
+//   input gradient a column-parallel Linear computes in part.
+int64_t memory_bytes(const Graph& g, const PartitionOptions& o, int k, const StagePlan& s, int64_t param_elements,
+                     const std::vector<bool>& recomputed) {
   std::map<std::string, int> by_name;
   for (size_t v = 0; v < g.values.size(); ++v) by_name[g.values[v].name] = static_cast<int>(v);
   auto bytes = [](const TensorSpec& t) { return t.shape.per_sample_elements() * kFloatBytes; };
@@ -110,19 +123,30 @@ int64_t working_bytes(const Graph& g, const PartitionOptions& o, int k, const St
     const Node& n = g.nodes[*i];
     if (n.kind == OpKind::kReshape && outputs.count(n.outputs[0])) outputs.insert(n.inputs[0]);
   }
+  const int shards = o.tensor_parallel;
   std::vector<int64_t> values, recomputed_values;  // per sample, in shared buffers
-  for (int i : s.nodes) {
-    const int v = g.nodes[i].outputs[0];
-    if (outputs.count(v)) continue;  // their own buffers, above
-    values.push_back(value_bytes(g, v));
-    if (recomputed[v]) recomputed_values.push_back(value_bytes(g, v));
+  int64_t scratch = 0;                             // per sample, one micro-batch
+  for (size_t i = 0; i < s.nodes.size(); ++i) {
+    const Node& n = g.nodes[s.nodes[i]];
+    const ShardRole role = s.roles[i];
+    per_slot += kept_bytes(g, n, recomputed, role, shards);
+    const int y = n.outputs[0];
+    const bool split = role == ShardRole::kColumn || role == ShardRole::kShardLocal || role == ShardRole::kColumnGather;
+    if (role == ShardRole::kColumnGather) {
+      values.push_back(value_bytes(g, y) / shards);  // the shard it gathers
+      scratch += value_bytes(g, y);
+    }
+    if (role == ShardRole::kColumn || role == ShardRole::kColumnGather) scratch += value_bytes(g, n.inputs[0]);
+    if (outputs.count(y)) continue;  // their own buffers, above
+    values.push_back(value_bytes(g, y) / (split ? shards : 1));
+    if (recomputed[y]) recomputed_values.push_back(values.back());
   }
   auto two_largest = [](std::vector<int64_t>& b) {
     std::sort(b.begin(), b.end(), std::greater<>());
     return (b.empty() ? 0 : b[0]) + (b.size() < 2 ? 0 : b[1]);
   };
-  const int64_t shared = two_largest(values) + two_largest(recomputed_values);
-  return micro_batch_size(o) * (in_flight(o, k) * per_slot + shared);
+  const int64_t shared = two_largest(values) + two_largest(recomputed_values) + scratch;
+  return param_elements * kFloatBytes * (2 + o.optimizer_slots) + micro_batch_size(o) * (in_flight(o, k) * per_slot + shared);
 }
 
 PipelineSplitProblem make_problem(const PartitionOptions& o, const LayerFigures& f,
@@ -222,11 +246,8 @@ Result<Plan> make_plan(const Graph& g, const std::string& model_path, const Part
     s.stage = k;
     s.first_layer = split->stage_begin[k];
     s.end_layer = split->stage_begin[k + 1];
-    int64_t elements = 0, activation = 0;
-    for (int l = s.first_layer; l < s.end_layer; ++l) {
-      s.flops_per_sample += fig.flops[l];
-      activation += fig.activation_bytes[l];
-    }
+    int64_t elements = 0;
+    for (int l = s.first_layer; l < s.end_layer; ++l) s.flops_per_sample += fig.flops[l];
     std::set<int> params;  // every one the stage's nodes use: a weight shared with an earlier stage too
     for (size_t i = 0; i < g.nodes.size(); ++i) {
       if (layer[i] < s.first_layer || layer[i] >= s.end_layer) continue;
@@ -251,7 +272,7 @@ Result<Plan> make_plan(const Graph& g, const std::string& model_path, const Part
     } else {
       s.files.push_back("stage_" + std::to_string(k) + ".onnx");
     }
-    s.memory_bytes = memory_bytes(o, k, elements, activation) + working_bytes(g, o, k, s, recomputed);
+    s.memory_bytes = memory_bytes(g, o, k, s, elements, recomputed);
     plan.stages.push_back(std::move(s));
   }
   const double mean = static_cast<double>(cost_sum) / o.stages;

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <map>
+#include <set>
 
 namespace pipeshard {
 namespace {
@@ -73,9 +74,11 @@ Status assign_shard_roles(const Graph& g, const PartitionOptions& o, StagePlan& 
 
 int64_t sharded_parameter_elements(const Graph& g, int t, const StagePlan& s) {
   int64_t total = 0;
+  std::set<int> seen;  // a tensor two nodes share, once
   for (size_t i = 0; i < s.nodes.size(); ++i) {
     const Node& n = g.nodes[s.nodes[i]];
     for (int p : g.node_params(n)) {
+      if (!seen.insert(p).second) continue;
       const int64_t e = g.params[p].elements();
       const bool split_weight = p == n.weight && s.roles[i] != ShardRole::kReplicated;
       const bool split_bias = p == n.bias && (s.roles[i] == ShardRole::kColumn || s.roles[i] == ShardRole::kColumnGather);

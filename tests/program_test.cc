@@ -6,12 +6,15 @@
 // change no bit of any gradient, and cost what their plan says.
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <random>
 
 #include <gtest/gtest.h>
 
+#include "executor/comm.h"
 #include "executor/loss.h"
 #include "executor/program.h"
 #include "executor/reference_forward.h"
@@ -351,36 +354,76 @@ TEST_P(EveryModel, MemoryAccountsForEveryBuffer) {
   EXPECT_GE(mem.activations, 4 * 6 * (2 * kept + largest_recomputed));
 }
 
+// A tensor-parallel group that is never used: programs are built, not run.
+class UnusedGroup final : public Communicator {
+ public:
+  explicit UnusedGroup(int size) : size_(size) {}
+  int rank() const override { return 0; }
+  int size() const override { return size_; }
+  void all_reduce(float*, int64_t, ReduceOp) override { unused(); }
+  std::unique_ptr<Request> all_reduce_async(float*, int64_t, ReduceOp) override { unused(); }
+  double all_reduce_sum(double) override { unused(); }
+  std::vector<std::string> gather_text(const std::string&, int) override { unused(); }
+  void all_reduce_sum(double*, int64_t) override { unused(); }
+  void all_gather(const float*, float*, int64_t) override { unused(); }
+  void reduce_scatter(const float*, float*, int64_t, ReduceOp) override { unused(); }
+  void broadcast(float*, int64_t, int) override { unused(); }
+  void broadcast_bytes(void*, int64_t, int) override { unused(); }
+  void send(const float*, int64_t, int, int) override { unused(); }
+  void recv(float*, int64_t, int, int) override { unused(); }
+  std::unique_ptr<Request> send_async(const float*, int64_t, int, int) override { unused(); }
+  std::unique_ptr<Request> recv_async(float*, int64_t, int, int) override { unused(); }
+  void barrier() override { unused(); }
+  std::unique_ptr<Communicator> split(int, int) override { unused(); }
+  [[noreturn]] void abort(const std::string&) override { unused(); }
+
+ private:
+  [[noreturn]] static void unused() {
+    std::fprintf(stderr, "UnusedGroup: a program built to be measured communicated\n");
+    std::abort();
+  }
+  int size_;
+};
+
 // The partitioner's memory estimate (Adam: two state slots) against what each stage's
 // Program holds, plus that optimizer state, in one stage and in two under 1F1B with four
-// micro-batches (stage 0 keeps two in flight). Exact but for a few bytes (the Program's
-// placeholder for absent running statistics) or, where Reshapes and Dropout masks make
-// it coarser, a little over: the memory check must not let through what cannot fit.
+// micro-batches (stage 0 keeps two in flight), whole and in two tensor-parallel shards
+// where the model's widths divide. Exact but for a few bytes (the Program's placeholder
+// for absent running statistics) or, where Reshapes and Dropout masks make it coarser, a
+// little over: the memory check must not let through what cannot fit.
 TEST_P(EveryModel, MemoryEstimateMatchesWhatTheProgramsHold) {
   ImportedModel m = load_model(GetParam());
   const int layers = layer_of_nodes(m.graph).back() + 1;
-  for (int stages = 1; stages <= std::min(2, layers); ++stages) {
-    PartitionOptions o;
-    o.stages = stages;
-    o.batch_size = 64;
-    o.micro_batches = 4;
-    Result<Plan> plan = make_plan(m.graph, "", o);
-    ASSERT_TRUE(plan.is_ok()) << plan.status().message();
-    for (int k = 0; k < stages; ++k) {
-      Result<std::shared_ptr<onnx::ModelProto>> proto = build_stage_model(m, *plan, k, 0);
-      ASSERT_TRUE(proto.is_ok()) << proto.status().message();
-      Result<ImportedModel> stage = import_onnx_model(*proto, ".", "stage");
-      ASSERT_TRUE(stage.is_ok()) << stage.status().message();
-      std::unique_ptr<Backend> backend = make_cpu_backend();
-      ProgramOptions options;
-      options.slots = std::min(4, stages - k);
-      options.input_needs_grad.assign(stage->graph.inputs.size(), k > 0);
-      auto p = Program::create(stage->graph, *backend, 64 / 4, options);
-      ASSERT_TRUE(p.is_ok()) << p.status().message();
-      const int64_t held = (*p)->memory().total() + 2 * (*p)->memory().gradients;
-      const int64_t estimate = plan->stages[k].memory_bytes;
-      EXPECT_GE(estimate, held - 8) << "stage " << k << " of " << stages;
-      EXPECT_LE(estimate, held + held / 10) << "stage " << k << " of " << stages;
+  for (int shards = 1; shards <= 2; ++shards) {
+    for (int stages = 1; stages <= std::min(2, layers); ++stages) {
+      PartitionOptions o;
+      o.stages = stages;
+      o.tensor_parallel = shards;
+      o.batch_size = 64;
+      o.micro_batches = 4;
+      Result<Plan> plan = make_plan(m.graph, "", o);
+      if (shards > 1 && !plan.is_ok()) continue;  // a width that does not divide in two
+      ASSERT_TRUE(plan.is_ok()) << plan.status().message();
+      for (int k = 0; k < stages; ++k) {
+        Result<std::shared_ptr<onnx::ModelProto>> proto = build_stage_model(m, *plan, k, shards - 1);
+        ASSERT_TRUE(proto.is_ok()) << proto.status().message();
+        Result<ImportedModel> stage = import_onnx_model(*proto, ".", "stage");
+        ASSERT_TRUE(stage.is_ok()) << stage.status().message();
+        std::unique_ptr<Backend> backend = make_cpu_backend();
+        UnusedGroup tensor(shards);
+        ProgramOptions options;
+        options.slots = std::min(4, stages - k);
+        options.input_needs_grad.assign(stage->graph.inputs.size(), k > 0);
+        options.tensor = &tensor;
+        auto p = Program::create(stage->graph, *backend, 64 / 4, options);
+        ASSERT_TRUE(p.is_ok()) << p.status().message();
+        const int64_t held = (*p)->memory().total() + 2 * (*p)->memory().gradients;
+        const int64_t estimate = plan->stages[k].memory_bytes;
+        const std::string where = "stage " + std::to_string(k) + " of " + std::to_string(stages) + ", " +
+                                  std::to_string(shards) + " shard(s)";
+        EXPECT_GE(estimate, held - 8) << where;
+        EXPECT_LE(estimate, held + held / 10) << where;
+      }
     }
   }
 }
