@@ -63,6 +63,14 @@ Program::Program(const Graph& graph, Backend& backend, int64_t max_batch, const 
 
 Program::~Program() = default;
 
+std::vector<ActivationKind> kept_when_fused(const Backend& backend) {
+  std::vector<ActivationKind> kept;
+  for (ActivationKind kind : kActivationKinds) {
+    if (!backend.epilogue_recomputes_exactly(Activation{kind})) kept.push_back(kind);
+  }
+  return kept;
+}
+
 Result<std::unique_ptr<Program>> Program::create(const Graph& g, Backend& backend, int64_t max_batch,
                                                  const ProgramOptions& options) {
   if (max_batch < 1) return Status::error("the batch size must be at least 1");
@@ -135,29 +143,18 @@ Result<std::unique_ptr<Program>> Program::create(const Graph& g, Backend& backen
       case OpKind::kDropout:
         p->saved_a_[i] = DeviceBuffer(backend, options.slots * max_batch * per_sample(g, x));  // mask
         break;
-      case OpKind::kLinear: {
-        const auto& readers = g.values[y].consumers;
-        if (readers.size() == 1 && g.nodes[readers[0]].kind == OpKind::kActivation && !is_model_output(g, y)) {
-          p->fused_activation_[i] = readers[0];
-          p->skip_forward_[readers[0]] = true;
-        }
-        break;
-      }
       default:
         break;
     }
   }
-  // Recomputed: what recomputable_values() names, unless the backend could not recompute
-  // a fused activation exactly.
-  p->recomputed_.assign(nv, false);
-  if (options.recompute_activations) {
-    const std::vector<bool> recomputable = recomputable_values(g);
-    for (size_t i = 0; i < nn; ++i) {
-      const Node& n = g.nodes[i];
-      const int y = n.outputs[0];
-      p->recomputed_[y] = recomputable[y] && (!p->skip_forward_[i] || backend.epilogue_recomputes_exactly(activation_of(n)));
-    }
+  const std::vector<bool> fused = fused_activations(g);
+  for (size_t i = 0; i < nn; ++i) {
+    if (!fused[i]) continue;
+    p->fused_activation_[g.values[g.nodes[i].inputs[0]].producer] = static_cast<int>(i);
+    p->skip_forward_[i] = true;
   }
+  p->recomputed_ = options.recompute_activations ? recomputable_values(g, kept_when_fused(backend))
+                                                 : std::vector<bool>(nv, false);
   auto allocate = [&](int v) {
     p->value_slot_stride_[v] = max_batch * per_sample(g, v);
     p->value_storage_[v] = DeviceBuffer(backend, options.slots * p->value_slot_stride_[v]);

@@ -43,6 +43,12 @@ class Communicator;
 
 enum class Mode { kTrain, kEval };
 
+// The activation kinds whose output a Program keeps where they are fused into the Linear
+// before them, because `backend` cannot repeat its fused pass bit for bit
+// (Backend::epilogue_recomputes_exactly); what the memory estimate must be told
+// (PartitionOptions::kept_when_fused).
+std::vector<ActivationKind> kept_when_fused(const Backend& backend);
+
 struct ProgramOptions {
   // Micro-batches whose activations live at once, each in its own slot of max_batch rows.
   int slots = 1;

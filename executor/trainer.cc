@@ -35,9 +35,11 @@ std::string fmt_key(int stage, size_t node) {
 }
 
 // How the stages are cut, and what the memory estimate assumes: the replica's batch, its
-// micro-batches, the schedule and the optimizer's state per parameter.
-PartitionOptions partition_options(const TrainConfig& config, int64_t local_batch) {
+// micro-batches, the schedule, the optimizer's state per parameter and the activations
+// `backend` keeps.
+PartitionOptions partition_options(const TrainConfig& config, int64_t local_batch, const Backend& backend) {
   PartitionOptions o;
+  o.kept_when_fused = kept_when_fused(backend);
   o.balance = config.balance;
   o.batch_size = local_batch;
   o.micro_batches = config.micro_batches;
@@ -50,11 +52,12 @@ PartitionOptions partition_options(const TrainConfig& config, int64_t local_batc
 
 }  // namespace
 
-std::vector<int64_t> Trainer::memory_per_stage(const Graph& graph, const TrainConfig& config, const ProcessLayout& layout) {
+std::vector<int64_t> Trainer::memory_per_stage(const Graph& graph, const TrainConfig& config, const ProcessLayout& layout,
+                                               const Backend& backend) {
   const int64_t d = layout.replicas, m = config.micro_batches;
   // A batch that does not divide is create()'s to refuse, with its own message.
   if (config.batch_size % d != 0 || m < 1 || (config.batch_size / d) % m != 0) return {};
-  PartitionOptions o = partition_options(config, config.batch_size / d);
+  PartitionOptions o = partition_options(config, config.batch_size / d, backend);
   o.stages = layout.stages;
   o.tensor_parallel = layout.shards;
   Result<Plan> plan = make_plan(graph, "", o);
@@ -132,7 +135,7 @@ Result<std::unique_ptr<Trainer>> Trainer::create(const Graph& graph, const Datas
   if (layout.stages > 1 || layout.shards > 1) {
     PIPESHARD_CHECK(parallel.model != nullptr && &parallel.model->graph == &graph,
                     "cutting stages needs the ImportedModel the graph belongs to");
-    Result<RankModel> cut = RankModel::create(*parallel.model, layout, partition_options(config, local_batch));
+    Result<RankModel> cut = RankModel::create(*parallel.model, layout, partition_options(config, local_batch, backend));
     if (!cut) return cut.status();
     rank = std::move(*cut);
   }

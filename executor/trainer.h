@@ -142,12 +142,12 @@ class Trainer {
                                                  const TrainConfig& config, const Parallel& parallel = {});
   ~Trainer();
 
-  // What one rank of each stage will hold while training (parameters, gradients,
-  // optimizer state, the activations its schedule keeps in flight), in bytes, as the
-  // partitioner estimates it (partitioner/plan.h); empty when create() would refuse the
-  // configuration anyway. No allocation: for the check before create().
+  // What one rank of each stage will hold while training on `backend` (parameters,
+  // gradients, optimizer state, the activations its schedule keeps in flight), in bytes,
+  // as the partitioner estimates it (partitioner/plan.h); empty when create() would
+  // refuse the configuration anyway. No allocation: for the check before create().
   static std::vector<int64_t> memory_per_stage(const Graph& graph, const TrainConfig& config,
-                                               const ProcessLayout& layout);
+                                               const ProcessLayout& layout, const Backend& backend);
 
   // Neighbouring pipeline stages check that they agree on what crosses their cut (sizes,
   // which gradients travel back). Collective over the pipeline: call once on every rank

@@ -72,10 +72,28 @@ const char* activation_name(ActivationKind kind) {
   return "Activation";
 }
 
-std::vector<bool> recomputable_values(const Graph& g) {
+std::vector<bool> fused_activations(const Graph& g) {
+  std::vector<bool> fused(g.nodes.size(), false);
+  for (size_t i = 0; i < g.nodes.size(); ++i) {
+    const Node& n = g.nodes[i];
+    if (n.kind != OpKind::kLinear) continue;
+    const int y = n.outputs[0];
+    const auto& readers = g.values[y].consumers;
+    const bool output = std::find(g.outputs.begin(), g.outputs.end(), y) != g.outputs.end();
+    if (readers.size() == 1 && g.nodes[readers[0]].kind == OpKind::kActivation && !output) fused[readers[0]] = true;
+  }
+  return fused;
+}
+
+std::vector<bool> recomputable_values(const Graph& g, const std::vector<ActivationKind>& kept_when_fused) {
+  const std::vector<bool> fused = fused_activations(g);
   std::vector<bool> r(g.values.size(), false);
-  for (const Node& n : g.nodes) {  // topological: an input's verdict comes first
+  for (size_t i = 0; i < g.nodes.size(); ++i) {  // topological: an input's verdict comes first
+    const Node& n = g.nodes[i];
     if (n.kind != OpKind::kActivation || r[n.inputs[0]]) continue;
+    if (fused[i] && std::find(kept_when_fused.begin(), kept_when_fused.end(), n.activation) != kept_when_fused.end()) {
+      continue;
+    }
     const int y = n.outputs[0];
     if (std::find(g.outputs.begin(), g.outputs.end(), y) != g.outputs.end()) continue;
     bool aliased = false;

@@ -51,6 +51,10 @@ enum class OpKind {
 };
 
 enum class ActivationKind { kRelu, kLeakyRelu, kSigmoid, kTanh, kGelu, kGeluTanh, kSilu };
+inline constexpr ActivationKind kActivationKinds[] = {ActivationKind::kRelu, ActivationKind::kLeakyRelu,
+                                                     ActivationKind::kSigmoid, ActivationKind::kTanh,
+                                                     ActivationKind::kGelu, ActivationKind::kGeluTanh,
+                                                     ActivationKind::kSilu};
 
 // How a Linear's weight is stored in the file.
 enum class WeightLayout {
@@ -126,12 +130,19 @@ struct Graph {
   int64_t node_flops_per_sample(const Node& node) const;
 };
 
+// [nodes] Activation nodes that training runs inside the Linear before them, as one
+// GEMM + bias + activation pass: the Linear's output is read by nothing else and is no
+// model output.
+std::vector<bool> fused_activations(const Graph& g);
+
 // [values] Activations that training need not keep from forward to backward: the output
 // of an activation node whose input is kept, which backward can recompute from that input
 // in one elementwise pass. Not model outputs (the loss and the next pipeline stage read
 // them), nor values a Reshape aliases, nor an activation of an activation that is itself
-// recomputed.
-std::vector<bool> recomputable_values(const Graph& g);
+// recomputed, nor a fused activation (fused_activations()) of a kind in
+// `kept_when_fused`: those whose fused pass the backend cannot repeat bit for bit
+// (Backend::epilogue_recomputes_exactly).
+std::vector<bool> recomputable_values(const Graph& g, const std::vector<ActivationKind>& kept_when_fused = {});
 
 // "Linear", "Relu", "Gelu", ... : the names used in messages, plan.json and tests.
 const char* op_kind_name(const Node& node);

@@ -228,7 +228,7 @@ Result<Plan> make_plan(const Graph& g, const std::string& model_path, const Part
     }
   }
   const std::vector<bool> recomputed =
-      o.recompute_activations ? recomputable_values(g) : std::vector<bool>(g.values.size(), false);
+      o.recompute_activations ? recomputable_values(g, o.kept_when_fused) : std::vector<bool>(g.values.size(), false);
   const LayerFigures fig = layer_figures(g, layer, layers, recomputed);
   const PipelineSplitProblem problem = make_problem(o, fig, cut_bytes);
   Result<PipelineSplit> split = split_pipeline(problem);

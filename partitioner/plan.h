@@ -45,6 +45,9 @@ struct PartitionOptions {
   ScheduleKind schedule = ScheduleKind::k1F1B;
   int optimizer_slots = 2;          // float32 state per parameter (Adam: 2, SGD+momentum: 1)
   bool recompute_activations = true;  // training recomputes recomputable_values() (train --keep-activations: false)
+  // Fused activations the backend keeps anyway (executor/program.h's kept_when_fused():
+  // GeluTanh on a GPU below fp32); none on the CPU.
+  std::vector<ActivationKind> kept_when_fused;
   // An unpaired Linear with fewer parameters than this stays replicated.
   int64_t min_shard_parameters = 65536;
 };

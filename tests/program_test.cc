@@ -22,6 +22,7 @@
 #include "partitioner/stage_writer.h"
 #include "importer/onnx_importer.h"
 #include "tests/model_builder.h"
+#include "tests/recording_backend.h"
 #include "tests/model_util.h"
 #include "tests/test_util.h"
 
@@ -280,6 +281,71 @@ TEST(Program, RecomputationAcrossFanOutChainsAndAdds) {
   recomputed_options.recompute_activations = true;
   expect_same_gradients(g, own_buffers(), recomputed_options);
   expect_same_gradients(g, own_buffers(), ProgramOptions{});
+}
+
+// A fused activation that the backend cannot recompute bit for bit is kept, and what
+// follows it may then be recomputed from it; the other kinds are untouched.
+TEST(Program, KeptFusedKindsAreNotRecomputed) {
+  testing::ModelBuilder b(8);
+  const std::string s = b.unary("Sigmoid", b.linear("input", 8, 16));
+  const std::string t = b.unary("Tanh", s);
+  b.output(b.linear(b.relu(b.linear(t, 16, 16)), 16, 4), 4);
+  auto proto = std::make_shared<onnx::ModelProto>(b.model());
+  Result<ImportedModel> m = import_onnx_model(proto, ".", "built");
+  ASSERT_TRUE(m.is_ok()) << m.status().message();
+  const Graph& g = m->graph;
+  auto activations = [&](const std::vector<bool>& recomputed) {  // Sigmoid, Tanh, ReLU
+    std::vector<bool> r;
+    for (const Node& n : g.nodes) {
+      if (n.kind == OpKind::kActivation) r.push_back(recomputed[n.outputs[0]]);
+    }
+    return r;
+  };
+  EXPECT_EQ(activations(recomputable_values(g)), (std::vector<bool>{true, false, true}));
+  EXPECT_EQ(activations(recomputable_values(g, {ActivationKind::kSigmoid})), (std::vector<bool>{false, true, true}));
+  EXPECT_EQ(activations(recomputable_values(g, {ActivationKind::kTanh})), (std::vector<bool>{true, false, true}))
+      << "the Tanh is not fused into a Linear: its own pass is recomputed exactly";
+}
+
+// The CUDA backend keeps a fused GeluTanh's output below fp32 (its cuBLASLt epilogue is
+// not activation_forward's formula). A Program on such a backend keeps it, and holds what
+// the memory estimate says when told which kinds the backend keeps (kept_when_fused(), as
+// train's memory check does).
+TEST(Program, EstimateCountsWhatTheBackendKeeps) {
+  ImportedModel m = load_model("gelu_tanh");
+  const Graph& g = m.graph;
+  int gelu = -1;
+  for (const Node& n : g.nodes) {
+    if (n.kind == OpKind::kActivation) gelu = n.outputs[0];
+  }
+  ASSERT_GE(gelu, 0);
+  ASSERT_EQ(g.nodes[g.values[gelu].producer].activation, ActivationKind::kGeluTanh);
+  std::unique_ptr<Backend> cpu = make_cpu_backend();
+  testing::RecordingBackend keeps(*cpu);
+  keeps.inexact_epilogues = {ActivationKind::kGeluTanh};
+  EXPECT_TRUE(kept_when_fused(*cpu).empty());
+  EXPECT_EQ(kept_when_fused(keeps), std::vector<ActivationKind>{ActivationKind::kGeluTanh});
+  const int64_t micro = 16, slots = 4;  // GPipe over four micro-batches
+  ProgramOptions options;
+  options.slots = slots;
+  std::vector<int64_t> estimates;
+  for (Backend* backend : {static_cast<Backend*>(cpu.get()), static_cast<Backend*>(&keeps)}) {
+    auto p = Program::create(g, *backend, micro, options);
+    ASSERT_TRUE(p.is_ok()) << p.status().message();
+    EXPECT_EQ((*p)->recomputed(gelu), backend == cpu.get());
+    PartitionOptions o;
+    o.batch_size = slots * micro;
+    o.micro_batches = slots;
+    o.schedule = ScheduleKind::kGPipe;
+    o.kept_when_fused = kept_when_fused(*backend);
+    Result<Plan> plan = make_plan(g, "", o);
+    ASSERT_TRUE(plan.is_ok()) << plan.status().message();
+    const int64_t held = (*p)->memory().total() + 2 * (*p)->memory().gradients;
+    estimates.push_back(plan->stages[0].memory_bytes);
+    EXPECT_LE(std::abs(estimates.back() - held), 8) << backend->name();
+  }
+  EXPECT_EQ(estimates[1] - estimates[0], (slots - 1) * micro * g.values[gelu].shape.per_sample_elements() * 4)
+      << "the GeluTanh output in every slot, not in one shared buffer";
 }
 
 // Evaluation needs no gradients: a forward-only program computes the same outputs

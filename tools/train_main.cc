@@ -262,13 +262,15 @@ Status check_gpu_comm(const Args& a, Communicator& world) {
       gpu_count == 1 ? "" : "s"));
 }
 
-// Before anything big is allocated: the ranks on this machine together must fit in the
+// Before anything big is allocated (the backend exists, holding next to nothing, and
+// says which activations it keeps): the ranks on this machine together must fit in the
 // memory it has left (its MemAvailable, or its cgroup's limit less usage when lower), by
 // the partitioner's estimate of each rank's parameters, gradients, optimizer state and
 // activations in flight. Collective over `world`: the ranks of one machine add up their
 // needs (a machine is the ranks that share a host name).
 Status check_memory(const Args& a, Communicator& world, const Run& run) {
-  const std::vector<int64_t> per_stage = Trainer::memory_per_stage(run.model->graph, run.config, run.layout);
+  const std::vector<int64_t> per_stage =
+      Trainer::memory_per_stage(run.model->graph, run.config, run.layout, *run.backend);
   const int64_t mine = per_stage.empty() ? 0 : per_stage[run.layout.stage];
   std::unique_ptr<Communicator> machine = split_by_machine(world);
   if (a.device == "cuda") {  // the processes that share this one's GPU add up their needs
@@ -505,8 +507,8 @@ int run_training(Communicator* world, Run& run, int argc, char** argv) {
   };
   if (!agree_on_set_up(*world, parsed ? set_up(a, *world, run) : parsed)) return kExitBadInput;
   if (!agree_on_set_up(*world, check_gpu_comm(a, *world))) return kExitBadInput;
-  if (!agree_on_set_up(*world, check_memory(a, *world, run))) return kExitBadInput;
   if (!agree_on_set_up(*world, create_backend(a, run))) return kExitBadInput;
+  if (!agree_on_set_up(*world, check_memory(a, *world, run))) return kExitBadInput;
   // Every rank is here: NCCL's set-up waits on the other ranks of each group, watched as
   // training is. Not create_trainer, where --resume may keep one rank reading for long.
   arm_watchdog();
