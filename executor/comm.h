@@ -92,6 +92,11 @@ class Communicator {
 std::unique_ptr<Communicator> make_world_communicator();
 // A group of one process: collectives copy, point-to-point is an error.
 std::unique_ptr<Communicator> make_single_process_communicator();
+// A group in which this process is `rank` of `size` and which carries nothing, for code
+// that needs a group's shape but must not communicate: building a tensor-parallel program
+// only to measure it, restoring one rank's checkpoint. Any operation on it is a bug and
+// ends the process, naming `who`.
+std::unique_ptr<Communicator> make_placeholder_communicator(int rank, int size, const std::string& who);
 // True when this process was launched by an MPI launcher.
 bool launched_by_mpi();
 

@@ -5,6 +5,8 @@
 #include <cstring>
 #include <memory>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "common/status.h"
 #include "executor/comm.h"
@@ -85,7 +87,47 @@ class SingleProcessCommunicator final : public Communicator {
   }
 };
 
+// Knows its place in a group and carries nothing (make_placeholder_communicator()).
+class PlaceholderCommunicator final : public Communicator {
+ public:
+  PlaceholderCommunicator(int rank, int size, std::string who) : rank_(rank), size_(size), who_(std::move(who)) {}
+  int rank() const override { return rank_; }
+  int size() const override { return size_; }
+  void all_reduce(float*, int64_t, ReduceOp) override { carried("all_reduce"); }
+  std::unique_ptr<Request> all_reduce_async(float*, int64_t, ReduceOp) override { carried("all_reduce_async"); }
+  double all_reduce_sum(double) override { carried("all_reduce_sum"); }
+  std::vector<std::string> gather_text(const std::string&, int) override { carried("gather_text"); }
+  void all_reduce_sum(double*, int64_t) override { carried("all_reduce_sum"); }
+  void all_gather(const float*, float*, int64_t) override { carried("all_gather"); }
+  void reduce_scatter(const float*, float*, int64_t, ReduceOp) override { carried("reduce_scatter"); }
+  void broadcast(float*, int64_t, int) override { carried("broadcast"); }
+  void broadcast_bytes(void*, int64_t, int) override { carried("broadcast_bytes"); }
+  void send(const float*, int64_t, int, int) override { carried("send"); }
+  void recv(float*, int64_t, int, int) override { carried("recv"); }
+  std::unique_ptr<Request> send_async(const float*, int64_t, int, int) override { carried("send_async"); }
+  std::unique_ptr<Request> recv_async(float*, int64_t, int, int) override { carried("recv_async"); }
+  void barrier() override { carried("barrier"); }
+  std::unique_ptr<Communicator> split(int, int) override { carried("split"); }
+  [[noreturn]] void abort(const std::string& message) override {
+    PIPESHARD_CHECK(false, message);
+    std::abort();  // not reached
+  }
+
+ private:
+  [[noreturn]] void carried(const char* what) const {
+    PIPESHARD_CHECK(false, std::string(what) + " on " + who_ + ", which carries nothing");
+    std::abort();  // not reached
+  }
+  int rank_, size_;
+  std::string who_;
+};
+
 }  // namespace
+
+std::unique_ptr<Communicator> make_placeholder_communicator(int rank, int size, const std::string& who) {
+  PIPESHARD_CHECK(size >= 1 && rank >= 0 && rank < size, "rank " + std::to_string(rank) + " of a group of " + std::to_string(size));
+  return std::make_unique<PlaceholderCommunicator>(rank, size, who);
+}
 
 std::unique_ptr<Communicator> make_single_process_communicator() {
   return std::make_unique<SingleProcessCommunicator>();

@@ -80,37 +80,9 @@ std::vector<int64_t> sample_dims(const Value& v) { return {v.shape.dims.begin() 
 // as train's loop does.
 constexpr int64_t kCheckpointTotalSteps = 1000;
 
-// A communicator that knows its place in the group and nothing else: restoring a
-// checkpoint sends nothing, and a call here means that assumption broke.
-class PlaceOnly final : public Communicator {
- public:
-  PlaceOnly(int rank, int size) : rank_(rank), size_(size) {}
-  int rank() const override { return rank_; }
-  int size() const override { return size_; }
-  void all_reduce(float*, int64_t, ReduceOp) override { unreachable(); }
-  std::unique_ptr<Request> all_reduce_async(float*, int64_t, ReduceOp) override { unreachable(); }
-  double all_reduce_sum(double) override { unreachable(); }
-  std::vector<std::string> gather_text(const std::string&, int) override { unreachable(); }
-  void all_reduce_sum(double*, int64_t) override { unreachable(); }
-  void all_gather(const float*, float*, int64_t) override { unreachable(); }
-  void reduce_scatter(const float*, float*, int64_t, ReduceOp) override { unreachable(); }
-  void broadcast(float*, int64_t, int) override { unreachable(); }
-  void broadcast_bytes(void*, int64_t, int) override { unreachable(); }
-  void send(const float*, int64_t, int, int) override { unreachable(); }
-  void recv(float*, int64_t, int, int) override { unreachable(); }
-  std::unique_ptr<Request> send_async(const float*, int64_t, int, int) override { unreachable(); }
-  std::unique_ptr<Request> recv_async(float*, int64_t, int, int) override { unreachable(); }
-  void barrier() override { unreachable(); }
-  std::unique_ptr<Communicator> split(int, int) override { unreachable(); }
-  [[noreturn]] void abort(const std::string& message) override { PIPESHARD_CHECK(false, message); std::abort(); }
-
- private:
-  [[noreturn]] static void unreachable() {
-    PIPESHARD_CHECK(false, "the checkpoint fuzz harness's communicators carry nothing");
-    std::abort();
-  }
-  int rank_, size_;
-};
+// The groups a restored trainer is placed in know their place and carry nothing:
+// restoring a checkpoint sends nothing, and a call on them means that assumption broke.
+constexpr char kGroups[] = "the checkpoint fuzz harness's groups";
 
 // What checkpoint_trainers() holds on to: the model, its data, and each trainer with
 // what it needs.
@@ -160,10 +132,10 @@ std::unique_ptr<CheckpointRig> make_checkpoint_rig() {
   add("adam", OptimizerKind::kAdam, 0.0f, {});
   ProcessLayout& layout = rig->groups.layout;
   layout = {.stages = 2, .replicas = 1, .shards = 2, .stage = 1, .replica = 0, .shard = 1};
-  rig->world = std::make_unique<PlaceOnly>(layout.rank_of(1, 0, 1), layout.world_size());
-  rig->groups.data = std::make_unique<PlaceOnly>(0, 1);
-  rig->groups.tensor = std::make_unique<PlaceOnly>(1, 2);
-  rig->groups.pipeline = std::make_unique<PlaceOnly>(1, 2);
+  rig->world = make_placeholder_communicator(layout.rank_of(1, 0, 1), layout.world_size(), kGroups);
+  rig->groups.data = make_placeholder_communicator(0, 1, kGroups);
+  rig->groups.tensor = make_placeholder_communicator(1, 2, kGroups);
+  rig->groups.pipeline = make_placeholder_communicator(1, 2, kGroups);
   add("adam_stage1_shard1", OptimizerKind::kAdam, 0.0f, {rig->world.get(), &rig->groups, &rig->model});
   return rig;
 }

@@ -162,6 +162,17 @@ TEST(SingleProcessCommunicatorDeathTest, AbortPrintsTheMessageAndFails) {
               "train: error: stage 2 lost its data");
 }
 
+TEST(PlaceholderCommunicatorDeathTest, KnowsItsPlaceAndCarriesNothing) {
+  std::unique_ptr<Communicator> group = make_placeholder_communicator(1, 4, "a measured program's group");
+  EXPECT_EQ(group->rank(), 1);
+  EXPECT_EQ(group->size(), 4);
+  float x = 1.0f;
+  EXPECT_DEATH(group->all_reduce(&x, 1, ReduceOp::kSum), "all_reduce on a measured program's group, which carries nothing");
+  EXPECT_DEATH(group->send(&x, 1, 0, 0), "send on a measured program's group");
+  EXPECT_DEATH(group->split(0, 0), "split on a measured program's group");
+  EXPECT_DEATH(make_placeholder_communicator(4, 4, "x"), "rank 4 of a group of 4");
+}
+
 TEST(SingleProcessCommunicatorTest, ProcessGroupsOfOne) {
   std::unique_ptr<Communicator> world = make_single_process_communicator();
   Result<ProcessLayout> layout = ProcessLayout::for_rank(0, 1, 1, 1);

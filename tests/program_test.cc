@@ -6,8 +6,6 @@
 // change no bit of any gradient, and cost what their plan says.
 #include <algorithm>
 #include <cmath>
-#include <cstdio>
-#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <random>
@@ -420,37 +418,6 @@ TEST_P(EveryModel, MemoryAccountsForEveryBuffer) {
   EXPECT_GE(mem.activations, 4 * 6 * (2 * kept + largest_recomputed));
 }
 
-// A tensor-parallel group that is never used: programs are built, not run.
-class UnusedGroup final : public Communicator {
- public:
-  explicit UnusedGroup(int size) : size_(size) {}
-  int rank() const override { return 0; }
-  int size() const override { return size_; }
-  void all_reduce(float*, int64_t, ReduceOp) override { unused(); }
-  std::unique_ptr<Request> all_reduce_async(float*, int64_t, ReduceOp) override { unused(); }
-  double all_reduce_sum(double) override { unused(); }
-  std::vector<std::string> gather_text(const std::string&, int) override { unused(); }
-  void all_reduce_sum(double*, int64_t) override { unused(); }
-  void all_gather(const float*, float*, int64_t) override { unused(); }
-  void reduce_scatter(const float*, float*, int64_t, ReduceOp) override { unused(); }
-  void broadcast(float*, int64_t, int) override { unused(); }
-  void broadcast_bytes(void*, int64_t, int) override { unused(); }
-  void send(const float*, int64_t, int, int) override { unused(); }
-  void recv(float*, int64_t, int, int) override { unused(); }
-  std::unique_ptr<Request> send_async(const float*, int64_t, int, int) override { unused(); }
-  std::unique_ptr<Request> recv_async(float*, int64_t, int, int) override { unused(); }
-  void barrier() override { unused(); }
-  std::unique_ptr<Communicator> split(int, int) override { unused(); }
-  [[noreturn]] void abort(const std::string&) override { unused(); }
-
- private:
-  [[noreturn]] static void unused() {
-    std::fprintf(stderr, "UnusedGroup: a program built to be measured communicated\n");
-    std::abort();
-  }
-  int size_;
-};
-
 // The partitioner's memory estimate (Adam: two state slots) against what each stage's
 // Program holds, plus that optimizer state, in one stage and in two under 1F1B with four
 // micro-batches (stage 0 keeps two in flight), whole and in two tensor-parallel shards
@@ -476,11 +443,11 @@ TEST_P(EveryModel, MemoryEstimateMatchesWhatTheProgramsHold) {
         Result<ImportedModel> stage = import_onnx_model(*proto, ".", "stage");
         ASSERT_TRUE(stage.is_ok()) << stage.status().message();
         std::unique_ptr<Backend> backend = make_cpu_backend();
-        UnusedGroup tensor(shards);
+        std::unique_ptr<Communicator> tensor = make_placeholder_communicator(0, shards, "a measured program's group");
         ProgramOptions options;
         options.slots = std::min(4, stages - k);
         options.input_needs_grad.assign(stage->graph.inputs.size(), k > 0);
-        options.tensor = &tensor;
+        options.tensor = tensor.get();
         auto p = Program::create(stage->graph, *backend, 64 / 4, options);
         ASSERT_TRUE(p.is_ok()) << p.status().message();
         const int64_t held = (*p)->memory().total() + 2 * (*p)->memory().gradients;
