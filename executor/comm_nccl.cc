@@ -50,6 +50,21 @@ class Backoff {
   int spins_ = 0;
 };
 
+// A query that finds work unfinished may leave cudaErrorNotReady as the thread's last
+// error (PyTorch clears it after such queries too), and the backend's next launch check
+// (cudaGetLastError) would then stop the process with "device not ready". Clears that,
+// and only that: a real error stays for whoever checks next.
+void forget_not_ready() {
+  if (cudaPeekAtLastError() == cudaErrorNotReady) (void)cudaGetLastError();
+}
+
+// Whether the work before `event` has finished, leaving no error behind when not.
+bool event_done(cudaEvent_t event) {
+  if (cudaEventQuery(event) == cudaSuccess) return true;
+  forget_not_ready();
+  return false;
+}
+
 // A CUDA event, destroyed with its last owner.
 class Event {
  public:
@@ -355,7 +370,7 @@ void NcclRequest::wait() {
   done_ = true;
   // A request that outlived its communicator finds its event complete (the destructor
   // drained the stream) and so never touches the owner.
-  if (completion_->event != nullptr && cudaEventQuery(completion_->event->get()) == cudaSuccess) return;
+  if (completion_->event != nullptr && event_done(completion_->event->get())) return;
   owner_->wait_for(*completion_, operation_, peers_);
 }
 
@@ -476,6 +491,7 @@ void NcclCommunicator::wait_event(cudaEvent_t event, const char* operation, cons
   for (Backoff backoff;; backoff.pause()) {
     const cudaError_t rc = cudaEventQuery(event);
     if (rc == cudaSuccess) return;
+    forget_not_ready();
     if (rc != cudaErrorNotReady) {
       PIPESHARD_NCCL_FAIL(std::string("cudaEventQuery, waiting for ") + operation + " " + *peers + ": " +
                           cudaGetErrorString(rc));

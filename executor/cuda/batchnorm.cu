@@ -322,26 +322,6 @@ void check_batchnorm(const BatchNormShape& s) {
                       std::to_string(s.inner) + "]");
 }
 
-// The reducer's device doubles. Plain cudaMalloc memory, not the stream-ordered pool, so
-// that a reducer may hand it to CUDA-aware MPI; freed once the stream is done with it.
-class ReducerBuffer {
- public:
-  ReducerBuffer(int64_t n, cudaStream_t stream) : stream_(stream) {
-    PIPESHARD_CUDA_CHECK(cudaMalloc(&data_, static_cast<size_t>(n) * sizeof(double)));
-  }
-  ~ReducerBuffer() {
-    PIPESHARD_CUDA_CHECK(cudaStreamSynchronize(stream_));
-    PIPESHARD_CUDA_CHECK(cudaFree(data_));
-  }
-  ReducerBuffer(const ReducerBuffer&) = delete;
-  ReducerBuffer& operator=(const ReducerBuffer&) = delete;
-  double* data() const { return data_; }
-
- private:
-  double* data_ = nullptr;
-  cudaStream_t stream_;
-};
-
 // reduce(data, n) once the kernels that wrote data have finished. The reducer must be
 // done with data when it returns (Communicator::all_reduce_sum blocks).
 void reduce_when_written(const ChannelReducer& reduce, double* data, int64_t n, cudaStream_t stream) {
@@ -364,11 +344,10 @@ double checked_global_count(const double* device_count, const BatchNormShape& s,
 void batchnorm_forward_synchronized(const BatchNormShape& s, float* y, float* mean, float* rstd,
                                     float* running_mean, float* running_var, const float* x, const float* w,
                                     const float* b, float eps, float momentum, const ChannelReducer& reduce,
-                                    cudaStream_t stream) {
+                                    ReducerScratch& scratch, cudaStream_t stream) {
   const int64_t channels = s.channels;
-  ReducerBuffer buffer(2 * channels + 1, stream);
-  double* sums = buffer.data();                               // [channels + 1]: Σx, then the count
-  double* squared_deviations = buffer.data() + channels + 1;  // [channels]
+  double* sums = scratch.get(2 * channels + 1, stream);  // [channels + 1]: Σx, then the count
+  double* squared_deviations = sums + channels + 1;      // [channels]
   with_mapping(s, [&](auto mapping, dim3 grid) {
     batchnorm_sum_kernel<decltype(mapping)::value><<<grid, kChannelBlock, 0, stream>>>(sums, x, s);
     PIPESHARD_CUDA_LAUNCHED();
@@ -391,10 +370,9 @@ void batchnorm_forward_synchronized(const BatchNormShape& s, float* y, float* me
 
 void batchnorm_backward_synchronized(const BatchNormShape& s, float* dx, float* dw, float* db, const float* dy,
                                      const float* x, const float* w, const float* mean, const float* rstd,
-                                     const ChannelReducer& reduce, cudaStream_t stream) {
+                                     const ChannelReducer& reduce, ReducerScratch& scratch, cudaStream_t stream) {
   const int64_t channels = s.channels;
-  ReducerBuffer buffer(2 * channels + 1, stream);  // S1 per channel, S2 per channel, the count
-  double* sums = buffer.data();
+  double* sums = scratch.get(2 * channels + 1, stream);  // S1 per channel, S2 per channel, the count
   with_mapping(s, [&](auto mapping, dim3 grid) {
     batchnorm_gradient_sums_kernel<decltype(mapping)::value><<<grid, kChannelBlock, 0, stream>>>(
         sums, dw, db, dy, x, mean, rstd, s);
@@ -411,9 +389,27 @@ void batchnorm_backward_synchronized(const BatchNormShape& s, float* dx, float* 
 
 }  // namespace
 
+ReducerScratch::~ReducerScratch() {
+  if (data_ != nullptr) cudaFree(data_);  // its backend has synchronised its stream
+}
+
+double* ReducerScratch::get(int64_t n, cudaStream_t stream) {
+  if (n <= size_) return data_;
+  if (data_ != nullptr) {
+    PIPESHARD_CUDA_CHECK(cudaStreamSynchronize(stream));  // kernels may still read the old sums
+    PIPESHARD_CUDA_CHECK(cudaFree(data_));
+    data_ = nullptr;
+    size_ = 0;
+  }
+  PIPESHARD_CUDA_CHECK(cudaMalloc(&data_, static_cast<size_t>(n) * sizeof(double)));
+  size_ = n;
+  return data_;
+}
+
 void batchnorm_forward(float* y, float* mean, float* rstd, float* running_mean, float* running_var, const float* x,
                        const float* w, const float* b, int64_t batch, int64_t channels, int64_t inner, float eps,
-                       float momentum, bool training, const ChannelReducer* reduce, cudaStream_t stream) {
+                       float momentum, bool training, const ChannelReducer* reduce, ReducerScratch* scratch,
+                       cudaStream_t stream) {
   const BatchNormShape s{batch, channels, inner};
   check_batchnorm(s);
   if (!training) {
@@ -427,8 +423,9 @@ void batchnorm_forward(float* y, float* mean, float* rstd, float* running_mean, 
   }
   PIPESHARD_CHECK(mean != nullptr && rstd != nullptr, "training BatchNorm saves mean and rstd");
   if (reduce != nullptr) {
+    PIPESHARD_CHECK(scratch != nullptr, "synchronized BatchNorm needs the backend's reducer scratch");
     batchnorm_forward_synchronized(s, y, mean, rstd, running_mean, running_var, x, w, b, eps, momentum, *reduce,
-                                   stream);
+                                   *scratch, stream);
     return;
   }
   // PyTorch refuses this too: the unbiased variance of one value is undefined.
@@ -442,13 +439,14 @@ void batchnorm_forward(float* y, float* mean, float* rstd, float* running_mean, 
 
 void batchnorm_backward(float* dx, float* dw, float* db, const float* dy, const float* x, const float* w,
                         const float* mean, const float* rstd, int64_t batch, int64_t channels, int64_t inner,
-                        bool training, const ChannelReducer* reduce, cudaStream_t stream) {
+                        bool training, const ChannelReducer* reduce, ReducerScratch* scratch, cudaStream_t stream) {
   const BatchNormShape s{batch, channels, inner};
   check_batchnorm(s);
   PIPESHARD_CHECK(mean != nullptr && rstd != nullptr, "batchnorm_backward needs the mean and rstd forward saved");
   // Without dx nothing needs the global sums: dw and db take the local ones anyway.
   if (reduce != nullptr && training && dx != nullptr) {
-    batchnorm_backward_synchronized(s, dx, dw, db, dy, x, w, mean, rstd, *reduce, stream);
+    PIPESHARD_CHECK(scratch != nullptr, "synchronized BatchNorm needs the backend's reducer scratch");
+    batchnorm_backward_synchronized(s, dx, dw, db, dy, x, w, mean, rstd, *reduce, *scratch, stream);
     return;
   }
   if (dx == nullptr && dw == nullptr && db == nullptr) return;

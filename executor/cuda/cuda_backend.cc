@@ -106,7 +106,8 @@ class CudaBackend final : public Backend {
   }
   void fill(float* dst, float value, int64_t n) override { cuda::fill(dst, value, n, stream_); }
   void copy(float* dst, const float* src, int64_t n) override {
-    if (n > 0) PIPESHARD_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes(n), cudaMemcpyDeviceToDevice, stream_));
+    // cudaMemcpy's areas may not overlap; a buffer onto itself is already a copy.
+    if (n > 0 && dst != src) PIPESHARD_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes(n), cudaMemcpyDeviceToDevice, stream_));
   }
   void axpy(float* y, float a, const float* x, int64_t n) override { cuda::axpy(y, a, x, n, stream_); }
   void scale(float* x, float a, int64_t n) override { cuda::scale(x, a, n, stream_); }
@@ -170,12 +171,13 @@ class CudaBackend final : public Backend {
                          const float* w, const float* b, int64_t batch, int64_t channels, int64_t inner, float eps,
                          float momentum, bool training, const ChannelReducer* reduce) override {
     cuda::batchnorm_forward(y, mean, rstd, running_mean, running_var, x, w, b, batch, channels, inner, eps, momentum,
-                            training, reduce, stream_);
+                            training, reduce, &reducer_scratch_, stream_);
   }
   void batchnorm_backward(float* dx, float* dw, float* db, const float* dy, const float* x, const float* w,
                           const float* mean, const float* rstd, int64_t batch, int64_t channels, int64_t inner,
                           bool training, const ChannelReducer* reduce) override {
-    cuda::batchnorm_backward(dx, dw, db, dy, x, w, mean, rstd, batch, channels, inner, training, reduce, stream_);
+    cuda::batchnorm_backward(dx, dw, db, dy, x, w, mean, rstd, batch, channels, inner, training, reduce,
+                             &reducer_scratch_, stream_);
   }
 
   void dropout_forward(float* y, float* mask, const float* x, int64_t n, float ratio, uint64_t seed,
@@ -215,6 +217,7 @@ class CudaBackend final : public Backend {
   cuda::CachingAllocator allocator_;
   cuda::LinearContext* linear_ = nullptr;
   void* scratch_ = nullptr;  // for the reductions that return host values
+  cuda::ReducerScratch reducer_scratch_;  // synchronized BatchNorm's sums, freed after the stream
   bool recording_ = false;   // inside record(): the stream is being captured
 
   void not_recording(const char* call) const {

@@ -69,13 +69,33 @@ void layernorm_backward(float* dx, float* dw, float* db, const float* dy, const 
                         const float* mean, const float* rstd, int64_t rows, int64_t width, cudaStream_t stream);
 
 // ---- batchnorm.cu ----
-// `reduce` is handed device doubles, as Backend documents ("the backend's memory").
+// Device doubles for synchronized BatchNorm's sums, which the reducer is handed: plain
+// cudaMalloc memory rather than the stream-ordered pool, so that any communicator may use
+// it. Grown when too small and otherwise kept, because cudaMalloc and cudaFree wait for
+// the whole device, the communicators' streams included. One per backend.
+class ReducerScratch {
+ public:
+  ReducerScratch() = default;
+  ~ReducerScratch();
+  ReducerScratch(const ReducerScratch&) = delete;
+  ReducerScratch& operator=(const ReducerScratch&) = delete;
+  // At least n doubles. Growing first waits for `stream`, which may still read the old ones.
+  double* get(int64_t n, cudaStream_t stream);
+
+ private:
+  double* data_ = nullptr;
+  int64_t size_ = 0;
+};
+
+// `reduce` is handed device doubles from `scratch`, as Backend documents ("the backend's
+// memory"); `scratch` may be null when `reduce` is.
 void batchnorm_forward(float* y, float* mean, float* rstd, float* running_mean, float* running_var, const float* x,
                        const float* w, const float* b, int64_t batch, int64_t channels, int64_t inner, float eps,
-                       float momentum, bool training, const ChannelReducer* reduce, cudaStream_t stream);
+                       float momentum, bool training, const ChannelReducer* reduce, ReducerScratch* scratch,
+                       cudaStream_t stream);
 void batchnorm_backward(float* dx, float* dw, float* db, const float* dy, const float* x, const float* w,
                         const float* mean, const float* rstd, int64_t batch, int64_t channels, int64_t inner,
-                        bool training, const ChannelReducer* reduce, cudaStream_t stream);
+                        bool training, const ChannelReducer* reduce, ReducerScratch* scratch, cudaStream_t stream);
 
 // ---- linear.cu ----
 // cuBLASLt state for one device: the handle, a workspace, the matmul plans cached by shape

@@ -65,7 +65,9 @@ class NormKernelsTest : public BackendTest {
     if (const std::string why = testing::no_usable_gpu(); !why.empty()) {
       GTEST_SKIP() << why << "; the kernel checks run on a machine with one";
     }
-    ASSERT_EQ(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), cudaSuccess);
+    // Blocking: DeviceFloats uploads with cudaMemcpy on the legacy stream, which a pageable
+    // upload may leave unfinished when it returns; a blocking stream waits for it.
+    ASSERT_EQ(cudaStreamCreate(&stream_), cudaSuccess);
     ASSERT_EQ(cudaMalloc(&scratch_, cuda::reduce_scratch_bytes()), cudaSuccess);
   }
   void TearDown() override {
@@ -257,6 +259,7 @@ class BatchNormKernelsTest : public NormKernelsTest {
       ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);  // a pageable upload may return before its DMA ends
     };
     const bool sync = replicas > 1;
+    cuda::ReducerScratch scratch;  // what a backend owns: grown on first use, kept across calls
 
     Floats y_cpu(n), mean_cpu(c), rstd_cpu(c), rm_cpu = rm, rv_cpu = rv, dx_cpu = dx0, dw_cpu = dw0, db_cpu = db0;
     be_->batchnorm_forward(y_cpu.data(), mean_cpu.data(), rstd_cpu.data(), rm_cpu.data(), rv_cpu.data(), x.data(), pw,
@@ -269,7 +272,7 @@ class BatchNormKernelsTest : public NormKernelsTest {
     const float* gpw = affine ? gw->get() : nullptr;
     cuda::batchnorm_forward(gy->get(), gmean->get(), grstd->get(), grm->get(), grv->get(), gx->get(), gpw,
                             affine ? gb->get() : nullptr, d.batch, d.channels, d.inner, eps, momentum, training,
-                            sync ? &device_reducer : nullptr, stream_);
+                            sync ? &device_reducer : nullptr, &scratch, stream_);
     expect_near_cpu(gy->download(), y_cpu, what + " y");
     expect_near_cpu(gmean->download(), mean_cpu, what + " mean");
     expect_near_cpu(grstd->download(), rstd_cpu, what + " rstd");
@@ -281,7 +284,7 @@ class BatchNormKernelsTest : public NormKernelsTest {
     device_calls = 0;
     cuda::batchnorm_backward(gdx->get(), gdw->get(), gdb->get(), gdy->get(), gx->get(), gpw, cmean->get(),
                              crstd->get(), d.batch, d.channels, d.inner, training, sync ? &device_reducer : nullptr,
-                             stream_);
+                             &scratch, stream_);
     EXPECT_EQ(device_calls, sync && training ? 1 : 0) << what << ": backward reductions";
     const Floats dx1 = gdx->download(), dw1 = gdw->download(), db1 = gdb->download();
     expect_near_cpu(dx1, dx_cpu, what + " dx");
@@ -290,7 +293,7 @@ class BatchNormKernelsTest : public NormKernelsTest {
     auto rdx = dev(dx0), rdw = dev(dw0), rdb = dev(db0);
     cuda::batchnorm_backward(rdx->get(), rdw->get(), rdb->get(), gdy->get(), gx->get(), gpw, cmean->get(),
                              crstd->get(), d.batch, d.channels, d.inner, training, sync ? &device_reducer : nullptr,
-                             stream_);
+                             &scratch, stream_);
     EXPECT_EQ(rdx->download(), dx1) << what << ": dx again, bit for bit";
     EXPECT_EQ(rdw->download(), dw1) << what << ": dw again, bit for bit";
   }
