@@ -42,6 +42,11 @@ void* CachingAllocator::allocate(size_t bytes) {
     rc = cudaMalloc(&p, size);
   }
   if (rc != cudaSuccess) {
+    if (rc != cudaErrorMemoryAllocation) {  // not a matter of room: a capture in progress, a lost device
+      std::fprintf(stderr, "pipeshard: cudaMalloc of %zu bytes failed: %s\n", size, cudaGetErrorString(rc));
+      std::fflush(stderr);
+      std::abort();
+    }
     size_t free_bytes = 0, total = 0;
     cudaMemGetInfo(&free_bytes, &total);
     std::fprintf(stderr,

@@ -333,6 +333,14 @@ bool low_precision(const LinearContext& c) { return c.low_type != CUDA_R_32F; }
 const uint16_t* rounded_copy(LinearContext& c, Operand which, const float* src, int64_t n, cudaStream_t stream) {
   Scratch16& slot = c.copies[static_cast<size_t>(which)];
   if (n > slot.capacity) {
+    // A recorded step may not allocate (cudaMalloc fails while the stream is captured, and
+    // the allocator would call that "out of GPU memory"): say what happened instead.
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    PIPESHARD_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
+    PIPESHARD_CHECK(capture == cudaStreamCaptureStatusNone,
+                    "Linear's 16-bit operand scratch had to grow while a CUDA graph was recording (" +
+                        std::to_string(n) + " elements, " + std::to_string(slot.capacity) +
+                        " held): the first, eager step should have sized it");
     c.allocator->deallocate(slot.data);
     slot.data = static_cast<uint16_t*>(c.allocator->allocate(static_cast<size_t>(n) * sizeof(uint16_t)));
     slot.capacity = n;

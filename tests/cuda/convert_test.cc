@@ -105,7 +105,9 @@ class CudaConvertTest : public ::testing::TestWithParam<Precision> {
     if (const std::string why = testing::no_usable_gpu(); !why.empty()) {
       GTEST_SKIP() << why << "; the conversion kernel check runs on a machine with one";
     }
-    cuda_ok(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "cudaStreamCreate");
+    // Blocking: the set-up cudaMemcpy/cudaMemset run on the legacy stream, and a pageable
+    // upload may return before its DMA ends; a blocking stream waits for both.
+    cuda_ok(cudaStreamCreate(&stream_), "cudaStreamCreate");
   }
   void TearDown() override {
     if (stream_ != nullptr) cudaStreamDestroy(stream_);

@@ -128,7 +128,9 @@ class CudaLinearTest : public ::testing::TestWithParam<Precision> {
     if (const std::string why = testing::no_usable_gpu(); !why.empty()) {
       GTEST_SKIP() << why << "; the cuBLASLt check runs on a machine with one";
     }
-    cuda_ok(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "cudaStreamCreate");
+    // Blocking: uploads are cudaMemcpy on the legacy stream, which a pageable upload may
+    // leave unfinished when it returns; a blocking stream waits for them.
+    cuda_ok(cudaStreamCreate(&stream_), "cudaStreamCreate");
     context_ = create_linear_context(GetParam(), &allocator_);
   }
   void TearDown() override {
