@@ -2,7 +2,8 @@
 # Packs tools/openmpi_bundle.sh into a scratch folder, hides the system's Open MPI in a
 # private mount namespace (its folders under tmpfs, its launcher and libraries under
 # /dev/null), and trains under the bundle's mpirun there: what the GPU machine, which has
-# no Open MPI, will do. Exit 77 (skipped) where mount namespaces are not allowed.
+# no Open MPI, will do, by hand and as tools/device_multirank.sh does. Exit 77 (skipped)
+# where mount namespaces are not allowed.
 #   openmpi_bundle_check.sh SOURCE_DIR TRAIN SCRATCH
 set -euo pipefail
 src=$1 train=$2 scratch=$3
@@ -26,6 +27,12 @@ if [ "${1:-}" = --inside ]; then
   echo "openmpi_bundle_check: mpirun is $(command -v mpirun)"
   mpirun -n 4 --oversubscribe "$train" "$src/models/simple_digits.onnx" --data "$src/data/digits_features.npy" \
     --labels "$src/data/digits_labels.npy" --stages 2 --tensor-parallel 2 --check-equivalence 3
+  # The device check's several-process layouts as it starts them there: under the bundle,
+  # with our own libraries' folder as device_multirank.sh's LD_LIBRARY_PATH argument (on
+  # the CPU backend here).
+  DEVICE_MULTIRANK_DEVICE=cpu bash "$src/tools/device_multirank.sh" "$(dirname "$train")" \
+    "$(dirname "$bundle")/multirank/results.md" 90 "$(dirname "$train")"
+  echo "openmpi_bundle_check: device_multirank.sh: every layout equivalent"
   exit
 fi
 if ! unshare -m true 2>/dev/null; then

@@ -63,7 +63,9 @@ for entry in "${layouts[@]}"; do
   flag_args=($flags)
   log="$log_dir/multirank_$(printf '%s' "$name" | tr -c 'A-Za-z0-9' '_').log"
   began=$SECONDS
-  LD_LIBRARY_PATH=$ld timeout -k 5 "$t" mpirun -n "$np" --oversubscribe -x LD_LIBRARY_PATH -x PIPESHARD_STAGE_COMM \
+  # $ld first, then what the caller had: the carried Open MPI's own libraries (libpmix, its
+  # MCA components) are only on the caller's path, and replacing it loses them.
+  LD_LIBRARY_PATH=$ld${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH} timeout -k 5 "$t" mpirun -n "$np" --oversubscribe -x LD_LIBRARY_PATH -x PIPESHARD_STAGE_COMM \
     "$bin/train" "$root/models/$model.onnx" "${data_args[@]}" --batch-size 32 --device "${DEVICE_MULTIRANK_DEVICE:-cuda}" \
     --comm-timeout 30 --check-equivalence 4 "${flag_args[@]}" >"$log" 2>&1
   rc=$?
