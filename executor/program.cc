@@ -425,6 +425,14 @@ float* Program::param_grad(int p) {
   return grads_.data() + param_offset_[p];
 }
 
+void Program::copy_parameters_from(const Program& from) {
+  PIPESHARD_CHECK(&from.graph_ == &graph_ && from.params_.size() == params_.size() &&
+                      from.buffers_.size() == buffers_.size(),
+                  "copy_parameters_from: a program of another graph");
+  backend_.copy(params_.data(), from.params_.data(), params_.size());
+  backend_.copy(buffers_.data(), from.buffers_.data(), buffers_.size());
+}
+
 void Program::upload_parameters(const Graph& g) {
   for (size_t i = 0; i < g.params.size(); ++i) {
     float* dst = (g.params[i].trainable ? params_.data() : buffers_.data()) + param_offset_[i];

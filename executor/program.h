@@ -94,6 +94,9 @@ class Program {
   // back. `graph` must be the Graph the Program was built from (or a copy of it).
   void download_parameters(Graph& graph) const;
   void upload_parameters(const Graph& graph);
+  // This program's parameters and running statistics := `from`'s, on the backend (no host
+  // round trip). `from` must be built from the same Graph.
+  void copy_parameters_from(const Program& from);
 
   // Selects the micro-batch slot (0 .. slots − 1) that the calls below work on.
   void select_slot(int slot);

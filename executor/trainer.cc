@@ -172,9 +172,9 @@ Result<std::unique_ptr<Trainer>> Trainer::create(const Graph& graph, const Datas
     Communicator* replicas = t->device_replicas_;
     options.batchnorm_reducer = [replicas](double* data, int64_t n) { replicas->all_reduce_sum(data, n); };
   }
-  // Evaluation runs the whole model through this program when it is the whole model.
-  const int64_t max_batch = t->rank_.is_whole() ? std::max(micro, config.batch_size) : micro;
-  Result<std::unique_ptr<Program>> program = Program::create(g, backend, max_batch, options);
+  // One micro-batch per slot: what the memory estimate counts, and what micro-batches are
+  // for. Evaluation, in whole batches, has a program of its own (evaluate()).
+  Result<std::unique_ptr<Program>> program = Program::create(g, backend, micro, options);
   if (!program) return program.status();
   t->program_ = std::move(*program);
   t->sends_.resize(static_cast<size_t>(slots));
@@ -647,6 +647,20 @@ EvalResult Trainer::evaluate(const Dataset& data) {
     program = eval_program_.get();
   } else if (world_ && world_->rank() != 0) {
     return e;  // every replica holds the same model: rank 0 evaluates it
+  } else if (config_.batch_size > micro_) {
+    // The training program holds one micro-batch. Evaluation goes in chunks of the whole
+    // batch in every layout (the same chunks give the same sums), through a forward-only
+    // program made the first time, holding no gradients, with the training weights
+    // copied in on the device.
+    if (!eval_program_) {
+      ProgramOptions forward_only;
+      forward_only.forward_only = true;
+      Result<std::unique_ptr<Program>> p = Program::create(rank_.graph(), backend_, config_.batch_size, forward_only);
+      PIPESHARD_CHECK(p.is_ok(), p.status().message());
+      eval_program_ = std::move(*p);
+    }
+    eval_program_->copy_parameters_from(*program_);
+    program = eval_program_.get();
   }
   program->select_slot(0);
   const int64_t b = config_.batch_size;

@@ -290,7 +290,9 @@ class Trainer {
   std::vector<float> host_targets_;   // [local_batch * targets_per_sample]
   Tracer tracer_;
   int64_t tracing_step_ = 0;          // the step events belong to
-  // Evaluation of a cut model: the whole model, assembled on rank 0.
+  // Evaluation on rank 0, forward-only, in chunks of the whole batch: of a cut model, the
+  // whole model assembled in eval_graph_; of a whole one trained in micro-batches, the
+  // same graph as the training program (which holds only one micro-batch).
   std::unique_ptr<Graph> eval_graph_;
   std::unique_ptr<Program> eval_program_;
 };

@@ -7,6 +7,7 @@
 #include <gtest/gtest.h>
 
 #include "executor/npy.h"
+#include "executor/program.h"
 #include "executor/trainer.h"
 #include "importer/onnx_importer.h"
 #include "tests/model_util.h"
@@ -198,6 +199,50 @@ TEST(Trainer, EvaluationReportsLossAndAccuracy) {
   EXPECT_EQ(after.samples, 1797);
   EXPECT_LT(after.loss, before.loss);
   EXPECT_GT(after.accuracy, 0.8) << "the course model learns digits in 60 steps";
+}
+
+// Micro-batches are what a rank holds at once: a whole model trained in four keeps a
+// quarter of the batch's activations (it used to keep the whole batch, for evaluation).
+// Evaluation still goes in chunks of the whole batch, through a forward-only program with
+// the trained weights copied in: the same figures, bit for bit, as a trainer without
+// micro-batches gives for those weights.
+TEST(Trainer, MicroBatchesHoldOneMicroBatchAndEvaluateAlike) {
+  ImportedModel m = load_model("simple_digits");
+  const Dataset d = digits();
+  std::vector<int64_t> held;
+  std::vector<EvalResult> before;
+  Graph trained = m.graph;
+  EvalResult after;
+  for (int micro_batches : {1, 4}) {
+    std::unique_ptr<Backend> backend = make_cpu_backend();
+    TrainConfig c = sgd(64, 1, 3);
+    c.micro_batches = micro_batches;
+    auto t = Trainer::create(m.graph, d, *backend, c);
+    ASSERT_TRUE(t.is_ok()) << t.status().message();
+    held.push_back(backend->memory_use().in_use);
+    before.push_back((*t)->evaluate(d));
+    if (micro_batches == 4) {
+      for (int s = 0; s < 3; ++s) (*t)->step();
+      after = (*t)->evaluate(d);
+      (*t)->download_parameters(trained);
+    }
+  }
+  std::unique_ptr<Backend> backend = make_cpu_backend();
+  int64_t programs[2];
+  for (int i = 0; i < 2; ++i) {
+    auto p = Program::create(m.graph, *backend, i == 0 ? 64 : 16);
+    ASSERT_TRUE(p.is_ok());
+    programs[i] = (*p)->memory().total();
+  }
+  EXPECT_EQ(held[0] - held[1], programs[0] - programs[1]) << "the training program holds one micro-batch of 16";
+  EXPECT_EQ(before[1].loss, before[0].loss);
+  EXPECT_EQ(before[1].accuracy, before[0].accuracy);
+  auto reference = Trainer::create(trained, d, *backend, sgd(64, 1, 3));
+  ASSERT_TRUE(reference.is_ok());
+  const EvalResult expected = (*reference)->evaluate(d);
+  EXPECT_EQ(after.loss, expected.loss) << "the trained weights, not the first ones";
+  EXPECT_EQ(after.accuracy, expected.accuracy);
+  EXPECT_NE(after.loss, before[1].loss);
 }
 
 class BadData : public ::testing::Test {
