@@ -2,14 +2,15 @@
 # tools/device_multirank.sh: several processes of `train --device cuda` on one machine's GPUs
 # (several per GPU when there are more processes than GPUs; their tensors travel staged
 # through host memory over MPI, executor/comm_staged.h), each layout checked against one
-# process on the CPU with --check-equivalence. tools/device_check.sh runs it after the GPU
-# tests, under the Open MPI it carries (tools/openmpi_bundle.sh), because the GPU machine
-# has no mpirun; it also runs by hand wherever mpirun and a GPU are:
+# process with --check-equivalence (on the GPU too, in the same precision: train compares
+# layouts, not devices; the CUDA Backend suites compare the GPU with the CPU).
+# tools/device_check.sh runs it after the GPU tests, under the Open MPI it carries
+# (tools/openmpi_bundle.sh), because the GPU machine has no mpirun; it also runs by hand
+# wherever mpirun and a GPU are:
 #     tools/device_multirank.sh BIN_DIR RESULTS_MD SECONDS [LD_LIBRARY_PATH]
 # BIN_DIR holds train; RESULTS_MD receives a Markdown table; SECONDS bounds the whole (each
-# run gets at most 60 s, and none starts with under 20 s left). The one-process GPU run
-# comes first: it is the baseline for what the GPU's arithmetic alone changes against the
-# CPU, which --check-equivalence's 1e-5 bound may or may not cover.
+# run gets at most 60 s, and none starts with under 20 s left). The one-process run comes
+# first: against a second one-process run it shows whether the GPU repeats itself.
 # DEVICE_MULTIRANK_DEVICE=cpu runs the same on the CPU (a plumbing check without a GPU).
 # Exit status: 0 when every layout that ran was equivalent, 1 otherwise, 2 on bad arguments.
 set -uo pipefail
@@ -24,8 +25,9 @@ export PIPESHARD_STAGE_COMM=1  # GPU processes stage anyway; on the CPU this mak
 digits=(--data "$root/data/digits_features.npy" --labels "$root/data/digits_labels.npy")
 small=(--data "$root/tests/golden/gelu_layernorm/x.npy" --labels "$root/tests/golden/gelu_layernorm/y.npy")
 # name | processes | model | data | flags | bound (empty: --check-equivalence's own 1e-5 verdict;
-# else the largest loss and weight differences allowed, for 16-bit GEMMs: bf16 keeps 8
-# significant bits, fp16 11, so a few 2^-8 or 2^-11 relative after four steps)
+# else the largest loss and weight differences allowed: the reference trains in the same
+# 16-bit precision, but a layout may round differently summed values (a tensor-parallel
+# half of a GEMM's inner dimension, a micro-batch); bf16 keeps 8 significant bits, fp16 11)
 layouts=(
   "one process|1|simple_digits|digits|--momentum 0.9"
   "D=2|2|simple_digits|digits|--momentum 0.9"

@@ -53,8 +53,8 @@ void define(CLI::App& app, Args& a) {
                  "NCCL, one GPU per process; pipeline stages stay staged; not yet verified on a multi-GPU machine)")
       ->check(CLI::IsMember({"staged", "nccl"}));
   app.add_option("--check-equivalence", a.check_equivalence,
-                 "train K steps in this layout and in one process on the same data, print the largest "
-                 "loss and weight difference, and stop");
+                 "train K steps in this layout and in one process (on the same device and precision) on the "
+                 "same data, print the largest loss and weight difference, and stop");
   app.add_option("--stages", a.stages, "pipeline stages P (mpirun -np P·T·D; default 1)");
   app.add_option("--tensor-parallel", a.tensor_parallel, "tensor-parallel shards T (mpirun -np P·T·D; default 1)");
   app.add_option("--micro-batches", a.micro_batches, "pipeline micro-batches M per replica batch (default 1)");

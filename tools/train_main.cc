@@ -10,6 +10,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <algorithm>
+#include <functional>
 #include <filesystem>
 #include <fstream>
 #include <optional>
@@ -52,10 +53,12 @@ int fail(const std::string& message) { return report_bad_input("train", message)
 bool stderr_is_terminal() { return ::isatty(STDERR_FILENO) == 1; }
 
 // --check-equivalence K: the requested layout trains K steps; rank 0 also trains the
-// same K steps alone on the whole batch, then prints the largest differences. Every
-// rank returns 0 when they agree to float rounding (1e-5 relative), 1 otherwise.
+// same K steps alone on the whole batch, on a backend like the layout's own (`make_backend`: the
+// CPU's, or a second one on its GPU in the same precision, so that the check compares
+// layouts, not devices), then prints the largest differences. Every rank returns 0 when
+// they agree to float rounding (1e-5 relative), 1 otherwise.
 int check_equivalence(const Graph& graph, const Dataset& data, const TrainConfig& config, Trainer& distributed,
-                      int64_t steps, Communicator& world) {
+                      int64_t steps, Communicator& world, const std::function<std::unique_ptr<Backend>()>& make_backend) {
   std::vector<double> losses;
   for (int64_t s = 0; s < steps; ++s) losses.push_back(distributed.step().loss);
   Graph ours = graph;
@@ -63,7 +66,7 @@ int check_equivalence(const Graph& graph, const Dataset& data, const TrainConfig
   double loss_diff = 0, weight_diff = 0;
   const WatchdogSlowPhase solo("the one-process reference run on rank 0");
   if (world.rank() == 0) {
-    std::unique_ptr<Backend> backend = make_cpu_backend();
+    std::unique_ptr<Backend> backend = make_backend();
     TrainConfig one = config;  // the whole batch at once, as one process would train it
     one.micro_batches = 1;
     one.sync_batchnorm = false;
@@ -524,7 +527,15 @@ int run_training(Communicator* world, Run& run, int argc, char** argv) {
   Trainer& trainer = *run.trainer;
   const ImportedModel& model = *run.model;
   if (root) say_how_tensors_travel(a, run);
-  if (a.check_equivalence > 0) return check_equivalence(model.graph, *run.data, config, trainer, a.check_equivalence, *world);
+  if (a.check_equivalence > 0) {
+    const auto same_kind = [&a]() -> std::unique_ptr<Backend> {
+      if (a.device != "cuda") return make_cpu_backend();
+      Result<std::unique_ptr<Backend>> gpu = make_gpu_backend(my_gpu(), precision_of(a));
+      PIPESHARD_CHECK(gpu.is_ok(), gpu.status().message());  // this process made one already
+      return std::move(*gpu);
+    };
+    return check_equivalence(model.graph, *run.data, config, trainer, a.check_equivalence, *world, same_kind);
+  }
   Graph scratch = model.graph;  // host copy for the saved model
   trainer.start_trace(!a.trace.empty());
   const int64_t steps_per_epoch = run.steps_per_epoch;
