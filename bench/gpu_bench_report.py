@@ -101,6 +101,13 @@ def markdown(res, args, titles):
         torch_g = fig["gemm"][p]["torch_gflops"]
         tw = res.get("gemm", {}).get("torch", {}).get("why")
         add(f"| {p} | {ours} | {fmt(torch_g, '{:,.0f}', tw or 'not run')} | {fmt(f['ratio'])} | {corr} |")
+    same = res.get("gemm", {}).get("torch", {}).get("bf16_fp32_io")
+    if same and fig["gemm"].get("bf16", {}).get("ours_gflops"):
+        ours_bf16 = fig["gemm"]["bf16"]["ours_gflops"]
+        fig["gemm"]["bf16_fp32_io"] = {"ours_gflops": ours_bf16, "torch_gflops": same["gflops"],
+                                       "ratio": ratio(ours_bf16, same["gflops"])}
+        add(f"| bf16, the same work on both sides (PyTorch: `{same['op']}`) | {ours_bf16:,.0f} | "
+            f"{same['gflops']:,.0f} | {fmt(ratio(ours_bf16, same['gflops']))} | — |")
     for name in ("large", "small"):
         entry = res.get(name, {})
         add("")
@@ -160,8 +167,39 @@ def markdown(res, args, titles):
                 agree = f"{'yes' if x['agree'] else 'DIFFER'} ({x['max_difference']:.1e})"
                 add(f"| {x['op']} | {x['shape']} | {x['cudnn_variant']} | {x['ours_ms']:.4f} | {x['cudnn_ms']:.4f} | "
                     f"{x['ours_over_cudnn']:.2f} | {x['faster']} | {agree} |")
+    if not args.smoke_cpu:
+        add("")
+        add("**The issue's targets** (from the tables above; \"not measured\" when a side did not run).")
+        add("")
+        add("| target | measured | verdict |")
+        add("|---|---|---|")
+        for label, value, shown, met in targets(fig):
+            add(f"| {label} | {shown if value is not None else '—'} | "
+                f"{'not measured' if value is None else ('met' if met else 'NOT met')} |")
     if res.get("notes"):
         add("")
         for n in res["notes"]:
             add(f"- {n}")
     return "\n".join(lines) + "\n"
+
+
+def targets(fig):
+    """(target, value or None, value as shown, met) for each performance target of issue 5."""
+    large = fig.get("large", {}).get("bf16", {})
+    small = fig.get("small", {}).get("fp32", {})
+    out = []
+    for p in ("bf16", "tf32"):
+        r = fig.get("gemm", {}).get(p, {}).get("ratio")
+        out.append((f"GEMM 8192³ {p}: ours ≥ 0.95 × torch.matmul", r, fmt(r, "{:.3f}×"), r is not None and r >= 0.95))
+    mfu = large.get("ours", {}).get("mfu")
+    out.append(("large MLP bf16: MFU ≥ 60%", mfu, fmt(mfu, "{:.1%}"), mfu is not None and mfu >= 0.60))
+    r = large.get("ratio")
+    out.append(("large MLP bf16: step time ≤ 0.9 × PyTorch eager", r, fmt(r, "{:.3f}×"), r is not None and r <= 0.9))
+    r = small.get("ratio")
+    speed = 1 / r if r else None
+    out.append(("small MLP with --cuda-graph (fp32): ≥ 2 × PyTorch eager's speed", speed, fmt(speed, "{:.2f}×"),
+                speed is not None and speed >= 2))
+    r = large.get("memory_ratio")
+    out.append(("large MLP bf16: peak device memory ≤ PyTorch's (nvidia-smi, per process)", r, fmt(r, "{:.3f}×"),
+                r is not None and r <= 1))
+    return out

@@ -13,7 +13,8 @@ What it races (bench/README.md has the CPU counterpart, bench/cpu_vs_pytorch.py)
          torch.matmul on the same shapes (bf16: on bf16 tensors). GFLOP/s = 2·M·N·K / median time of
          one call.
   large  8 × (Linear(8192, 8192) + GELU), batch 8192, AdamW (torch.optim defaults), cross-entropy over
-         the 8192 outputs, fp32, tf32 and bf16: step time against PyTorch eager; model FLOP utilisation
+         the 8192 outputs, bf16 then tf32 (fp32 on request, --large-precisions): step time against
+         PyTorch eager; model FLOP utilisation
          MFU = 6·B·Σ fan_in·fan_out / step time / R, with R the torch.matmul rate of the same precision
          measured in this run (one denominator for both sides); peak device memory of each process.
          bf16 is mixed precision on both sides, fp32 master weights and AdamW state: ours is
@@ -75,14 +76,16 @@ SMALL = {"name": "small", "dims": [784, 512, 512, 10], "activation": "relu", "ba
 # Steps per run and the first ones discarded (warm-up: cuBLAS heuristics, allocator growth).
 # Time, estimated (nothing has run on a GPU yet; figures for an H200): a large step is
 # 26.4 TFLOP, ~0.5 s in fp32, ~0.1 s in tf32, ~0.05 s in bf16, so a large run is mostly its
-# start (loading 2 GiB of weights, PyTorch's import), ~10 s; the six large runs ~60 s, the
-# eight small ones ~40 s, the gemm section ~25 s, generating the large model ~15 s: ~140 s of
-# the ~200 s that tools/device_check.sh leaves the benchmarks within its 320 s. bf16 (two
-# more large runs, ~20 s) fits without cutting steps or rounds; if it does not, the Budget
-# stops starting runs and the last section (small) reports "not run: out of time budget".
+# start (loading 2 GiB of weights, PyTorch's import), ~10 s; the four large runs (bf16, tf32)
+# ~40 s, the eight small ones ~40 s, the gemm section ~25 s, generating the large model ~15 s:
+# ~120 s of the ~200 s that tools/device_check.sh leaves the benchmarks within its 320 s. If it
+# does not fit, the Budget stops starting runs (min_run_s) and what is left reports "not run: out
+# of time budget", which the device check's verdict calls incomplete.
 STEPS = {"large": {"fp32": (6, 2), "tf32": (13, 3), "bf16": (13, 3)},
          "small": {"fp32": (300, 20), "tf32": (300, 20)}}
-LARGE_PRECISIONS = ["fp32", "tf32", "bf16"]
+# bf16 first: it is the target's precision, and what runs last is what a short budget drops.
+# fp32 is no target and, at ~0.5 s a step, the dearest run: only on request (--large-precisions).
+LARGE_PRECISIONS = ["bf16", "tf32"]
 SMALL_PRECISIONS = ["fp32", "tf32"]
 SMALL_ROUNDS = 2
 SGD_LR, SGD_MOMENTUM = 0.01, 0.9
@@ -219,6 +222,32 @@ def torch_gemm(job):
         out[precision] = {"ms_median": median * 1e3, "ms_min": min(times) * 1e3, "gflops": 2 * n ** 3 / median / 1e9,
                           "finite": finite, "setting": setting}
         del x, w, y
+    if "bf16" in job["precisions"] and device == "cuda":
+        # The work our bf16 Linear does, in PyTorch: fp32 tensors in, bf16 copies multiplied, fp32 out
+        # plus the bias. torch.matmul on bf16 tensors (above, the issue's peer) skips the two
+        # conversions and writes half the bytes; this row shows how much of a gap that is.
+        g = torch.Generator(device=device).manual_seed(0)
+        x = torch.rand(n, n, generator=g, device=device) * 2 - 1
+        w = torch.rand(n, n, generator=g, device=device) * 2 - 1
+        b = torch.rand(n, generator=g, device=device) * 2 - 1
+
+        def same_work():
+            return torch.matmul(x.bfloat16(), w.bfloat16().t()).float() + b
+        for _ in range(3):
+            y = same_work()
+        times = []
+        for _ in range(job["repeats"]):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            y = same_work()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        median = statistics.median(times)
+        out["bf16_fp32_io"] = {"ms_median": median * 1e3, "ms_min": min(times) * 1e3,
+                               "gflops": 2 * n ** 3 / median / 1e9, "finite": bool(torch.isfinite(y).all()),
+                               "op": "torch.matmul(x.bfloat16(), w.bfloat16().t()).float() + b, x and w float32"}
+        del x, w, b, y
     return out
 
 
@@ -293,7 +322,8 @@ class Budget:
         return self.end - time.monotonic()
 
     def timeout(self, wanted, minimum=5):
-        """`wanted` seconds, or what is left; None when under `minimum` is left."""
+        """`wanted` seconds, or what is left; None when under `minimum` is left (the caller then says
+        "not run: out of time budget" rather than start what would be killed and called failed)."""
         left = self.left()
         return None if left < minimum else min(wanted, left)
 
@@ -356,10 +386,30 @@ class Runner:
         signal.signal(signal.SIGTERM, self.terminate)
 
     def terminate(self, signum, frame):
-        """Killed from outside (device_check.sh's timeout): take the running child's group along."""
+        """Killed from outside (device_check.sh's timeout): take the running child's group along, and
+        keep what was measured so far."""
         if self.current and self.current.poll() is None:
             os.killpg(self.current.pid, signal.SIGKILL)
+        if getattr(self, "res", None) is not None:
+            self.res.setdefault("notes", []).append(f"stopped by signal {signum}: the runs after this point did not run")
+            self.write_results()
         sys.exit(128 + signum)
+
+    def write_results(self):
+        """bench.md and bench.json from what has run so far: after each section and when stopped, so that
+        a later failure or a timeout loses nothing already measured."""
+        try:
+            res = self.res
+            res["wall_s"] = time.time() - res["started"]
+            md = markdown(res, self.args, {"large": LARGE["title"], "small": SMALL["title"]})
+            with open(os.path.join(self.args.out, "bench.md"), "w") as f:
+                f.write(md)
+            with open(os.path.join(self.args.out, "bench.json"), "w") as f:
+                json.dump(res, f, indent=1, default=str)
+            return md
+        except Exception as e:  # noqa: BLE001  (a report that cannot be written must not end the run)
+            self.say(f"could not write the results: {e!r}")
+            return ""
 
     def say(self, text):
         print(f"[gpu_vs_pytorch {time.strftime('%H:%M:%S')}] {text}", flush=True)
@@ -495,14 +545,18 @@ def ours_train(r, desc, precision, steps, label):
         argv += ["--device", "cuda", "--precision", precision]
         if desc.get("cuda_graph"):
             argv.append("--cuda-graph")
-    t = r.budget.timeout(a.run_timeout)
+    t = r.budget.timeout(a.run_timeout, minimum=min_run_s(desc, a))
     if t is None:
         return {"why": "not run: out of time budget"}
     status, out, poller, wall = r.child(argv, r.ours_env, t, label, poll_memory=not a.smoke_cpu)
     if status != 0:
         return {"why": f"failed ({'timed out' if status == 'timeout' else 'exit ' + str(status)}): {last_line(out)}",
                 "command": " ".join(argv)}
-    rows = [json.loads(line) for line in open(metrics)]
+    try:
+        with open(metrics) as f:
+            rows = [json.loads(line) for line in f if line.strip()]
+    except (OSError, ValueError) as e:
+        return {"why": f"failed: no metrics from a run that exited 0 ({e})", "command": " ".join(argv)}
     return {"step_s": [desc["batch"] / row["samples_per_s"] for row in rows], "losses": [row["loss"] for row in rows],
             "max_allocated": rows[-1].get("backend_peak_bytes") if rows else None,
             "memory_breakdown": (re.findall(r"^peak [^:]*memory held by the backend: (.*)$", out, re.M) or [None])[-1],
@@ -510,12 +564,21 @@ def ours_train(r, desc, precision, steps, label):
             "peak_total_mib": poller.total_mib if poller else None, "wall_s": wall, "command": " ".join(argv)}
 
 
+def min_run_s(desc, args):
+    """Seconds a training run needs at least (start, loading the weights, its steps): with less left
+    it is not started. Estimates for an H200; the large model's start is most of its run."""
+    if args.smoke_cpu:
+        return 5
+    return 30 if desc["name"] == "large" else 10
+
+
 def torch_train_run(r, desc, precision, steps, label):
     a = r.args
     if not r.res["torch_ok"]:
         return {"why": r.res["torch_why"]}
     job = {"desc": desc, "device": a.device, "precision": precision, "steps": steps}
-    out, why, poller = r.torch_job("train", job, r.budget.timeout(a.run_timeout), label, poll_memory=not a.smoke_cpu)
+    out, why, poller = r.torch_job("train", job, r.budget.timeout(a.run_timeout, minimum=min_run_s(desc, a)), label,
+                                   poll_memory=not a.smoke_cpu)
     if not out:
         return {"why": why}
     out["peak_process_mib"] = poller.process_mib if poller else None
@@ -527,7 +590,7 @@ def model_section(r, res, spec, precisions, rounds):
     """Generates spec's model, then for each precision `rounds` alternating rounds of ours and PyTorch."""
     name = spec["name"]
     entry = res[name] = {"title": spec["title"], "runs": {}}
-    t = r.budget.timeout(120)
+    t = r.budget.timeout(120, minimum=5 if r.args.smoke_cpu else 25)
     if t is None:
         entry["why"] = "not run: out of time budget"
         return
@@ -538,7 +601,11 @@ def model_section(r, res, spec, precisions, rounds):
     if status != 0:
         entry["why"] = f"model generation failed: {last_line(out)}"
         return
-    desc = json.loads(out.strip().splitlines()[-1])
+    try:
+        desc = json.loads(out.strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        entry["why"] = f"model generation failed: no description ({last_line(out)})"
+        return
     entry["generate_s"] = wall
     entry["sum_io"], entry["batch"] = desc["sum_io"], desc["batch"]
     for precision in precisions:
@@ -574,6 +641,8 @@ def main():
     ap.add_argument("--sections", default="gemm,large,small,kernels",
                     help="which to run, in this order (the large MLP before the small one: it is the headline; "
                          "the kernel race last: it is no target)")
+    ap.add_argument("--large-precisions", default=",".join(LARGE_PRECISIONS),
+                    help="the large model's precisions, in this order (fp32 too: fp32,bf16,tf32)")
     ap.add_argument("--smoke-cpu", action="store_true", help="tiny sizes on the CPU: checks the plumbing, no GPU")
     ap.add_argument("--keep", action="store_true", help="keep the folder with models, data and metrics")
     ap.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
@@ -595,6 +664,9 @@ def main():
         SMALL = dict(SMALL, title="CPU smoke: " + SMALL["title"].replace(" (ours with --cuda-graph)", ""))
         STEPS = {"large": {"fp32": (6, 2)}, "small": {"fp32": (30, 5)}}
         SMALL_ROUNDS = 1
+    for p in args.large_precisions.split(","):
+        if not args.smoke_cpu and p not in STEPS["large"]:
+            ap.error(f"--large-precisions: '{p}' is not one of {', '.join(STEPS['large'])}")
     r = Runner(args)
     r.budget = Budget(args.budget_s)
     res = r.res = {"args": {k: v for k, v in vars(args).items() if k != "worker"}, "started": time.time(), "notes": []}
@@ -625,21 +697,16 @@ def main():
             elif section == "small":
                 model_section(r, res, SMALL, ["fp32"] if args.smoke_cpu else SMALL_PRECISIONS, SMALL_ROUNDS)
             elif section == "large":
-                model_section(r, res, LARGE, ["fp32"] if args.smoke_cpu else LARGE_PRECISIONS, 1)
+                model_section(r, res, LARGE, ["fp32"] if args.smoke_cpu else args.large_precisions.split(","), 1)
             elif section == "kernels":
                 kernels_section(r, res)
             else:
                 ap.error(f"unknown section '{section}'")
             r.say(f"{section}: {time.monotonic() - t0:.1f} s")
+            r.write_results()
         if args.keep:
             shutil.copytree(folder, os.path.join(args.out, "bench_files"), dirs_exist_ok=True)
-    res["wall_s"] = time.time() - res["started"]
-    md = markdown(res, args, {"large": LARGE["title"], "small": SMALL["title"]})
-    with open(os.path.join(args.out, "bench.md"), "w") as f:
-        f.write(md)
-    with open(os.path.join(args.out, "bench.json"), "w") as f:
-        json.dump(res, f, indent=1, default=str)
-    print(md)
+    print(r.write_results())
     return 0
 
 

@@ -356,6 +356,11 @@ probe "kernel" uname -a
 probe "OS" cat /etc/os-release
 probe "glibc" ldd --version
 probe "CPU and memory" sh -c 'nproc; grep -m1 "model name" /proc/cpuinfo; grep -E "MemTotal|MemAvailable" /proc/meminfo; df -h /tmp .'
+# The driver's tools may sit off the PATH (the lent machines mount the driver at /usr/local/nvidia):
+# without nvidia-smi the whole check would take the machine for one without a GPU.
+if ! command -v nvidia-smi >/dev/null && [ -x /usr/local/nvidia/bin/nvidia-smi ]; then
+  export PATH=$PATH:/usr/local/nvidia/bin
+fi
 probe "nvidia-smi" nvidia-smi
 probe "nvidia-smi query" nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm,temperature.gpu,power.draw --format=csv
 probe "nvcc" sh -c 'command -v nvcc || ls /usr/local/cuda/bin/nvcc; (nvcc --version || /usr/local/cuda/bin/nvcc --version)'
@@ -534,7 +539,7 @@ if [ "$BUILD_READY" = 1 ]; then
   mapfile -t TEST_EXES < <("${PY_ANY:-python3}" -c 'import json,sys; [print(t) for t in json.load(open(sys.argv[1]))["gpu_tests"] if t]' "$MANIFEST" 2>/dev/null)
   [ "$GPU_OK" = 1 ] || fact TESTS_NOTE "No usable GPU here: the GPU tests run all the same and skip, saying so (this checks the plumbing)."
   for exe in "${TEST_EXES[@]}"; do  # each a run of the manifest: an executable and its environment
-    t=$(step_timeout 120 60)
+    t=$(step_timeout 120 170)  # leave the benchmarks (the targets) their ~150 s
     if (( t == 0 )); then say "tests: out of time before $exe"; fact "TEST_RC_$exe" "not run: out of time"; continue; fi
     mapfile -t run_env < <("${PY_ANY:-python3}" -c 'import json,sys; r=json.load(open(sys.argv[1])).get("gpu_runs",{}).get(sys.argv[2],{}); print(r.get("exe", sys.argv[2])); [print(e) for e in r.get("env", [])]' "$MANIFEST" "$exe" 2>/dev/null)
     bin_name=${run_env[0]:-$exe}
@@ -602,7 +607,9 @@ else
   [ -z "$PY_TORCH" ] && fact BENCH_NOTE "PyTorch is absent here ($TORCH_NOTE): only our side runs; its columns say so."
   if [ "$GPU_OK" = 1 ]; then
     t=$(step_timeout 260 25)
-    args=(--budget-s $(( t > 30 ? t - 20 : t )))
+    # The runner stops starting runs 30 s before its timeout: room for the run in flight to
+    # be cut to the budget, and for the report to be written.
+    args=(--budget-s $(( t > 40 ? t - 30 : t )))
   else
     t=$(step_timeout 90 25)
     args=(--smoke-cpu --budget-s $(( t > 30 ? t - 20 : t )))
