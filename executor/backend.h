@@ -102,6 +102,11 @@ class Backend {
     return nullptr;
   }
 
+  // Returns once the work queued so far has finished: for timing it (the trainer's trace and
+  // pipeline bubble), not for correctness, which every host result and copy already waits
+  // for. The CPU backend's calls finish before they return. Never while recording.
+  virtual void synchronize() {}
+
   // ---- memory (float32 elements) ----
   // A zero-filled buffer of n elements; owned by the caller, released with deallocate().
   virtual float* allocate(int64_t n) = 0;

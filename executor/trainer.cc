@@ -409,7 +409,10 @@ double Trainer::run_schedule(bool last_micro_step, uint64_t seed, int64_t first_
         }
         break;
     }
-    if (a.kind == ActionKind::kForward || a.kind == ActionKind::kBackward) tracer_.add_busy(tracer_.now_us() - begin);
+    if (a.kind == ActionKind::kForward || a.kind == ActionKind::kBackward) {
+      if (time_device_work_) backend_.synchronize();  // a GPU's queued kernels count as this action's time
+      tracer_.add_busy(tracer_.now_us() - begin);
+    }
     tracer_.add(kNames[kind], kCategories[kind], begin, tracing_step_, k);
   }
   const double drain = tracer_.now_us();
@@ -508,6 +511,10 @@ StepResult Trainer::step() {
 void Trainer::start_trace(bool record) {
   if (world_) world_->barrier();
   tracer_.start(record);
+  // The trace and the pipeline bubble time forward and backward on the host clock; on a
+  // backend that queues work (a GPU) that is when the work was queued, unless the action
+  // waits for it. Waiting costs the host's run-ahead, so only where the figures are shown.
+  time_device_work_ = record || rank_.layout().stages > 1;
 }
 
 Status Trainer::write_trace(const std::string& path) {

@@ -290,6 +290,7 @@ class Trainer {
   std::vector<float> host_targets_;   // [local_batch * targets_per_sample]
   Tracer tracer_;
   int64_t tracing_step_ = 0;          // the step events belong to
+  bool time_device_work_ = false;     // forward and backward wait for the backend (start_trace())
   // Evaluation on rank 0, forward-only, in chunks of the whole batch: of a cut model, the
   // whole model assembled in eval_graph_; of a whole one trained in micro-batches, the
   // same graph as the training program (which holds only one micro-batch).

@@ -31,6 +31,7 @@ class RecordingBackend final : public Backend {
   // the rest.
   std::vector<ActivationKind> inexact_epilogues;
 
+  int synchronizations = 0;  // synchronize() calls
   int recordings = 0;  // record() calls
   int replays = 0;     // replay() calls, over all recordings
   int64_t recorded_calls = 0;
@@ -55,6 +56,11 @@ class RecordingBackend final : public Backend {
     inner_.deallocate(p);
   }
   MemoryUse memory_use() const override { return inner_.memory_use(); }
+  void synchronize() override {
+    host_only("synchronize");
+    ++synchronizations;
+    inner_.synchronize();
+  }
   bool epilogue_recomputes_exactly(const Activation& a) const override {
     const bool inexact = std::find(inexact_epilogues.begin(), inexact_epilogues.end(), a.kind) != inexact_epilogues.end();
     return !inexact && inner_.epilogue_recomputes_exactly(a);

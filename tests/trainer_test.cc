@@ -11,6 +11,7 @@
 #include "executor/trainer.h"
 #include "importer/onnx_importer.h"
 #include "tests/model_util.h"
+#include "tests/recording_backend.h"
 #include "tests/test_util.h"
 
 namespace pipeshard {
@@ -243,6 +244,24 @@ TEST(Trainer, MicroBatchesHoldOneMicroBatchAndEvaluateAlike) {
   EXPECT_EQ(after.loss, expected.loss) << "the trained weights, not the first ones";
   EXPECT_EQ(after.accuracy, expected.accuracy);
   EXPECT_NE(after.loss, before[1].loss);
+}
+
+// The trace times forward and backward on the host clock, so on a backend that queues its
+// work each of them waits for it then, and only then: otherwise the GPU keeps running ahead.
+TEST(Trainer, ATraceWaitsForTheBackendAfterEachForwardAndBackward) {
+  ImportedModel m = load_model("simple_digits");
+  const Dataset d = digits();
+  std::unique_ptr<Backend> cpu = make_cpu_backend();
+  for (bool trace : {false, true}) {
+    testing::RecordingBackend backend(*cpu);
+    TrainConfig c = sgd(64, 1, 2);
+    c.micro_batches = 2;
+    auto t = Trainer::create(m.graph, d, backend, c);
+    ASSERT_TRUE(t.is_ok()) << t.status().message();
+    (*t)->start_trace(trace);
+    (*t)->step();
+    EXPECT_EQ(backend.synchronizations, trace ? 4 : 0) << "two micro-batches, each a forward and a backward";
+  }
 }
 
 class BadData : public ::testing::Test {

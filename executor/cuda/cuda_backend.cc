@@ -104,6 +104,10 @@ class CudaBackend final : public Backend {
     if (n > 0) PIPESHARD_CUDA_CHECK(cudaMemcpyAsync(host, src, bytes(n), cudaMemcpyDeviceToHost, stream_));
     PIPESHARD_CUDA_CHECK(cudaStreamSynchronize(stream_));
   }
+  void synchronize() override {
+    not_recording("synchronize");
+    PIPESHARD_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  }
   void fill(float* dst, float value, int64_t n) override { cuda::fill(dst, value, n, stream_); }
   void copy(float* dst, const float* src, int64_t n) override {
     // cudaMemcpy's areas may not overlap; a buffer onto itself is already a copy.
