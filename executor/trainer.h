@@ -233,6 +233,7 @@ class Trainer {
   void on_gradients_ready(size_t node);
   // The stage's schedule over one replica batch (one micro-step of grad_accum).
   double run_schedule(bool last_micro_step, uint64_t seed, int64_t first_sample);
+  const float* batch_rows(const std::vector<int64_t>& rows);
   static constexpr int kForwardKey = 0, kBackwardKey = 1;
   void replay_or_record(int what, int micro_batch, const std::function<void()>& work);
   void wait_slot(int slot);
@@ -286,7 +287,8 @@ class Trainer {
   std::unique_ptr<Program> program_;
   std::unique_ptr<Optimizer> optimizer_;
   DeviceBuffer targets_;              // [local_batch * targets_per_sample]
-  std::vector<float> host_features_;  // [local_batch * features_per_sample]
+  std::vector<float> host_features_;  // [local_batch * features_per_sample]: a gathered batch
+  const float* batch_features_ = nullptr;  // this step's features: into data_ or host_features_ (batch_rows())
   std::vector<float> host_targets_;   // [local_batch * targets_per_sample]
   Tracer tracer_;
   int64_t tracing_step_ = 0;          // the step events belong to
