@@ -648,6 +648,19 @@ void Trainer::download_parameters(Graph& graph) {
   }
 }
 
+// The forward-only program evaluation runs `graph` through, in chunks of the whole batch;
+// made on first use.
+Program& Trainer::eval_program(const Graph& graph) {
+  if (!eval_program_) {
+    ProgramOptions forward_only;
+    forward_only.forward_only = true;
+    Result<std::unique_ptr<Program>> p = Program::create(graph, backend_, config_.batch_size, forward_only);
+    PIPESHARD_CHECK(p.is_ok(), p.status().message());
+    eval_program_ = std::move(*p);
+  }
+  return *eval_program_;
+}
+
 EvalResult Trainer::evaluate(const Dataset& data) {
   EvalResult e;
   Program* program = program_.get();
@@ -655,15 +668,8 @@ EvalResult Trainer::evaluate(const Dataset& data) {
     if (!eval_graph_) eval_graph_ = std::make_unique<Graph>(rank_.full());
     download_parameters(*eval_graph_);
     if (world_->rank() != 0) return e;
-    if (!eval_program_) {
-      ProgramOptions forward_only;
-      forward_only.forward_only = true;
-      Result<std::unique_ptr<Program>> p = Program::create(*eval_graph_, backend_, config_.batch_size, forward_only);
-      PIPESHARD_CHECK(p.is_ok(), p.status().message());
-      eval_program_ = std::move(*p);
-    }
-    eval_program_->upload_parameters(*eval_graph_);
-    program = eval_program_.get();
+    program = &eval_program(*eval_graph_);
+    program->upload_parameters(*eval_graph_);
   } else if (world_ && world_->rank() != 0) {
     return e;  // every replica holds the same model: rank 0 evaluates it
   } else if (config_.batch_size > micro_) {
@@ -671,15 +677,8 @@ EvalResult Trainer::evaluate(const Dataset& data) {
     // batch in every layout (the same chunks give the same sums), through a forward-only
     // program made the first time, holding no gradients, with the training weights
     // copied in on the device.
-    if (!eval_program_) {
-      ProgramOptions forward_only;
-      forward_only.forward_only = true;
-      Result<std::unique_ptr<Program>> p = Program::create(rank_.graph(), backend_, config_.batch_size, forward_only);
-      PIPESHARD_CHECK(p.is_ok(), p.status().message());
-      eval_program_ = std::move(*p);
-    }
-    eval_program_->copy_parameters_from(*program_);
-    program = eval_program_.get();
+    program = &eval_program(rank_.graph());
+    program->copy_parameters_from(*program_);
   }
   program->select_slot(0);
   const int64_t b = config_.batch_size;

@@ -234,6 +234,7 @@ class Trainer {
   // The stage's schedule over one replica batch (one micro-step of grad_accum).
   double run_schedule(bool last_micro_step, uint64_t seed, int64_t first_sample);
   const float* batch_rows(const std::vector<int64_t>& rows);
+  Program& eval_program(const Graph& graph);
   static constexpr int kForwardKey = 0, kBackwardKey = 1;
   void replay_or_record(int what, int micro_batch, const std::function<void()>& work);
   void wait_slot(int slot);

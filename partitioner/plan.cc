@@ -48,6 +48,13 @@ int64_t micro_batch_size(const PartitionOptions& o) {
   return (o.batch_size + m - 1) / m;
 }
 
+// Into how many parts a node running as `role` splits its output: a column-parallel,
+// shard-local or column-gather node makes one shard's features.
+int64_t output_parts(ShardRole role, int shards) {
+  const bool split = role == ShardRole::kColumn || role == ShardRole::kShardLocal || role == ShardRole::kColumnGather;
+  return split ? shards : 1;
+}
+
 // Bytes per sample a Program keeps in every slot for node `n` running as `role` on one
 // of `shards` tensor-parallel ranks: every output but a Reshape's (an alias) and a
 // recomputed one (see recomputable_values()), Dropout's mask, LayerNorm's mean and 1/σ
@@ -57,8 +64,7 @@ int64_t micro_batch_size(const PartitionOptions& o) {
 // of their own; executor/program.cc's reduces_in_place()).
 int64_t kept_bytes(const Graph& g, const Node& n, const std::vector<bool>& recomputed, ShardRole role, int shards) {
   const int x = n.inputs[0], y = n.outputs[0];
-  const bool split = role == ShardRole::kColumn || role == ShardRole::kShardLocal || role == ShardRole::kColumnGather;
-  const int64_t part = split ? shards : 1;
+  const int64_t part = output_parts(role, shards);
   int64_t bytes = 0;
   if (n.kind != OpKind::kReshape && !recomputed[y]) bytes += value_bytes(g, y) / part;
   if (role == ShardRole::kColumnGather) bytes += value_bytes(g, y);
@@ -131,14 +137,13 @@ int64_t memory_bytes(const Graph& g, const PartitionOptions& o, int k, const Sta
     const ShardRole role = s.roles[i];
     per_slot += kept_bytes(g, n, recomputed, role, shards);
     const int y = n.outputs[0];
-    const bool split = role == ShardRole::kColumn || role == ShardRole::kShardLocal || role == ShardRole::kColumnGather;
     if (role == ShardRole::kColumnGather) {
       values.push_back(value_bytes(g, y) / shards);  // the shard it gathers
       scratch += value_bytes(g, y);
     }
     if (role == ShardRole::kColumn || role == ShardRole::kColumnGather) scratch += value_bytes(g, n.inputs[0]);
     if (outputs.count(y)) continue;  // their own buffers, above
-    values.push_back(value_bytes(g, y) / (split ? shards : 1));
+    values.push_back(value_bytes(g, y) / output_parts(role, shards));
     if (recomputed[y]) recomputed_values.push_back(values.back());
   }
   auto two_largest = [](std::vector<int64_t>& b) {
