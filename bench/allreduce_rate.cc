@@ -1,7 +1,7 @@
 // bench_allreduce: all-reduce bus bandwidth of the communicator that train averages gradients with.
 //
 // Under mpirun -np N, times three ways of summing a float32 buffer over the ranks, in place:
-//   all_reduce   Communicator::all_reduce(data, n, kSum)          (executor/comm.h; MPI_Allreduce)
+//   all_reduce   Communicator::all_reduce(data, n, kSum)          (comm/comm.h; MPI_Allreduce)
 //   async+wait   Communicator::all_reduce_async(...)->wait()       (MPI_Iallreduce + MPI_Wait)
 //   MPI          MPI_Allreduce(MPI_IN_PLACE, ..., MPI_COMM_WORLD)   (raw, for the wrapper's overhead)
 // for buffers from min_bytes to max_bytes, doubling. For each size, `repetitions` times: a barrier,
@@ -29,7 +29,7 @@
 #include <string>
 #include <vector>
 
-#include "executor/comm.h"
+#include "comm/comm.h"
 
 namespace {
 

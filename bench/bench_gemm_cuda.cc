@@ -1,7 +1,7 @@
 // bench_gemm_cuda: the GEMM rate of the CUDA backend's Linear forward, the ceiling that
 // bench/gpu_vs_pytorch.py compares training with and races against torch.matmul.
 //
-// Times Backend::linear_forward (make_cuda_backend, executor/cuda/cuda_backend.h) on
+// Times Backend::linear_forward (make_cuda_backend, backend/cuda/cuda_backend.h) on
 //   y[M, N] = x[M, K] · Wᵀ + b       (W stored [N, K], PyTorch's layout; b [N])
 // once per precision asked for. Each timing covers kCallsPerTiming calls back to back on the
 // host clock between two cudaDeviceSynchronize() calls (the backend's stream is private, so
@@ -41,8 +41,8 @@
 #include <string>
 #include <vector>
 
-#include "executor/backend.h"
-#include "executor/cuda/cuda_backend.h"
+#include "backend/backend.h"
+#include "backend/cuda/cuda_backend.h"
 
 namespace pipeshard {
 namespace {

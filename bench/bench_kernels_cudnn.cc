@@ -34,8 +34,8 @@
 #include <string>
 #include <vector>
 
-#include "executor/backend.h"
-#include "executor/cuda/cuda_backend.h"
+#include "backend/backend.h"
+#include "backend/cuda/cuda_backend.h"
 
 namespace pipeshard {
 namespace {

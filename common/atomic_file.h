@@ -12,7 +12,7 @@ namespace pipeshard {
 
 // For crash tests only: a point inside write_file_atomically where the process kills
 // itself with SIGKILL, as a crash or an out-of-memory kill would end it there. `train`
-// sets it from PIPESHARD_FAULT_AT (tools/train_main.cc); nothing else does.
+// sets it from PIPESHARD_FAULT_AT (tools/train/main.cc); nothing else does.
 struct CrashPoint {
   enum class Where {
     kNever,

@@ -1,5 +1,5 @@
 // CRC-32C (Castagnoli): the checksum of TFRecord files, and so of TensorBoard's event
-// files (common/tensorboard.h).
+// files (observe/tensorboard.h).
 #ifndef PIPESHARD_COMMON_CRC32C_H_
 #define PIPESHARD_COMMON_CRC32C_H_
 

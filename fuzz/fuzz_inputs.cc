@@ -11,12 +11,12 @@
 #include <onnx/onnx_pb.h>
 
 #include "common/crc32c.h"
-#include "executor/backend.h"
-#include "executor/checkpoint_file.h"
-#include "executor/comm.h"
-#include "executor/dataset.h"
-#include "executor/npy.h"
-#include "executor/trainer.h"
+#include "backend/backend.h"
+#include "runtime/checkpoint_file.h"
+#include "comm/comm.h"
+#include "dataset/dataset.h"
+#include "dataset/npy.h"
+#include "runtime/trainer.h"
 #include "importer/onnx_importer.h"
 #include "partitioner/plan.h"
 #include "partitioner/stage_writer.h"

@@ -34,7 +34,7 @@ Status run_onnx_input(std::string_view bytes, const std::string& base_dir);
 // [batch, 3] and [batch, 2, 2] -> [batch, 2, 2]. Returns parse_npy's Status.
 Status run_npy_input(std::string_view bytes);
 
-// A checkpoint file (executor/checkpoint_file.h) after one mode byte, named "fuzz.pipeshard"
+// A checkpoint file (runtime/checkpoint_file.h) after one mode byte, named "fuzz.pipeshard"
 // in messages. When the mode byte is odd, every CRC-32C the bytes let it find is
 // recomputed first (with_checksums_repaired), so that mutations reach the header and tensor
 // checks instead of failing a checksum; when it is even (or absent), the bytes are decoded

@@ -24,7 +24,7 @@
 #include <nlohmann/json.hpp>
 
 #include "common/crc32c.h"
-#include "executor/trainer.h"
+#include "runtime/trainer.h"
 #include "fuzz/fuzz_inputs.h"
 
 namespace pipeshard::fuzz {

@@ -12,7 +12,7 @@
 #include <onnx/onnx_pb.h>
 
 #include "common/status.h"
-#include "importer/graph.h"
+#include "ir/graph.h"
 
 namespace pipeshard::detail {
 

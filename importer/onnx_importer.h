@@ -1,4 +1,4 @@
-// Reads an ONNX model file into a Graph (importer/graph.h).
+// Reads an ONNX model file into a Graph (ir/graph.h).
 //
 // Accepts what torch.onnx.export produces for multilayer perceptrons, opsets 7 to 20:
 // Linear as Gemm (any transB, alpha, beta), as MatMul(+Add) with a pre-transposed
@@ -19,7 +19,7 @@
 #include <string_view>
 
 #include "common/status.h"
-#include "importer/graph.h"
+#include "ir/graph.h"
 
 namespace onnx {
 class ModelProto;

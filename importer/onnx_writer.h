@@ -13,7 +13,7 @@
 #include <onnx/onnx_pb.h>
 
 #include "common/status.h"
-#include "importer/graph.h"
+#include "ir/graph.h"
 #include "importer/onnx_importer.h"
 
 namespace pipeshard {

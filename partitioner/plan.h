@@ -19,7 +19,7 @@
 #include <nlohmann/json.hpp>
 
 #include "common/status.h"
-#include "importer/graph.h"
+#include "ir/graph.h"
 
 namespace pipeshard {
 
@@ -45,7 +45,7 @@ struct PartitionOptions {
   ScheduleKind schedule = ScheduleKind::k1F1B;
   int optimizer_slots = 2;          // float32 state per parameter (Adam: 2, SGD+momentum: 1)
   bool recompute_activations = true;  // training recomputes recomputable_values() (train --keep-activations: false)
-  // Fused activations the backend keeps anyway (executor/program.h's kept_when_fused():
+  // Fused activations the backend keeps anyway (runtime/program.h's kept_when_fused():
   // GeluTanh on a GPU below fp32); none on the CPU.
   std::vector<ActivationKind> kept_when_fused;
   // An unpaired Linear with fewer parameters than this stays replicated.

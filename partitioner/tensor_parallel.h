@@ -12,7 +12,7 @@
 #define PIPESHARD_PARTITIONER_TENSOR_PARALLEL_H_
 
 #include "common/status.h"
-#include "importer/graph.h"
+#include "ir/graph.h"
 #include "partitioner/plan.h"
 
 namespace pipeshard {

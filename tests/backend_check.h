@@ -24,8 +24,8 @@
 #include <string>
 #include <vector>
 
-#include "executor/backend.h"
-#include "executor/gpu.h"
+#include "backend/backend.h"
+#include "backend/gpu.h"
 
 namespace pipeshard::testing {
 

@@ -1,9 +1,9 @@
-// Tests of the CPU backend's layers (executor/backend.h): memory, Linear, activations,
+// Tests of the CPU backend's layers (backend/backend.h): memory, Linear, activations,
 // softmax, LayerNorm, BatchNorm, dropout, and agreement with the reference evaluator.
 // Written against the Backend interface only (buffers go through upload/download), so
 // they describe the contract a second backend must meet too. How gradients are checked,
 // and why the tolerances are what they are: tests/backend_check.h.
-#include "executor/backend.h"
+#include "backend/backend.h"
 
 #include <gtest/gtest.h>
 
@@ -15,7 +15,7 @@
 #include <string>
 #include <vector>
 
-#include "executor/reference_forward.h"
+#include "testing/reference_forward.h"
 #include "tests/backend_check.h"
 
 namespace pipeshard {
@@ -600,7 +600,7 @@ TEST_F(BackendTest, DropoutGradientReusesTheMask) {
   }
 }
 
-// ---- the backend against the reference evaluator (executor/reference_forward.h) ----
+// ---- the backend against the reference evaluator (testing/reference_forward.h) ----
 
 class AgainstReferenceForward : public BackendTest {
  protected:

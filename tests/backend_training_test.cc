@@ -1,8 +1,8 @@
-// Tests of the CPU backend's training kernels (executor/backend.h): losses, optimizer
+// Tests of the CPU backend's training kernels (backend/backend.h): losses, optimizer
 // steps, and results that do not depend on the number of threads. Written against the
 // Backend interface (plus the CPU backend's threading threshold, which the thread-count
 // test lowers); how gradients are checked: tests/backend_check.h.
-#include "executor/backend.h"
+#include "backend/backend.h"
 
 #include <gtest/gtest.h>
 
@@ -19,7 +19,7 @@
 #define PIPESHARD_TEST_HAVE_OMP 1
 #endif
 
-#include "executor/cpu_kernels.h"
+#include "backend/cpu/cpu_kernels.h"
 #include "tests/backend_check.h"
 
 namespace pipeshard {

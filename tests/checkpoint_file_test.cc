@@ -13,8 +13,8 @@
 #include <nlohmann/json.hpp>
 
 #include "common/crc32c.h"
-#include "executor/checkpoint_file.h"
-#include "executor/trainer.h"
+#include "runtime/checkpoint_file.h"
+#include "runtime/trainer.h"
 #include "importer/onnx_importer.h"
 #include "tests/test_util.h"
 

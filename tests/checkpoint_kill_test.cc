@@ -13,7 +13,7 @@
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
-#include "executor/checkpoint_file.h"
+#include "runtime/checkpoint_file.h"
 #include "tests/test_util.h"
 
 namespace pipeshard {

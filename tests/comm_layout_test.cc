@@ -10,7 +10,7 @@
 #include <tuple>
 #include <vector>
 
-#include "executor/comm.h"
+#include "comm/comm.h"
 
 namespace pipeshard {
 namespace {

@@ -1,4 +1,4 @@
-// The CUDA kernels' per-element formulas (executor/cuda/elementwise_math.cuh) against the
+// The CUDA kernels' per-element formulas (backend/math/elementwise_math.cuh) against the
 // CPU backend, on the host: the header compiles without CUDA, so these run on every
 // machine, GPU or not, and a formula that differs from the CPU's is caught before a kernel
 // ever runs. What they check is that the formulas are the CPU's operation by operation:
@@ -7,7 +7,7 @@
 // device the same formulas differ only where CUDA's expf/erff/tanhf differ from glibc's.
 // The float → bf16/fp16 rounding of bf16/fp16 mode (convert_math.cuh) is checked against
 // known bit patterns and an independent round-to-nearest-even in double.
-#include "executor/cuda/elementwise_math.cuh"
+#include "backend/math/elementwise_math.cuh"
 
 #include <gtest/gtest.h>
 
@@ -25,9 +25,9 @@
 #include <utility>
 #include <vector>
 
-#include "executor/backend.h"
-#include "executor/cpu_kernels.h"
-#include "executor/cuda/convert_math.cuh"
+#include "backend/backend.h"
+#include "backend/cpu/cpu_kernels.h"
+#include "backend/math/convert_math.cuh"
 
 namespace pipeshard {
 namespace {

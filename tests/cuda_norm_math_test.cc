@@ -1,5 +1,5 @@
 // The arithmetic of the CUDA softmax, loss, LayerNorm and BatchNorm kernels
-// (executor/cuda/norm_math.cuh), driven on the host over whole rows and channels the way
+// (backend/math/norm_math.cuh), driven on the host over whole rows and channels the way
 // the kernels drive it, against the CPU backend on the same random inputs of awkward
 // sizes (width 1, odd widths, widths above the kernels' 1024-wide warp rows, one row).
 // Needs no GPU and no CUDA: under a host compiler the header's functions are plain
@@ -12,7 +12,7 @@
 // float ulps; kRtol (~30 ulps of the values' size) leaves room for that while any formula
 // error (a dropped term, a wrong divisor, a variance that is not the unbiased one) is
 // orders of magnitude larger.
-#include "executor/cuda/norm_math.cuh"
+#include "backend/math/norm_math.cuh"
 
 #include <gtest/gtest.h>
 
@@ -23,7 +23,7 @@
 #include <string>
 #include <vector>
 
-#include "executor/backend.h"
+#include "backend/backend.h"
 #include "tests/backend_check.h"
 
 namespace pipeshard {

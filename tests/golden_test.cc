@@ -44,7 +44,7 @@
 
 #include <nlohmann/json.hpp>
 
-#include "executor/npy.h"
+#include "dataset/npy.h"
 #include "tests/test_util.h"
 
 namespace pipeshard {

@@ -1,4 +1,4 @@
-// Loss scaling (executor/trainer.h, LossScaling), checked on the CPU, where fp32 shows
+// Loss scaling (runtime/trainer.h, LossScaling), checked on the CPU, where fp32 shows
 // exactly what it must do: a power-of-two scale changes no bit; a dynamic scale skips the
 // steps whose gradients overflow under it, halving each time, doubles after its growth
 // interval, and a run resumed from a checkpoint goes on with the scale it had; the flag
@@ -10,7 +10,7 @@
 
 #include <gtest/gtest.h>
 
-#include "executor/trainer.h"
+#include "runtime/trainer.h"
 #include "importer/onnx_importer.h"
 #include "tests/model_builder.h"
 #include "tests/test_util.h"

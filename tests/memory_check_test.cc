@@ -9,7 +9,7 @@
 #include <gtest/gtest.h>
 
 #include "common/host_memory.h"
-#include "executor/npy.h"
+#include "dataset/npy.h"
 #include "tests/model_builder.h"
 #include "tests/test_util.h"
 

@@ -1,4 +1,4 @@
-// The NCCL plugin (libpipeshard_nccl_plugin.so, executor/gpu.h) without a GPU: it loads,
+// The NCCL plugin (libpipeshard_nccl_plugin.so, backend/gpu.h) without a GPU: it loads,
 // and it shares this process's watchdog. The watchdog is process-wide state that train
 // arms; had the plugin a copy of its own, the NCCL communicator's waits would register
 // where nothing is armed and a hung NCCL operation would never be caught. A build without
@@ -10,8 +10,8 @@
 
 #include <gtest/gtest.h>
 
-#include "executor/gpu.h"
-#include "executor/watchdog.h"
+#include "backend/gpu.h"
+#include "comm/watchdog.h"
 
 namespace pipeshard {
 namespace {

@@ -10,7 +10,7 @@
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
-#include "executor/npy.h"
+#include "dataset/npy.h"
 #include "tests/model_builder.h"
 #include "tests/test_util.h"
 

@@ -1,6 +1,6 @@
 // Tests for the .npy reader and writer: round trips, every refusal (malformed files written
 // byte by byte), and the numpy-written files checked into models/reference and data/.
-#include "executor/npy.h"
+#include "dataset/npy.h"
 
 #include <gtest/gtest.h>
 

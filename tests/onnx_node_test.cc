@@ -36,8 +36,8 @@
 #include <string>
 #include <vector>
 
-#include "executor/backend.h"
-#include "executor/program.h"
+#include "backend/backend.h"
+#include "runtime/program.h"
 #include "importer/onnx_importer.h"
 #include "tests/onnx_node_util.h"
 

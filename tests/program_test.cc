@@ -12,15 +12,15 @@
 
 #include <gtest/gtest.h>
 
-#include "executor/comm.h"
-#include "executor/loss.h"
-#include "executor/program.h"
-#include "executor/reference_forward.h"
+#include "comm/comm.h"
+#include "runtime/loss.h"
+#include "runtime/program.h"
+#include "testing/reference_forward.h"
 #include "partitioner/plan.h"
 #include "partitioner/stage_writer.h"
 #include "importer/onnx_importer.h"
 #include "tests/model_builder.h"
-#include "tests/recording_backend.h"
+#include "testing/recording_backend.h"
 #include "tests/model_util.h"
 #include "tests/test_util.h"
 

@@ -1,9 +1,9 @@
 // No rank hangs when another fails: under mpiexec, one rank of a data-, pipeline- or
-// tensor-parallel job is made to fail (PIPESHARD_FAULT_AT, executor/fault_injection.h)
+// tensor-parallel job is made to fail (PIPESHARD_FAULT_AT, common/fault_injection.h)
 // at a point of a step — SIGKILL, a crash, an exit(0) from the middle of the run, or a
 // hang — and the whole job must end within 30 s, non-zero, with a message that names the
 // failed rank. Kills, crashes and exits are mpirun's to notice; a hang is the
-// watchdog's (--comm-timeout, executor/watchdog.h).
+// watchdog's (--comm-timeout, comm/watchdog.h).
 //
 // Each case prints one row of the fault × layout matrix: the time from launch to the
 // end of the job, and the line that names the rank.

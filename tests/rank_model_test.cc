@@ -1,7 +1,7 @@
 // RankModel: the part of the model one rank trains, cut from the stage file the
 // partitioner writes, with the values crossing its cuts and the map back to whole
 // parameters.
-#include "executor/rank_model.h"
+#include "runtime/rank_model.h"
 
 #include <gtest/gtest.h>
 

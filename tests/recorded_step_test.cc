@@ -1,5 +1,5 @@
 // train --cuda-graph (TrainConfig::cuda_graph) checked on the CPU: the trainer runs over a
-// RecordingBackend (tests/recording_backend.h), which records as a CUDA graph does —
+// RecordingBackend (testing/recording_backend.h), which records as a CUDA graph does —
 // arguments frozen at recording, no host values, allocation or host copies inside — so a
 // trainer that recorded anything that changes from step to step, or something a graph
 // cannot hold, gives different numbers or stops here. What must hold: the recorded run is
@@ -11,10 +11,10 @@
 
 #include <gtest/gtest.h>
 
-#include "executor/trainer.h"
+#include "runtime/trainer.h"
 #include "importer/onnx_importer.h"
 #include "tests/backend_check.h"
-#include "tests/recording_backend.h"
+#include "testing/recording_backend.h"
 #include "tests/model_util.h"
 #include "tests/test_util.h"
 

@@ -7,7 +7,7 @@
 // rounding of sums of up to 512 products (~1e-6 relative on these models); the bound leaves
 // an order of magnitude of room, yet catches any wrong layout, scale, epsilon or formula.
 // Each test prints the worst difference it saw.
-#include "executor/reference_forward.h"
+#include "testing/reference_forward.h"
 
 #include <gtest/gtest.h>
 
@@ -20,7 +20,7 @@
 
 #include <nlohmann/json.hpp>
 
-#include "executor/npy.h"
+#include "dataset/npy.h"
 #include "importer/onnx_importer.h"
 #include "tests/test_util.h"
 

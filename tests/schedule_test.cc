@@ -1,8 +1,8 @@
-// Pipeline schedules as data (executor/schedule.h): GPipe and 1F1B for every small
+// Pipeline schedules as data (schedule/schedule.h): GPipe and 1F1B for every small
 // pipeline pass the structural and deadlock checks, keep their memory bounds, print as
 // a step × stage grid; hand-broken schedules are rejected with messages that name the
 // stage and action.
-#include "executor/schedule.h"
+#include "schedule/schedule.h"
 
 #include <gtest/gtest.h>
 

@@ -13,7 +13,7 @@
 #include <gtest/gtest.h>
 #include <onnx/checker.h>
 
-#include "executor/reference_forward.h"
+#include "testing/reference_forward.h"
 #include "importer/onnx_importer.h"
 #include "importer/onnx_writer.h"
 #include "partitioner/plan.h"

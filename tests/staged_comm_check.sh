@@ -1,7 +1,7 @@
 #!/bin/sh
 # Trains the same run twice under mpiexec, once with the processes' tensors exchanged
 # directly and once staged through the backend's download/upload (PIPESHARD_STAGE_COMM=1,
-# executor/comm_staged.h: how GPU processes exchange them), and passes when the two saved
+# comm/comm_staged.h: how GPU processes exchange them), and passes when the two saved
 # models are byte for byte the same. Staging copies; it must not change a single bit.
 #   staged_comm_check.sh MPIEXEC NP TRAIN OUTPUT_FOLDER TRAIN_ARGUMENTS...
 set -eu

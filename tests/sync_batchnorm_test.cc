@@ -19,8 +19,8 @@
 #include <thread>
 #include <vector>
 
-#include "executor/backend.h"
-#include "executor/cpu_kernels.h"
+#include "backend/backend.h"
+#include "backend/cpu/cpu_kernels.h"
 #include "tests/backend_check.h"
 
 namespace pipeshard {

@@ -17,8 +17,8 @@
 
 #include "common/crc32c.h"
 #include "common/status.h"
-#include "common/tensorboard.h"
-#include "common/tensorboard_event.pb.h"
+#include "observe/tensorboard.h"
+#include "observe/tensorboard_event.pb.h"
 #include "tests/test_util.h"
 
 namespace pipeshard {

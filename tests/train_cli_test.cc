@@ -12,7 +12,7 @@
 #include <nlohmann/json.hpp>
 #include <onnx/onnx_pb.h>
 
-#include "executor/npy.h"
+#include "dataset/npy.h"
 #include "importer/onnx_importer.h"
 #include "tests/model_builder.h"
 #include "tests/test_util.h"

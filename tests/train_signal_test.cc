@@ -20,7 +20,7 @@
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
-#include "executor/checkpoint_file.h"
+#include "runtime/checkpoint_file.h"
 #include "tests/test_util.h"
 
 extern char** environ;

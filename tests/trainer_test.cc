@@ -6,12 +6,12 @@
 
 #include <gtest/gtest.h>
 
-#include "executor/npy.h"
-#include "executor/program.h"
-#include "executor/trainer.h"
+#include "dataset/npy.h"
+#include "runtime/program.h"
+#include "runtime/trainer.h"
 #include "importer/onnx_importer.h"
 #include "tests/model_util.h"
-#include "tests/recording_backend.h"
+#include "testing/recording_backend.h"
 #include "tests/test_util.h"
 
 namespace pipeshard {

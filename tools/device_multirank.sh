@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # tools/device_multirank.sh: several processes of `train --device cuda` on one machine's GPUs
 # (several per GPU when there are more processes than GPUs; their tensors travel staged
-# through host memory over MPI, executor/comm_staged.h), each layout checked against one
+# through host memory over MPI, comm/comm_staged.h), each layout checked against one
 # process with --check-equivalence (on the GPU too, in the same precision: train compares
 # layouts, not devices; the CUDA Backend suites compare the GPU with the CPU).
 # tools/device_check.sh runs it after the GPU tests, under the Open MPI it carries

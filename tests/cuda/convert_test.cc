@@ -1,5 +1,5 @@
 // convert.cu's float → bf16/fp16 copies, and the rounding they share with the host
-// (executor/cuda/convert_math.cuh), against CUDA's own conversions:
+// (backend/math/convert_math.cuh), against CUDA's own conversions:
 // - on the host (no GPU needed, so these run wherever the toolkit is): convert_math.cuh
 //   against cuda_bf16.h's __float2bfloat16_rn and cuda_fp16.h's __float2half_rn, whose
 //   host versions are software round-to-nearest-even, bit for bit (NaN: any NaN) over
@@ -25,9 +25,9 @@
 #include <string>
 #include <vector>
 
-#include "executor/backend.h"
-#include "executor/cuda/convert_math.cuh"
-#include "executor/cuda/launchers.h"
+#include "backend/backend.h"
+#include "backend/math/convert_math.cuh"
+#include "backend/cuda/launchers.h"
 #include "tests/cuda/gpu_test_util.h"
 
 namespace pipeshard::cuda {

@@ -2,7 +2,7 @@
 // exists. Where a GPU is usable it must compute; elsewhere the test skips and says so.
 #include <gtest/gtest.h>
 
-#include "executor/cuda/device_query.h"
+#include "backend/cuda/device_query.h"
 
 namespace pipeshard::cuda {
 namespace {

@@ -1,4 +1,4 @@
-// The launchers of elementwise.cu, reduce.cu and optimizer.cu (executor/cuda/launchers.h)
+// The launchers of elementwise.cu, reduce.cu and optimizer.cu (backend/cuda/launchers.h)
 // against the CPU backend on the same inputs, on a GPU; the tests skip, saying so, on a
 // machine without one. Launchers are called directly on cudaMalloc'd buffers, so this
 // needs none of the other kernel families.
@@ -32,8 +32,8 @@
 #include <string>
 #include <vector>
 
-#include "executor/backend.h"
-#include "executor/cuda/launchers.h"
+#include "backend/backend.h"
+#include "backend/cuda/launchers.h"
 #include "tests/cuda/gpu_test_util.h"
 
 namespace pipeshard::cuda {

@@ -40,10 +40,10 @@
 #include <string>
 #include <vector>
 
-#include "executor/backend.h"
-#include "executor/cuda/allocator.h"
-#include "executor/cuda/convert_math.cuh"
-#include "executor/cuda/launchers.h"
+#include "backend/backend.h"
+#include "backend/cuda/allocator.h"
+#include "backend/math/convert_math.cuh"
+#include "backend/cuda/launchers.h"
 #include "tests/backend_check.h"
 #include "tests/cuda/gpu_test_util.h"
 

@@ -1,4 +1,4 @@
-// The NCCL communicator (executor/comm_nccl.h) on a group of one: every method, against the
+// The NCCL communicator (comm/nccl/comm_nccl.h) on a group of one: every method, against the
 // values it must give. NCCL refuses two ranks of one communicator on one GPU and the test
 // machine has one, so this is the group that runs; what it proves is the plumbing (the
 // bootstrap over MPI, non-blocking set-up, device buffers, streams, events, requests,
@@ -20,8 +20,8 @@
 #include <thread>
 #include <vector>
 
-#include "executor/comm.h"
-#include "executor/comm_nccl.h"
+#include "comm/comm.h"
+#include "comm/nccl/comm_nccl.h"
 #include "tests/cuda/gpu_test_util.h"
 
 namespace pipeshard {

@@ -1,4 +1,4 @@
-// The softmax, loss, LayerNorm and BatchNorm launchers (executor/cuda/launchers.h) on a
+// The softmax, loss, LayerNorm and BatchNorm launchers (backend/cuda/launchers.h) on a
 // GPU against the CPU backend on the same inputs: shapes that take each launch path
 // (warp rows up to 1024 wide, block rows above; BatchNorm's channel tiles for inner == 1
 // and block-wide channels above; loss grids that loop), += into gradients, rows == 0,
@@ -17,8 +17,8 @@
 #include <string>
 #include <vector>
 
-#include "executor/backend.h"
-#include "executor/cuda/launchers.h"
+#include "backend/backend.h"
+#include "backend/cuda/launchers.h"
 #include "tests/backend_check.h"
 #include "tests/cuda/gpu_test_util.h"
 

@@ -6,7 +6,7 @@
 // Each test runs three times: on the world as make_world_communicator() gives it, on a
 // world that moves at most kSmallPiece floats per MPI call, which sends every buffer of
 // these tests through the piece-by-piece path that real runs take only above INT_MAX
-// floats, and on the world staged over the CPU backend (executor/comm_staged.h: what
+// floats, and on the world staged over the CPU backend (comm/comm_staged.h: what
 // GPU processes use, every buffer copied through the backend's download and upload).
 //
 // Only rank 0 prints GoogleTest's report; other ranks print their failures prefixed with
@@ -16,7 +16,7 @@
 // tests: one rank fails while the others wait in a barrier, and the job must end rather
 // than hang. exit0 leaves with status 0 while still holding the world (as a library's
 // exit() would); mismatch has rank 0 all-reduce while the last rank waits for a message,
-// which only the watchdog (executor/watchdog.h, armed at 2 s) ends.
+// which only the watchdog (comm/watchdog.h, armed at 2 s) ends.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -31,11 +31,11 @@
 #include <thread>
 #include <vector>
 
-#include "executor/backend.h"
-#include "executor/comm.h"
-#include "executor/comm_mpi.h"
-#include "executor/comm_staged.h"
-#include "executor/watchdog.h"
+#include "backend/backend.h"
+#include "comm/comm.h"
+#include "comm/comm_mpi.h"
+#include "comm/comm_staged.h"
+#include "comm/watchdog.h"
 
 namespace pipeshard {
 namespace {

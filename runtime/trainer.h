@@ -1,0 +1,306 @@
+// The training loop: batches in design.md's order, forward, loss, backward, gradient
+// accumulation, clipping, learning-rate schedule, optimizer step; evaluation;
+// checkpoints that resume onto exactly the same trajectory.
+//
+// One Trainer runs on every rank of a P × D × T job (design.md, "Processes and
+// ranks"): it trains the rank's part of the model (runtime/rank_model.h) by running
+// its stage's pipeline schedule (schedule/schedule.h) over the micro-batches of its
+// replica's slice of each batch, and the step equals the one-process step up to float
+// rounding: gradients are summed over the replicas, partial sums over the shards, and
+// the loss and the clipping norm over the stages.
+#ifndef PIPESHARD_RUNTIME_TRAINER_H_
+#define PIPESHARD_RUNTIME_TRAINER_H_
+
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <tuple>
+#include <vector>
+
+#include "common/atomic_file.h"
+#include "common/status.h"
+#include "backend/backend.h"
+#include "runtime/checkpoint_file.h"
+#include "comm/comm.h"
+#include "dataset/dataset.h"
+#include "runtime/loss.h"
+#include "runtime/optimizer.h"
+#include "runtime/program.h"
+#include "runtime/rank_model.h"
+#include "schedule/schedule.h"
+#include "observe/trace.h"
+
+namespace pipeshard {
+
+// What a step does when its loss or a gradient is inf or NaN: it never updates the
+// weights; kStop then reports it (StepResult::non_finite) for the caller to stop, kSkip
+// goes on with the next step, counting this one as taken (what fp16 loss scaling does).
+enum class NonFinite { kStop, kSkip };
+
+// Loss scaling, fp16's companion (torch.cuda.amp.GradScaler's rules): the gradient of the
+// loss is multiplied by the scale before backward, so that small gradients survive fp16,
+// and every gradient is divided by it again before clipping and the update. Scales are
+// powers of two, which multiply and divide exactly in binary floating point: in fp32 a
+// scale changes no bit, unless a gradient overflows or underflows under it.
+// - kStatic: always `initial`.
+// - kDynamic: a step whose gradients became inf or NaN under the scale (the loss itself
+//   finite) is skipped, as NonFinite::kSkip skips, and the scale halves; after
+//   `growth_interval` updates in a row without that, it doubles. The scale and that count
+//   are kept in checkpoints. A non-finite loss is not the scale's doing: on_nonfinite
+//   decides as without scaling.
+struct LossScaling {
+  enum class Mode { kNone, kStatic, kDynamic };
+  Mode mode = Mode::kNone;
+  double initial = 65536.0;        // 2^16, GradScaler's init_scale
+  int64_t growth_interval = 2000;  // GradScaler's
+  // Scales stay within these powers of two, whose reciprocals are normal floats.
+  static constexpr double kMin = 0x1p-64, kMax = 0x1p64;
+};
+
+struct TrainConfig {
+  LossKind loss = LossKind::kCrossEntropy;
+  OptimizerConfig optimizer;
+  LrSchedule schedule = LrSchedule::kConstant;
+  int64_t warmup_steps = 0;
+  int64_t batch_size = 32;     // samples per micro-step
+  int64_t grad_accum = 1;      // micro-steps per optimizer step: one step sees batch_size * grad_accum samples
+  int64_t total_steps = 1;     // optimizer steps of the whole run (the cosine schedule's length)
+  bool shuffle = true;
+  uint64_t seed = 0;
+  double clip_grad_norm = 0;   // 0: off
+  int64_t bucket_bytes = 25 << 20;  // data parallel: gradients are all-reduced in buckets this big
+  int micro_batches = 1;       // pipeline micro-batches per replica batch (M)
+  ScheduleKind pipeline_schedule = ScheduleKind::k1F1B;
+  BalanceBy balance = BalanceBy::kParams;  // how stages are cut
+  bool sync_batchnorm = false;  // BatchNorm statistics over all replicas, not each replica's slice
+  NonFinite on_nonfinite = NonFinite::kStop;  // a step whose loss or gradients are not finite
+  LossScaling loss_scaling;
+  // --cuda-graph: from the second step on, each forward and backward is a recording of the
+  // first step's backend calls, replayed as one launch (Backend::record; a CUDA graph).
+  // One process, no Dropout (its masks change every step). The loss, clipping, loss
+  // scaling and the optimizer stay outside, so the learning rate, Adam's step count and
+  // the checks on the loss and gradients go on changing as they must; the results are
+  // those of the run without it, bit for bit.
+  bool cuda_graph = false;
+  // Keep every activation's output from forward to backward instead of recomputing it
+  // there from the activation's input (ProgramOptions::recompute_activations): one
+  // elementwise pass per activation less, one tensor per activation more. Same results.
+  bool keep_activations = false;
+};
+
+// Where a Trainer sits in a multi-process job. All null: one process.
+struct Parallel {
+  Communicator* world = nullptr;
+  ProcessGroups* groups = nullptr;
+  // The file the Graph came from: stage files are cut from it when there are several
+  // stages or shards.
+  const ImportedModel* model = nullptr;
+  // The same groups for buffers in the backend's memory (gradients, activations, BatchNorm
+  // statistics) when `groups` work on host memory and the backend's is not: NCCL groups,
+  // or staged ones (comm/comm_staged.h), for a GPU backend. Null: `groups` carry them.
+  // Host values (the stage-link check, sums of losses and norms, gathers for saving)
+  // always travel over `groups`.
+  ProcessGroups* device_groups = nullptr;
+};
+
+struct StepResult {
+  int64_t step = 0;   // 1-based optimizer step
+  int64_t epoch = 0;  // 1-based epoch of the step's first batch
+  double loss = 0;    // mean over the step's samples, from its forward pass (before the update)
+  double lr = 0;      // the learning rate the step used
+  double grad_norm = 0;  // global L2 norm of the gradient before clipping (0 when clipping is off)
+  // The loss was inf or NaN, or (NonFinite::kSkip) a gradient on any rank: the step left
+  // the weights and the optimizer state alone. The same on every rank.
+  bool non_finite = false;
+  // With non_finite, on world rank 0: first_non_finite_gradient().
+  std::string first_non_finite;
+  // This rank's gradients were all finite (NonFinite::kStop: checked by the optimizer as it
+  // updated; the caller agrees over the ranks, and stops when one says false).
+  bool gradients_finite = true;
+  // Loss scaling (TrainConfig::loss_scaling): the scale this step's backward used (0 when
+  // scaling is off), and whether dynamic scaling skipped the step because a gradient
+  // overflowed under it (the scale has halved for the next step). The same on every rank.
+  double loss_scale = 0;
+  bool scale_overflow = false;
+};
+
+struct EvalResult {
+  double loss = 0;
+  double accuracy = -1;  // fraction of correct argmax; -1 for MSE
+  int64_t samples = 0;
+};
+
+class Trainer {
+ public:
+  // `graph` holds the initial parameters and must outlive the Trainer; `data` too.
+  // With `parallel`, this rank trains its part: its replica's contiguous slice of every
+  // global batch of config.batch_size samples, its stage, its shard.
+  static Result<std::unique_ptr<Trainer>> create(const Graph& graph, const Dataset& data, Backend& backend,
+                                                 const TrainConfig& config, const Parallel& parallel = {});
+  ~Trainer();
+
+  // What one rank of each stage will hold while training on `backend` (parameters,
+  // gradients, optimizer state, the activations its schedule keeps in flight), in bytes,
+  // as the partitioner estimates it (partitioner/plan.h); empty when create() would
+  // refuse the configuration anyway. No allocation: for the check before create().
+  static std::vector<int64_t> memory_per_stage(const Graph& graph, const TrainConfig& config,
+                                               const ProcessLayout& layout, const Backend& backend);
+
+  // Neighbouring pipeline stages check that they agree on what crosses their cut (sizes,
+  // which gradients travel back). Collective over the pipeline: call once on every rank
+  // after create() succeeded on all of them, before the first step.
+  Status check_links();
+
+  // Runs optimizer step steps_done() + 1 (collective: every rank calls it).
+  StepResult step();
+  // On world rank 0, the parameter whose gradient went inf or NaN first in backward order
+  // (the highest stage's latest node), as "'fc2.weight' (node 'fc2', stage 1)"; empty when
+  // every gradient is finite, and elsewhere. Collective over the world.
+  std::string first_non_finite_gradient();
+  int64_t steps_done() const { return optimizer_->steps_taken(); }
+  // --cuda-graph: the recordings the backend made (0 without it, or on a backend that
+  // cannot record).
+  int64_t recordings() const;
+  // What this process's backend memory holds: the training program's buffers, the
+  // optimizer state, and the backend's peak (the rest of which is the trainer's own
+  // buffers, evaluation, the backend's scratch and rounding: peak − the others).
+  struct Memory {
+    Program::Memory program;
+    int64_t optimizer = 0, peak = 0;
+  };
+  Memory memory() const {
+    return Memory{program_->memory(), optimizer_->state_bytes(), backend_.memory_use().peak};
+  }
+  // The loss scale the next step will use (1 when scaling is off).
+  double loss_scale() const { return loss_scale_; }
+  int64_t batches_per_epoch() const { return order_.batches_per_epoch(); }
+  const PipelineSchedule& schedule() const { return schedule_; }
+
+  // Loss (and accuracy for cross-entropy) over all of `data`, in eval mode. Collective;
+  // the result is on world rank 0 (elsewhere samples == 0).
+  EvalResult evaluate(const Dataset& data);
+
+  // Copies the trained parameters and running statistics into `graph.params` (the whole
+  // model's). Collective; `graph` is filled on world rank 0.
+  void download_parameters(Graph& graph);
+
+  // Starts the clock of the timeline (after a barrier, so that all ranks share it) and,
+  // when `record`, keeps events for write_trace(). Collective.
+  void start_trace(bool record);
+  // Writes every rank's events as one Chrome trace (open in Perfetto or
+  // chrome://tracing) to `path` on rank 0. Collective.
+  Status write_trace(const std::string& path);
+  // The pipeline bubble: the fraction of the schedule's time stages spent not
+  // computing, measured (mean over ranks) and in theory, (P − 1)/(M + P − 1).
+  // Collective; meaningful with more than one stage.
+  struct Bubble {
+    double measured = 0, theoretical = 0;
+  };
+  Bubble pipeline_bubble();
+  // Forward plus backward time ("compute") and the time of the whole schedule, in µs
+  // since start_trace(), per pipeline stage, each the mean over the stage's ranks (its
+  // replicas and shards): their difference is the time the stage waited (the bubble,
+  // plus transfers). Collective: one all-reduce of 2·P doubles; the result is on every rank.
+  struct StageTimes {
+    std::vector<double> compute_us, schedule_us;  // [stages]
+  };
+  StageTimes stage_times();
+
+  // Writes DIR/checkpoint.pipeshard atomically (runtime/checkpoint_file.h): whole-model
+  // parameters and running statistics by initializer name, optimizer state likewise,
+  // the step count, with a CRC-32C on every tensor and on the header; nothing in it
+  // depends on the layout. Collective; rank 0 writes. A crash at any point of the write
+  // leaves the previous checkpoint intact. `crash` is for crash tests only.
+  Status save_checkpoint(const std::string& dir, const CrashPoint& crash = {});
+  // Restores a checkpoint written for the same model and optimizer under any layout;
+  // the run then continues exactly as if it had never stopped. Every rank reads it. A
+  // file that fails a checksum, is cut short or does not fit this model and optimizer
+  // is refused with a message naming the part at fault, and changes nothing.
+  Status load_checkpoint(const std::string& dir);
+  // The same for a checkpoint file's `bytes` already in memory; messages begin with
+  // "`label`: " where load_checkpoint names the file's path.
+  Status load_checkpoint_bytes(std::string_view bytes, const std::string& label);
+
+ private:
+  Trainer(const Dataset& data, Backend& backend, const TrainConfig& config, RankModel rank);
+  void plan_buckets();
+  Status restore(const Checkpoint& checkpoint);
+  // Runs after node i's backward on the last micro-batch: starts the all-reduce of every
+  // gradient bucket that node completes.
+  void on_gradients_ready(size_t node);
+  // The stage's schedule over one replica batch (one micro-step of grad_accum).
+  double run_schedule(bool last_micro_step, uint64_t seed, int64_t first_sample);
+  const float* batch_rows(const std::vector<int64_t>& rows);
+  Program& eval_program(const Graph& graph);
+  static constexpr int kForwardKey = 0, kBackwardKey = 1;
+  void replay_or_record(int what, int micro_batch, const std::function<void()>& work);
+  void wait_slot(int slot);
+  // Where link value `l` lives in the selected slot: the program's buffer or a carried one.
+  float* link_value(const LinkValue& l);
+  float* link_gradient(const LinkValue& l, bool received);
+  double clip_gradients();
+  // Whether any rank holds an inf or NaN gradient. Collective over the world.
+  bool gradients_non_finite_anywhere();
+  // Host copies of this rank's parameters (values) or of optimizer slot s.
+  std::vector<std::vector<float>> local_values() const;
+  std::vector<std::vector<float>> local_slot(int s) const;
+
+  struct Bucket {
+    int64_t begin = 0, end = 0;  // [begin, end) of the gradient buffer
+    size_t ready_after = 0;      // node whose backward completes the bucket
+  };
+  struct Carried {               // a value this stage passes on without reading it
+    DeviceBuffer value, grad;    // [slots][micro-batch rows, per_sample]
+  };
+
+  const Dataset& data_;
+  Backend& backend_;
+  TrainConfig config_;
+  RankModel rank_;
+  Communicator* world_ = nullptr;
+  Communicator* replicas_ = nullptr;   // data-parallel group (null: one replica)
+  Communicator* tensor_ = nullptr;     // tensor-parallel group (null: one shard)
+  Communicator* pipeline_ = nullptr;   // the stages (null: one stage)
+  // The same groups for buffers in the backend's memory (Parallel::device_groups).
+  Communicator* device_replicas_ = nullptr;
+  Communicator* device_tensor_ = nullptr;
+  Communicator* device_pipeline_ = nullptr;
+  bool log_probs_ = false;
+  // --cuda-graph's recordings, by (kForwardKey or kBackwardKey, micro-step, micro-batch);
+  // a null one: the backend cannot record, and the work runs eagerly.
+  std::map<std::tuple<int, int64_t, int>, std::unique_ptr<RecordedWork>> recorded_;
+  int64_t micro_step_ = 0;  // of the accumulation, in the step being run
+  bool warmed_up_ = false;         // this process has run a step (eagerly)
+  bool replay_this_step_ = false;  // --cuda-graph, after the warm-up
+  double loss_scale_ = 1.0;        // LossScaling: the scale of the next step (1: none)
+  int64_t scale_good_steps_ = 0;   // updates since the dynamic scale last changed
+  BatchOrder order_;
+  int64_t local_batch_ = 0;            // samples of each micro-step on this replica
+  int64_t micro_ = 0;                  // samples of each pipeline micro-batch
+  PipelineSchedule schedule_;
+  std::vector<Bucket> buckets_;        // in launch order (end of the buffer first)
+  std::vector<std::unique_ptr<Request>> in_flight_;
+  std::vector<std::vector<std::unique_ptr<Request>>> sends_;  // [slots]: sends reading the slot
+  std::map<std::string, Carried> carried_;
+  std::unique_ptr<Program> program_;
+  std::unique_ptr<Optimizer> optimizer_;
+  DeviceBuffer targets_;              // [local_batch * targets_per_sample]
+  std::vector<float> host_features_;  // [local_batch * features_per_sample]: a gathered batch
+  const float* batch_features_ = nullptr;  // this step's features: into data_ or host_features_ (batch_rows())
+  std::vector<float> host_targets_;   // [local_batch * targets_per_sample]
+  Tracer tracer_;
+  int64_t tracing_step_ = 0;          // the step events belong to
+  bool time_device_work_ = false;     // forward and backward wait for the backend (start_trace())
+  // Evaluation on rank 0, forward-only, in chunks of the whole batch: of a cut model, the
+  // whole model assembled in eval_graph_; of a whole one trained in micro-batches, the
+  // same graph as the training program (which holds only one micro-batch).
+  std::unique_ptr<Graph> eval_graph_;
+  std::unique_ptr<Program> eval_program_;
+};
+
+}  // namespace pipeshard
+
+#endif  // PIPESHARD_RUNTIME_TRAINER_H_

@@ -1,0 +1,172 @@
+// partition: cut an ONNX MLP into pipeline stages (and tensor-parallel shards) balanced
+// by parameter count, print the per-stage table, and write the stage files and
+// plan.json. Bad arguments and bad models: one line on stderr, exit status 2.
+#include <cstdio>
+#include <filesystem>
+#include <string>
+
+#include <CLI/CLI.hpp>
+#include <fmt/core.h>
+
+#include "common/cli.h"
+#include "common/host_memory.h"
+#include "schedule/schedule.h"
+#include "importer/onnx_importer.h"
+#include "partitioner/plan.h"
+#include "partitioner/stage_writer.h"
+#include "tools/plot/pictures.h"
+#include "tools/plot/plot.h"
+
+namespace {
+
+using namespace pipeshard;
+
+int fail(const std::string& message) { return report_bad_input("partition", message); }
+
+std::string with_commas(int64_t v) {
+  std::string digits = std::to_string(v < 0 ? -v : v), out;
+  for (size_t i = 0; i < digits.size(); ++i) {
+    if (i && (digits.size() - i) % 3 == 0) out += ',';
+    out += digits[i];
+  }
+  return v < 0 ? "-" + out : out;
+}
+
+// "Linear Relu Linear" or, for long stages, "Linear Relu … Linear (40 nodes)".
+std::string node_summary(const Graph& g, const StagePlan& s) {
+  std::string out;
+  const size_t n = s.nodes.size();
+  for (size_t i = 0; i < n; ++i) {
+    if (n > 6 && i == 3) {
+      out += "… ";
+      i = n - 2;
+    }
+    out += op_kind_name(g.nodes[s.nodes[i]]);
+    out += ' ';
+  }
+  if (n > 6) out += fmt::format("({} nodes)", n);
+  return out;
+}
+
+std::string shard_summary(const StagePlan& s) {
+  int counts[5] = {0, 0, 0, 0, 0};
+  for (ShardRole r : s.roles) ++counts[static_cast<int>(r)];
+  std::string out;
+  const ShardRole order[] = {ShardRole::kColumn, ShardRole::kRow, ShardRole::kColumnGather, ShardRole::kShardLocal};
+  for (ShardRole r : order) {
+    if (counts[static_cast<int>(r)]) out += fmt::format("{}×{} ", counts[static_cast<int>(r)], shard_role_name(r));
+  }
+  return out.empty() ? "replicated" : out;
+}
+
+void print_table(const ImportedModel& m, const Plan& plan, const std::string& dir) {
+  const Graph& g = m.graph;
+  const PartitionOptions& o = plan.options;
+  fmt::print("{}: {} nodes in {} layers, {} parameters -> {} stage{}{} (balanced by {})\n\n", plan.model,
+             g.nodes.size(), plan.layers, with_commas(plan.total_parameters), o.stages, o.stages == 1 ? "" : "s",
+             o.tensor_parallel > 1 ? fmt::format(" x {} tensor-parallel shards", o.tensor_parallel) : "",
+             balance_name(o.balance));
+  fmt::print("{:>5}  {:>7}  {:>12}  {:>6}  {:>15}  {:>10}  {}\n", "stage", "layers", "parameters", "share",
+             "act. out/sample", "memory", o.tensor_parallel > 1 ? "nodes / sharding" : "nodes");
+  for (const StagePlan& s : plan.stages) {
+    const std::string layers = s.end_layer - s.first_layer == 1 ? std::to_string(s.first_layer)
+                                                                 : fmt::format("{}-{}", s.first_layer, s.end_layer - 1);
+    const double share = plan.total_parameters ? 100.0 * s.parameters / plan.total_parameters : 0.0;
+    fmt::print("{:>5}  {:>7}  {:>12}  {:>5.1f}%  {:>15}  {:>10}  {}{}\n", s.stage, layers, with_commas(s.parameters),
+               share, bytes_text(s.activation_bytes_out), bytes_text(s.memory_bytes), node_summary(g, s),
+               o.tensor_parallel > 1 ? "/ " + shard_summary(s) : "");
+  }
+  fmt::print("{:>5}  {:>7}  {:>12}  {:>5.1f}%\n\n", "total", plan.layers, with_commas(plan.total_parameters), 100.0);
+  fmt::print("balance: largest / mean stage {} = {:.3f}; activations crossing cuts: {} per sample\n",
+             balance_name(o.balance), plan.balance, bytes_text(plan.crossing_bytes));
+  const int m_batches = o.micro_batches > 0 ? o.micro_batches : o.stages;
+  fmt::print("memory: per rank, fp32 weights + grads + {} optimizer slot{}, activations of batch {} in {} "
+             "micro-batch{} under {}{}\n",
+             o.optimizer_slots, o.optimizer_slots == 1 ? "" : "s", o.batch_size, m_batches, m_batches == 1 ? "" : "es",
+             o.schedule == ScheduleKind::kGPipe ? "GPipe" : "1F1B",
+             o.recompute_activations ? "" : ", activation functions' outputs kept (--keep-activations)");
+  size_t files = 0;
+  for (const StagePlan& s : plan.stages) files += s.files.size();
+  fmt::print("wrote {} stage file{} and plan.json to {}/\n", files, files == 1 ? "" : "s", dir);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{
+      "Cut an ONNX multilayer perceptron into pipeline stages (and tensor-parallel shards) balanced by\n"
+      "parameter count. Prints one row per stage and writes DIR/stage_<i>.onnx (stage_<i>_tp<j>.onnx when\n"
+      "sharded) and DIR/plan.json. Example: partition models/simple.onnx --stages 2",
+      "partition"};
+  std::string model, out_dir, balance = "params", schedule = "1f1b", optimizer = "adam";
+  PartitionOptions o;
+  bool json = false;
+  app.add_option("model", model, "ONNX model file (as written by torch.onnx.export)")->required();
+  app.add_option("--stages,-s", o.stages, "number of pipeline stages (default 1)");
+  app.add_option("--tensor-parallel,-t", o.tensor_parallel, "tensor-parallel shards per stage (default 1)");
+  app.add_option("--balance", balance, "what to balance: params (default), flops or memory")
+      ->check(CLI::IsMember({"params", "flops", "memory"}));
+  app.add_option("--out,-o", out_dir, "output folder (default: <model name>_stages)");
+  app.add_flag("--json", json, "print plan.json to stdout instead of the table (files are still written)");
+  std::string chart;
+  app.add_option("--chart", chart, "draw parameters and memory per stage to this .svg or .png (needs matplotlib)");
+  bool show_schedule = false;
+  app.add_flag("--show-schedule", show_schedule,
+               "print the pipeline schedule (--schedule, --micro-batches) as a step x stage grid, checked for "
+               "deadlock, as train runs it");
+  auto* est = "memory estimate";
+  app.add_option("--batch-size", o.batch_size, "samples per step per replica (memory estimate; default 32)")->group(est);
+  app.add_option("--micro-batches", o.micro_batches, "micro-batches per step (memory estimate; default = stages)")->group(est);
+  app.add_option("--schedule", schedule, "pipeline schedule: 1f1b (default) or gpipe (memory estimate)")
+      ->check(CLI::IsMember({"1f1b", "gpipe"}))->group(est);
+  app.add_option("--optimizer", optimizer, "sgd (momentum: 1 slot) or adam/adamw (2 slots; default)")
+      ->check(CLI::IsMember({"sgd", "adam", "adamw"}))->group(est);
+  bool keep_activations = false;
+  app.add_flag("--keep-activations", keep_activations,
+               "as train --keep-activations: count the activation functions' outputs, which training otherwise "
+               "recomputes in backward (memory estimate)")
+      ->group(est);
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    if (e.get_exit_code() == 0) return app.exit(e);  // --help
+    std::string what = e.what();
+    return fail(what + " (see partition --help)");
+  }
+  o.balance = balance == "flops" ? BalanceBy::kFlops : balance == "memory" ? BalanceBy::kMemory : BalanceBy::kParams;
+  o.schedule = schedule == "gpipe" ? ScheduleKind::kGPipe : ScheduleKind::k1F1B;
+  o.optimizer_slots = optimizer == "sgd" ? 1 : 2;
+  o.recompute_activations = !keep_activations;
+  if (out_dir.empty()) out_dir = std::filesystem::path(model).stem().string() + "_stages";
+  if (!chart.empty()) {  // before any work: a chart that cannot be drawn is a bad flag
+    if (Status s = check_picture_output(chart); !s) return fail("--chart: " + s.message());
+  }
+
+  Result<ImportedModel> m = import_onnx_file(model);
+  if (!m) return fail(m.status().message());
+  Result<Plan> plan = make_plan(m->graph, model, o);
+  if (!plan) return fail(model + ": " + plan.status().message());
+  if (Status s = write_partition(*m, *plan, out_dir); !s) return fail(s.message());
+  if (json) {
+    fmt::print("{}\n", plan_json_text(*plan, m->graph));
+  } else {
+    print_table(*m, *plan, out_dir);
+  }
+  if (!chart.empty()) {
+    if (Status s = draw_picture(partition_chart_data(*plan), chart); !s) return fail("--chart: " + s.message());
+    if (!json) fmt::print("wrote the chart to {}\n", chart);
+  }
+  if (show_schedule && !json) {
+    const int m_batches = o.micro_batches > 0 ? o.micro_batches : o.stages;
+    const PipelineSchedule sc = make_pipeline_schedule(o.schedule, o.stages, m_batches);
+    fmt::print("\n{} schedule, {} stage{}, {} micro-batch{} (F/B: forward/backward of micro-batch k; "
+               "sA/rA, sG/rG: send/receive its activation, gradient):\n{}",
+               schedule_kind_name(o.schedule), o.stages, o.stages == 1 ? "" : "s", m_batches,
+               m_batches == 1 ? "" : "es", format_pipeline_schedule(sc));
+    for (int st = 0; st < o.stages; ++st) {
+      fmt::print("stage {}: at most {} micro-batch{} alive\n", st, max_in_flight(sc, st),
+                 max_in_flight(sc, st) == 1 ? "" : "es");
+    }
+  }
+  return 0;
+}

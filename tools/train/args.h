@@ -1,0 +1,53 @@
+// The flags of `train`: what they are (define: names, help, checks), and what they ask for
+// (make_config: the TrainConfig, refusing combinations that make no sense, each with one
+// line). tools/train/main.cc runs the rest.
+#ifndef PIPESHARD_TOOLS_TRAIN_ARGS_H_
+#define PIPESHARD_TOOLS_TRAIN_ARGS_H_
+
+#include <cstdint>
+#include <string>
+
+#include <CLI/CLI.hpp>
+
+#include "common/status.h"
+#include "backend/backend.h"
+#include "runtime/trainer.h"
+
+namespace pipeshard::train_cli {
+
+// What the command line said; *_given: the flag appeared (its default depends on others).
+struct Args {
+  std::string model, data, labels, eval_data, eval_labels, metrics, save, checkpoint, resume, trace;
+  std::string loss = "cross-entropy", optimizer = "sgd", schedule = "constant", betas, device = "cpu";
+  std::string pipeline_schedule = "1f1b", balance = "params", on_nonfinite = "stop", precision = "fp32";
+  std::string gpu_comm = "staged";  // --gpu-comm staged|nccl
+  std::string tensorboard;  // --tensorboard DIR
+  std::string loss_scale;   // --loss-scale: "" (by precision), none, dynamic or a power of two
+  int micro_batches = 1;
+  bool sync_batchnorm = false;
+  bool cuda_graph = false;  // --cuda-graph
+  bool keep_activations = false;  // --keep-activations
+  double bucket_mb = 25;
+  double comm_timeout = 60;
+  double lr = 0, momentum = 0, eps = 0, weight_decay = 0, clip = 0;
+  bool lr_given = false, momentum_given = false, eps_given = false, weight_decay_given = false;
+  bool nesterov = false, no_shuffle = false;
+  int64_t batch_size = 32, steps = 0, epochs = 0, grad_accum = 1, warmup = 0, checkpoint_every = 0;
+  int64_t check_equivalence = 0;
+  uint64_t seed = 0;
+  std::string plot;  // --plot FILE.svg|png
+  int stages = 1, tensor_parallel = 1;
+};
+
+// Declares every flag on `app`, writing into `a`.
+void define(CLI::App& app, Args& a);
+
+// Turns the flags into a TrainConfig, refusing flags the chosen optimizer has no use for.
+Result<TrainConfig> make_config(const Args& a);
+
+// --precision as the backend's enum.
+Precision precision_of(const Args& a);
+
+}  // namespace pipeshard::train_cli
+
+#endif  // PIPESHARD_TOOLS_TRAIN_ARGS_H_
