@@ -1,11 +1,8 @@
 #include "backend/gpu.h"
 
-#include <dlfcn.h>
-#include <unistd.h>
-
-#include <climits>
-#include <mutex>
 #include <string>
+
+#include "backend/plugin.h"
 
 namespace pipeshard {
 namespace {
@@ -28,74 +25,32 @@ struct NcclPlugin {
   std::string error;  // why it could not be loaded
 };
 
-// The folder of the running executable, where the build puts the plugins.
-std::string executable_folder() {
-  char path[PATH_MAX] = {};
-  const ssize_t n = ::readlink("/proc/self/exe", path, sizeof path - 1);
-  if (n <= 0) return ".";
-  std::string p(path, static_cast<size_t>(n));
-  return p.substr(0, p.find_last_of('/'));
-}
-
-// Opens `name` beside the executable; null with the reason in `error`: `absent` when there
-// is no such file. RTLD_LOCAL: what the plugins define stays theirs. Libraries they share
-// with the process (libcudart, libpipeshard_watchdog) are found already loaded, by their
-// soname, and not loaded twice.
-void* open_plugin(const char* name, const std::string& absent, std::string* error) {
-  const std::string path = executable_folder() + "/" + name;
-  void* handle = ::dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);
-  if (handle == nullptr) {
-    const char* e = ::dlerror();
-    *error = ::access(path.c_str(), F_OK) != 0 ? absent : "cannot load " + path + ": " + (e ? e : "?");
-  }
-  return handle;
-}
-
-template <typename F>
-void find(void* handle, const char* symbol, F* entry) {
-  *entry = reinterpret_cast<F>(::dlsym(handle, symbol));
-}
-
 const Plugin& plugin() {
-  static Plugin p;
-  static std::once_flag once;
-  std::call_once(once, [] {
-    void* handle = open_plugin(kPlugin,
-                               "this build has no CUDA backend (no " + std::string(kPlugin) +
-                                   " beside the executable: the CUDA toolkit was not found when it was built)",
-                               &p.error);
-    if (handle == nullptr) return;
-    find(handle, "pipeshard_cuda_usable_gpus", &p.usable_gpus);
-    find(handle, "pipeshard_cuda_make_backend", &p.make_backend);
-    find(handle, "pipeshard_cuda_gpu_memory", &p.gpu_memory);
-    find(handle, "pipeshard_cuda_backend_stream", &p.backend_stream);
-    if (!p.usable_gpus || !p.make_backend || !p.gpu_memory || !p.backend_stream) {
-      p.error = executable_folder() + "/" + kPlugin + " lacks the pipeshard_cuda_* entry points: a plugin from "
-                "another build?";
-      p.usable_gpus = nullptr;
-      p.make_backend = nullptr;
-      p.gpu_memory = nullptr;
-      p.backend_stream = nullptr;
-    }
-  });
+  static const Plugin p = [] {
+    Plugin p;
+    p.error = open_plugin(kPlugin,
+                          "this build has no CUDA backend (no " + std::string(kPlugin) +
+                              " beside the executable: the CUDA toolkit was not found when it was built)",
+                          {{"pipeshard_cuda_usable_gpus", &p.usable_gpus},
+                           {"pipeshard_cuda_make_backend", &p.make_backend},
+                           {"pipeshard_cuda_gpu_memory", &p.gpu_memory},
+                           {"pipeshard_cuda_backend_stream", &p.backend_stream}})
+                  .message();
+    return p;
+  }();
   return p;
 }
 
 const NcclPlugin& nccl_plugin() {
-  static NcclPlugin p;
-  static std::once_flag once;
-  std::call_once(once, [] {
-    void* handle = open_plugin(kNcclPlugin,
-                               "this build has no NCCL communicator (no " + std::string(kNcclPlugin) +
-                                   " beside the executable: the CUDA toolkit or NCCL was not found when it was built)",
-                               &p.error);
-    if (handle == nullptr) return;
-    find(handle, "pipeshard_nccl_make_communicator", &p.make_communicator);
-    if (!p.make_communicator) {
-      p.error = executable_folder() + "/" + kNcclPlugin + " lacks pipeshard_nccl_make_communicator: a plugin from "
-                "another build?";
-    }
-  });
+  static const NcclPlugin p = [] {
+    NcclPlugin p;
+    p.error = open_plugin(kNcclPlugin,
+                          "this build has no NCCL communicator (no " + std::string(kNcclPlugin) +
+                              " beside the executable: the CUDA toolkit or NCCL was not found when it was built)",
+                          {{"pipeshard_nccl_make_communicator", &p.make_communicator}})
+                  .message();
+    return p;
+  }();
   return p;
 }
 
