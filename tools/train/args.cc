@@ -102,6 +102,32 @@ void define(CLI::App& app, Args& a) {
                "BatchNorm statistics over the global batch of all replicas (default: each replica's slice)");
 }
 
+Status parse_command_line(int argc, char** argv, bool prints, Args& a, std::optional<int>& answered) {
+  CLI::App app{
+      "Train an ONNX multilayer perceptron on NumPy data, step for step as PyTorch would, and write the trained\n"
+      "model back as ONNX; under mpirun, across processes (data, pipeline and tensor parallel). Examples:\n"
+      "  train models/simple_digits.onnx --data data/digits_features.npy --labels data/digits_labels.npy \\\n"
+      "        --optimizer adamw --epochs 5 --save trained.onnx\n"
+      "  mpirun -np 4 train models/simple_digits.onnx --data ... --labels ... --stages 2 --micro-batches 4",
+      "train"};
+  define(app, a);
+  Status parsed = Status::ok();
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    if (e.get_exit_code() == 0) {
+      answered = prints ? app.exit(e) : 0;
+      return Status::ok();
+    }
+    parsed = Status::error(std::string(e.what()) + " (see train --help)");
+  }
+  a.lr_given = app.count("--lr") > 0;
+  a.momentum_given = app.count("--momentum") > 0;
+  a.eps_given = app.count("--eps") > 0;
+  a.weight_decay_given = app.count("--weight-decay") > 0;
+  return parsed;
+}
+
 Result<TrainConfig> make_config(const Args& a) {
   TrainConfig c;
   c.loss = a.loss == "mse" ? LossKind::kMse : LossKind::kCrossEntropy;

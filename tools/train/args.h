@@ -1,10 +1,11 @@
 // The flags of `train`: what they are (define: names, help, checks), and what they ask for
 // (make_config: the TrainConfig, refusing combinations that make no sense, each with one
-// line). tools/train/main.cc runs the rest.
+// line). tools/train/setup.h checks the rest.
 #ifndef PIPESHARD_TOOLS_TRAIN_ARGS_H_
 #define PIPESHARD_TOOLS_TRAIN_ARGS_H_
 
 #include <cstdint>
+#include <optional>
 #include <string>
 
 #include <CLI/CLI.hpp>
@@ -41,6 +42,11 @@ struct Args {
 
 // Declares every flag on `app`, writing into `a`.
 void define(CLI::App& app, Args& a);
+
+// The command line, into `a`: OK, or the parse error as one line ending "(see train
+// --help)". --help is answered at once: printed when `prints` (rank 0, so that it appears
+// once), with the exit status it ends the process with in `answered`.
+Status parse_command_line(int argc, char** argv, bool prints, Args& a, std::optional<int>& answered);
 
 // Turns the flags into a TrainConfig, refusing flags the chosen optimizer has no use for.
 Result<TrainConfig> make_config(const Args& a);

@@ -1,15 +1,22 @@
 // train's step loop (tools/train/loop.h).
 #include "tools/train/loop.h"
 
-#include <csignal>
+#include <algorithm>
 #include <cmath>
+#include <csignal>
 #include <string>
 
 #include <fmt/core.h>
+#include <nlohmann/json.hpp>
 
 #include "comm/watchdog.h"
+#include "tools/train/stop_signal.h"
 
 namespace pipeshard::train_cli {
+namespace {
+
+constexpr int64_t kSkipsToReport = 10;  // skipped steps said one by one; the rest only counted
+
 // "step 7: the gradient of 'fc2.weight' (node 'fc2') became inf or NaN first, in backward
 // order (loss 2.31)", or "step 7: the loss became nan (...)".
 std::string non_finite_message(const StepResult& r) {
@@ -21,11 +28,7 @@ std::string non_finite_message(const StepResult& r) {
   return fmt::format("step {}: {} became inf or NaN, the first in backward order (loss {:.4g})", r.step, first, r.loss);
 }
 
-namespace {
-
 const char* signal_name(int signal) { return signal == SIGINT ? "SIGINT" : "SIGTERM"; }
-
-}  // namespace
 
 // The end of a run that SIGINT or SIGTERM stopped after `step`: a checkpoint, unless
 // this step has just written one, then every rank waits until it is on disk (a rank that
@@ -50,5 +53,191 @@ int stop_on_signal(int signal, int64_t step, int64_t total_steps, bool checkpoin
   world.barrier();
   return 128 + signal;
 }
+
+// "training MODEL (N parameters) on S samples: …", and what --sync-batchnorm does here.
+void say_what_trains(const Args& a, const Run& run) {
+  const ProcessLayout& layout = run.layout;
+  const TrainConfig& config = run.config;
+  std::string how;
+  if (layout.replicas > 1) how += fmt::format(", {} data-parallel replicas", layout.replicas);
+  if (layout.stages > 1) {
+    how += fmt::format(", {} pipeline stages ({}, {} micro-batches)", layout.stages, a.pipeline_schedule,
+                       config.micro_batches);
+  }
+  if (layout.shards > 1) how += fmt::format(", {} tensor-parallel shards", layout.shards);
+  fmt::print(stderr, "training {} ({} parameters) on {} samples: {} steps of {} samples, {}{}\n", a.model,
+             run.model->graph.total_parameter_count(), run.data->samples, config.total_steps,
+             config.batch_size * config.grad_accum, a.optimizer, how);
+  if (config.sync_batchnorm && layout.replicas == 1) {
+    fmt::print(stderr, "note: --sync-batchnorm has nothing to synchronise with one data-parallel replica\n");
+  }
+}
+
+// The loop, one step at a time. During training every rank sees the same loss and the
+// same collective results; what goes wrong is said once, by rank 0, and every rank stops
+// with status 2.
+class StepLoop {
+ public:
+  StepLoop(const Args& a, Run& run, Communicator& world)
+      : a_(a), run_(run), world_(world), trainer_(*run.trainer), config_(run.config), root_(world.rank() == 0),
+        live_(root_ && stderr_is_terminal()), log_(root_),
+        log_every_(std::max<int64_t>(1, config_.total_steps / 20)),
+        checkpoint_every_(a.checkpoint_every > 0 ? a.checkpoint_every : run.steps_per_epoch) {}
+
+  LoopOutcome run() {
+    trainer_.start_trace(!a_.trace.empty());
+    if (log_) say_what_trains(a_, run_);
+    if (!a_.plot.empty() && root_) {  // --plot: rank 0 collects and draws
+      const ProcessLayout& l = run_.layout;
+      out_.curves.emplace(TrainingRun{.model = a_.model, .optimizer = a_.optimizer, .loss = a_.loss,
+                                      .batch_size = config_.batch_size * config_.grad_accum,
+                                      .steps_per_epoch = run_.steps_per_epoch, .replicas = l.replicas,
+                                      .stages = l.stages, .shards = l.shards, .schedule = a_.pipeline_schedule,
+                                      .micro_batches = config_.micro_batches});
+    }
+    std::optional<StopSignals> signals(std::in_place);  // SIGINT and SIGTERM end the loop after a step
+    out_.started = last_ = std::chrono::steady_clock::now();
+    while (trainer_.steps_done() < config_.total_steps && !out_.exit) out_.exit = step(*signals);
+    signals.reset();  // from here on, a signal ends the process at once
+    if (live_ && !out_.exit) fmt::print(stderr, "\n");
+    return std::move(out_);
+  }
+
+ private:
+  int stop(const std::string& message) const { return root_ ? fail(message) : kExitBadInput; }
+
+  // One step and all that follows it; the exit status when the run ends here.
+  std::optional<int> step(const StopSignals& signals) {
+    StepResult r = trainer_.step();
+    // One all-reduce per step agrees on signals and on gradients that went bad.
+    watchdog_activity(r.step, "end of step");
+    bool bad_gradients = !r.gradients_finite;  // --on-nonfinite stop: the optimizer's check
+    const int signal = signals.agreed(world_, bad_gradients);
+    if (bad_gradients) {  // before anything could save the weights this step spoiled
+      const std::string first = trainer_.first_non_finite_gradient();
+      stop(fmt::format("step {}: the gradient of {} became inf or NaN, the first in backward order (loss {:.4g}); "
+                       "stopped before saving anything of this step. Lower --lr, clip with --clip-grad-norm, or go on "
+                       "past such steps with --on-nonfinite skip", r.step, first, r.loss));
+      world_.barrier();
+      return kExitBadInput;
+    }
+    const auto now = std::chrono::steady_clock::now();
+    const double seconds = std::chrono::duration<double>(now - last_).count();
+    last_ = now;
+    const double samples_per_s = config_.batch_size * config_.grad_accum / std::max(seconds, 1e-9);
+    if (std::optional<int> exit = skip_if_non_finite(r)) return exit;
+    say_overflow(r);
+    write_metrics(r, samples_per_s);
+    if (run_.board) {
+      if (Status s = run_.board->add_step(trainer_, r, samples_per_s); !s) return stop(s.message());
+    }
+    add_to_epoch(r);
+    say_progress(r, samples_per_s);
+    if (std::optional<int> exit = evaluate_at_epoch_end(r)) return exit;
+    const bool checkpointed = !a_.checkpoint.empty() && (r.step % checkpoint_every_ == 0 || r.step == config_.total_steps);
+    if (checkpointed) {
+      const WatchdogSlowPhase slow("checkpoint");
+      if (Status s = trainer_.save_checkpoint(a_.checkpoint, run_.checkpoint_crash); !s) return stop(s.message());
+    }
+    if (signal != 0) return stop_on_signal(signal, r.step, config_.total_steps, checkpointed, a_, run_, world_);
+    return std::nullopt;
+  }
+
+  // A step whose loss or gradients were not finite: every rank knows, and all stop here or
+  // skip it, after rank 0 has said why.
+  std::optional<int> skip_if_non_finite(const StepResult& r) {
+    if (!r.non_finite) return std::nullopt;
+    const std::string what = non_finite_message(r);
+    if (config_.on_nonfinite == NonFinite::kStop) {
+      stop(what + "; nothing of this step was applied. Lower --lr, clip with --clip-grad-norm, or go on past such "
+                  "steps with --on-nonfinite skip");
+      world_.barrier();
+      return kExitBadInput;
+    }
+    if (log_ && ++out_.skipped <= kSkipsToReport) {
+      fmt::print(stderr, "{}{}; step skipped{}\n", live_ ? "\r\x1b[K" : "", what,
+                 out_.skipped == kSkipsToReport ? " (further skips are only counted)" : "");
+    }
+    return std::nullopt;
+  }
+
+  // --loss-scale dynamic skipped the step: a gradient overflowed under the scale.
+  void say_overflow(const StepResult& r) {
+    if (r.scale_overflow && log_ && ++out_.overflowed <= kSkipsToReport) {
+      fmt::print(stderr, "{}step {}: a gradient overflowed under loss scale {:g}; step skipped, the scale halves to {:g}{}\n",
+                 live_ ? "\r\x1b[K" : "", r.step, r.loss_scale, trainer_.loss_scale(),
+                 out_.overflowed == kSkipsToReport ? " (further overflows are only counted)" : "");
+    } else if (r.scale_overflow) {
+      ++out_.overflowed;
+    }
+  }
+
+  void write_metrics(const StepResult& r, double samples_per_s) {
+    if (!run_.metrics.is_open()) return;
+    nlohmann::json row{{"step", r.step}, {"epoch", r.epoch}, {"loss", r.loss}, {"lr", r.lr}, {"samples_per_s", samples_per_s}};
+    if (r.non_finite || r.scale_overflow) row["skipped"] = true;
+    if (r.loss_scale > 0) row["loss_scale"] = r.loss_scale;
+    row["backend_peak_bytes"] = run_.backend->memory_use().peak;  // this process's (rank 0's)
+    run_.metrics << row.dump() << "\n" << std::flush;
+  }
+
+  void add_to_epoch(const StepResult& r) {
+    if (r.epoch != current_epoch_) {
+      current_epoch_ = r.epoch;
+      epoch_loss_ = 0;
+      epoch_steps_ = 0;
+    }
+    if (std::isfinite(r.loss)) {  // a skipped step's NaN would poison the epoch's mean and the plot
+      epoch_loss_ += r.loss;
+      if (out_.curves) out_.curves->add_step(r.step, r.loss);
+      ++epoch_steps_;
+    }
+  }
+
+  void say_progress(const StepResult& r, double samples_per_s) const {
+    const std::string line = fmt::format("step {}/{}  epoch {}  loss {:.4f}  lr {:.3g}  {:.0f} samples/s", r.step,
+                                         config_.total_steps, r.epoch, r.loss, r.lr, samples_per_s);
+    if (live_) {
+      fmt::print(stderr, "\r{}\x1b[K", line);
+    } else if (log_ && (r.step % log_every_ == 0 || r.step == config_.total_steps)) {
+      fmt::print(stderr, "{}\n", line);
+    }
+  }
+
+  // --eval-data after the last step of each epoch. Every rank takes part; rank 0 reports.
+  std::optional<int> evaluate_at_epoch_end(const StepResult& r) {
+    if (r.step % run_.steps_per_epoch != 0 || !run_.eval) return std::nullopt;
+    const WatchdogSlowPhase slow("evaluation");
+    EvalResult e = trainer_.evaluate(*run_.eval);
+    if (log_) {
+      fmt::print(stderr, "{}epoch {}: train loss {:.4f}  eval loss {:.4f}{}\n", live_ ? "\r\x1b[K" : "", r.epoch,
+                 epoch_loss_ / epoch_steps_, e.loss,
+                 e.accuracy >= 0 ? fmt::format("  eval accuracy {:.1f}%", 100 * e.accuracy) : "");
+    }
+    if (run_.board) {
+      if (Status s = run_.board->add_eval(r.step, e); !s) return stop(s.message());
+    }
+    if (out_.curves) out_.curves->add_eval(r.epoch, r.step, e.loss, e.accuracy);
+    return std::nullopt;
+  }
+
+  const Args& a_;
+  Run& run_;
+  Communicator& world_;
+  Trainer& trainer_;
+  const TrainConfig& config_;
+  const bool root_;  // writes metrics, checkpoints and the log
+  const bool live_;  // a progress line on a terminal, rewritten each step
+  const bool log_;
+  const int64_t log_every_, checkpoint_every_;
+  std::chrono::steady_clock::time_point last_;  // the end of the previous step
+  double epoch_loss_ = 0;
+  int64_t epoch_steps_ = 0, current_epoch_ = 0;
+  LoopOutcome out_;
+};
+
+}  // namespace
+
+LoopOutcome run_steps(const Args& a, Run& run, Communicator& world) { return StepLoop(a, run, world).run(); }
 
 }  // namespace pipeshard::train_cli

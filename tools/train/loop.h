@@ -1,27 +1,35 @@
-// train's step loop: steps, what each says, signals and checkpoints.
+// train's step loop: the steps, what rank 0 says after each (progress, skipped steps,
+// evaluation), --metrics and --tensorboard rows, checkpoints, and SIGINT/SIGTERM, which
+// end it after the step in progress with a checkpoint (tools/train/stop_signal.h).
 #ifndef PIPESHARD_TOOLS_TRAIN_LOOP_H_
 #define PIPESHARD_TOOLS_TRAIN_LOOP_H_
 
+#include <chrono>
 #include <cstdint>
-#include <string>
+#include <optional>
 
 #include "comm/comm.h"
-#include "runtime/trainer.h"
+#include "tools/plot/pictures.h"
 #include "tools/train/args.h"
 #include "tools/train/run.h"
 
 namespace pipeshard::train_cli {
 
-// "step 7: the gradient of 'fc2.weight' (node 'fc2') became inf or NaN first, in backward
-// order (loss 2.31)", or "step 7: the loss became nan (...)".
-std::string non_finite_message(const StepResult& r);
+// How the loop ended, for the report (tools/train/report.h).
+struct LoopOutcome {
+  // Set when the run stopped before its last step: a step that went bad, a signal, a file
+  // that could not be written. The exit status; what went wrong has been said.
+  std::optional<int> exit;
+  int64_t skipped = 0;     // --on-nonfinite skip: steps whose loss or gradients were not finite
+  int64_t overflowed = 0;  // --loss-scale dynamic: steps skipped for a gradient that overflowed
+  std::chrono::steady_clock::time_point started;  // before the first step
+  std::optional<TrainingCurves> curves;           // --plot, on rank 0: the run so far
+};
 
-// The end of a run that SIGINT or SIGTERM stopped after `step`: a checkpoint, unless
-// this step has just written one, then every rank waits until it is on disk (a rank that
-// exits first makes mpirun end the job, rank 0 included). Returns 128 + the signal, as a
-// shell reports a process the signal ended: 130 for SIGINT, 143 for SIGTERM.
-int stop_on_signal(int signal, int64_t step, int64_t total_steps, bool checkpointed, const Args& a, Run& run,
-                   Communicator& world);
+// Runs the steps of run.config.total_steps that run.trainer has not taken yet (--resume),
+// saying first, on rank 0, what it trains. Collective over `world`: every rank runs the same
+// steps and stops after the same one.
+LoopOutcome run_steps(const Args& a, Run& run, Communicator& world);
 
 }  // namespace pipeshard::train_cli
 

@@ -2,14 +2,24 @@
 #include "tools/train/report.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cstdint>
+#include <string>
+#include <vector>
 
 #include <fmt/core.h>
+#include <fmt/format.h>
 
+#include "comm/watchdog.h"
 #include "common/host_memory.h"
+#include "importer/onnx_writer.h"
+#include "tools/plot/plot.h"
 
 namespace pipeshard::train_cli {
+namespace {
 
+// "peak …: …" from every process's peak of backend memory (decimal byte counts) and
+// what rank 0's holds.
 std::string peak_memory_line(const std::vector<std::string>& peaks, const std::string& device,
                              const Trainer::Memory& mine) {
   const char* where = device == "cuda" ? "GPU memory held by the backend" : "memory held by the backend";
@@ -25,6 +35,73 @@ std::string peak_memory_line(const std::vector<std::string>& peaks, const std::s
   const auto [lo, hi] = std::minmax_element(bytes.begin(), bytes.end());
   return fmt::format("peak {} per process: {} at most (rank {}), {} at least (rank {}); rank 0: {}", where,
                      bytes_text(*hi), hi - bytes.begin(), bytes_text(*lo), lo - bytes.begin(), parts);
+}
+
+// Rank 0's lines about the run: how long, what it skipped, the CUDA graph's recordings
+// and the peak memory line (from `peaks`, every process's).
+void say_how_it_went(const Args& a, const Run& run, const LoopOutcome& loop, const std::vector<std::string>& peaks) {
+  const TrainConfig& config = run.config;
+  const Trainer& trainer = *run.trainer;
+  const double total = std::chrono::duration<double>(std::chrono::steady_clock::now() - loop.started).count();
+  std::vector<std::string> skips;
+  if (loop.skipped > 0) skips.push_back(fmt::format("{} skipped: loss or gradients not finite", loop.skipped));
+  if (loop.overflowed > 0) {
+    skips.push_back(fmt::format("{} skipped: gradients overflowed under the loss scale, now {:g}", loop.overflowed,
+                                trainer.loss_scale()));
+  }
+  fmt::print(stderr, "done: {} steps{} in {:.2f} s\n", config.total_steps,
+             skips.empty() ? "" : " (" + fmt::format("{}", fmt::join(skips, "; ")) + ")", total);
+  if (config.cuda_graph) {
+    fmt::print(stderr, "cuda graph: after this process's first step, forward and backward ran from {} recordings\n",
+               trainer.recordings());
+  }
+  fmt::print(stderr, "{}\n", peak_memory_line(peaks, a.device, trainer.memory()));
+}
+
+// The pipeline bubble, measured and in theory: said by rank 0 and put on --tensorboard.
+Status report_bubble(const Run& run, bool log) {
+  const Trainer::Bubble b = run.trainer->pipeline_bubble();
+  if (log) {
+    fmt::print(stderr, "pipeline bubble: stages idle {:.1f}% of the schedule's time (measured, transfers included); "
+               "theory (P-1)/(M+P-1) = {:.1f}% for P={}, M={}\n", 100 * b.measured, 100 * b.theoretical,
+               run.layout.stages, run.config.micro_batches);
+  }
+  if (run.board) return run.board->add_bubble(run.config.total_steps, b);
+  return Status::ok();
+}
+
+}  // namespace
+
+int report_finished_run(const Args& a, Run& run, Communicator& world, const LoopOutcome& loop) {
+  const bool root = world.rank() == 0;
+  // What goes wrong in a collective part is said once, by rank 0; every rank stops with status 2.
+  const auto stop = [root](const std::string& message) { return root ? fail(message) : kExitBadInput; };
+  Trainer& trainer = *run.trainer;
+  // Every process's peak of backend memory, to rank 0 (collective).
+  const std::vector<std::string> peaks = world.gather_text(std::to_string(run.backend->memory_use().peak), 0);
+  if (root) say_how_it_went(a, run, loop, peaks);
+  const WatchdogSlowPhase slow("writing results");  // rank 0 writes, the others wait
+  // The trained model first: what follows only describes the run.
+  if (!a.save.empty()) {
+    Graph trained = run.model->graph;  // host copy for the saved model
+    trainer.download_parameters(trained);  // gathers every stage and shard on rank 0
+    if (root) {
+      if (Status s = write_trained_model(*run.model, trained, a.save); !s) return fail(s.message());
+      fmt::print(stderr, "wrote {}\n", a.save);
+    }
+  }
+  if (run.layout.stages > 1) {
+    if (Status s = report_bubble(run, root); !s) return stop(s.message());
+  }
+  if (!a.trace.empty()) {
+    if (Status s = trainer.write_trace(a.trace); !s) return stop(s.message());
+    if (root) fmt::print(stderr, "wrote {} (open it in https://ui.perfetto.dev or chrome://tracing)\n", a.trace);
+  }
+  if (loop.curves) {
+    if (Status s = draw_picture(loop.curves->data(), a.plot); !s) return fail("--plot: " + s.message());
+    fmt::print(stderr, "wrote {}\n", a.plot);
+  }
+  return 0;
 }
 
 }  // namespace pipeshard::train_cli

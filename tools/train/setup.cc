@@ -16,6 +16,7 @@
 #include "backend/gpu.h"
 #include "comm/comm_staged.h"
 #include "common/host_memory.h"
+#include "comm/watchdog.h"
 #include "tools/plot/plot.h"
 
 namespace pipeshard::train_cli {
@@ -68,8 +69,6 @@ std::unique_ptr<Communicator> split_by_machine(Communicator& world) {
   const uint64_t color = std::hash<std::string>{}(host) & 0x3fffffff;
   return world.split(static_cast<int>(color), world.rank());
 }
-
-}  // namespace
 
 // Everything before the first step. Every rank runs it and stops at its first error. The
 // one collective inside, splitting the world into groups, comes right after the layout,
@@ -187,9 +186,6 @@ Status check_memory(const Args& a, Communicator& world, const Run& run) {
       bytes_text(memory.available)));
 }
 
-// The GPU this process computes on: by design.md, its rank on the machine.
-int my_gpu() { return local_rank() % std::max(1, usable_gpus(nullptr)); }
-
 Status create_backend(const Args& a, Run& run) {
   if (a.device == "cuda") {
     Result<std::unique_ptr<Backend>> gpu = make_gpu_backend(my_gpu(), precision_of(a));
@@ -232,16 +228,6 @@ void make_device_groups(const Args& a, Communicator& world, Run& run) {
   if (run.groups.tensor->size() > 1) {
     run.device_groups.tensor = make_gpu_nccl_communicator(*run.groups.tensor, my_gpu(), *run.backend);
   }
-}
-
-// A rank that leaves with an error (or a signal, or a failed equivalence check) does not
-// shut its NCCL communicators down in order: ncclCommDestroy waits for the other ranks of
-// the machine, which may still be training or waiting on this one. The process's exit frees
-// the GPU's resources, and mpirun ends the job, as for MPI (comm.h: no MPI_Finalize then).
-void abandon_nccl(Run& run) {
-  if (run.device_comm != DeviceComm::kNccl) return;
-  (void)run.device_groups.data.release();
-  (void)run.device_groups.tensor.release();
 }
 
 // The trainer, which allocates the parameters, gradients, optimizer state and
@@ -292,6 +278,43 @@ bool agree_on_set_up(Communicator& world, const Status& mine) {
   // non-zero exit, which could otherwise cut rank 0 off before its line is out.
   world.barrier();
   return false;
+}
+
+// While armed, a rank left waiting on a lost one ends the job.
+void arm_watchdog(const Args& a, Communicator& world, const ProcessLayout& l) {
+  if (world.size() == 1) return;
+  watchdog_arm(a.comm_timeout, "train",
+               fmt::format("rank {} (stage {}, replica {}, shard {})", world.rank(), l.stage, l.replica, l.shard));
+}
+
+}  // namespace
+
+// The GPU this process computes on: by design.md, its rank on the machine.
+int my_gpu() { return local_rank() % std::max(1, usable_gpus(nullptr)); }
+
+// A rank that leaves with an error (or a signal, or a failed equivalence check) does not
+// shut its NCCL communicators down in order: ncclCommDestroy waits for the other ranks of
+// the machine, which may still be training or waiting on this one. The process's exit frees
+// the GPU's resources, and mpirun ends the job, as for MPI (comm.h: no MPI_Finalize then).
+void abandon_nccl(Run& run) {
+  if (run.device_comm != DeviceComm::kNccl) return;
+  (void)run.device_groups.data.release();
+  (void)run.device_groups.tensor.release();
+}
+
+bool set_up_run(const Args& a, const Status& parsed, Communicator& world, Run& run) {
+  if (!agree_on_set_up(world, parsed ? set_up(a, world, run) : parsed)) return false;
+  if (!agree_on_set_up(world, check_gpu_comm(a, world))) return false;
+  if (!agree_on_set_up(world, create_backend(a, run))) return false;
+  if (!agree_on_set_up(world, check_memory(a, world, run))) return false;
+  // Every rank is here: NCCL's set-up waits on the other ranks of each group, watched as
+  // training is. Not create_trainer, where --resume may keep one rank reading for long.
+  arm_watchdog(a, world, run.layout);
+  make_device_groups(a, world, run);
+  watchdog_disarm();
+  if (!agree_on_set_up(world, create_trainer(a, world, run))) return false;
+  arm_watchdog(a, world, run.layout);  // from here on, for good
+  return true;
 }
 
 // How the processes exchange the tensors in the backend's memory, said once by rank 0
