@@ -25,7 +25,7 @@
 #include <vector>
 
 #include "backend/backend.h"
-#include "backend/gpu.h"
+#include "backend/registry.h"
 
 namespace pipeshard::testing {
 
@@ -111,9 +111,7 @@ inline std::unique_ptr<Backend> backend_under_test(std::string* why) {
   const char* wanted = std::getenv("PIPESHARD_TEST_BACKEND");
   if (wanted == nullptr || std::string(wanted) == "cpu") return make_cpu_backend();
   if (std::string(wanted) == "cuda") {
-    std::string reason;
-    Result<std::unique_ptr<Backend>> gpu = usable_gpus(&reason) > 0 ? make_gpu_backend(0, Precision::kFp32)
-                                                                      : Status::error("no usable GPU: " + reason);
+    Result<std::unique_ptr<Backend>> gpu = make_backend("cuda", {.device = 0, .precision = Precision::kFp32});
     if (gpu) return std::move(*gpu);
     *why = gpu.status().message() + "; the GPU check runs these on a machine with one";
     return nullptr;

@@ -268,10 +268,9 @@ CUstream_st* cuda_backend_stream(Backend& backend) {
 Result<std::unique_ptr<Backend>> make_cuda_backend(int device, Precision precision) {
   std::string why;
   const int count = cuda_usable_gpus(&why);
-  if (count == 0) return Status::error("--device cuda: no usable GPU (" + why + ")");
+  if (count == 0) return Status::error("no usable GPU (" + why + ")");
   if (device < 0 || device >= count) {
-    return Status::error("--device cuda: GPU " + std::to_string(device) + " asked for, but " + std::to_string(count) +
-                         " visible");
+    return Status::error("GPU " + std::to_string(device) + " asked for, but " + std::to_string(count) + " visible");
   }
   return std::unique_ptr<Backend>(new CudaBackend(device, precision));
 }

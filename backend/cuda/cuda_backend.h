@@ -1,6 +1,6 @@
 // The CUDA backend: a second implementation of Backend (backend/backend.h) on one GPU,
 // tested against the CPU backend (the reference) by the same suites. It is built into a
-// plugin (plugin.cc) that the tools open only when asked for a GPU: use backend/gpu.h.
+// plugin (plugin.cc) that the tools open only when asked for a GPU: use backend/registry.h.
 #ifndef PIPESHARD_BACKEND_CUDA_CUDA_BACKEND_H_
 #define PIPESHARD_BACKEND_CUDA_CUDA_BACKEND_H_
 
@@ -18,8 +18,8 @@ namespace pipeshard {
 // kFp32; kTf32 (GEMMs on tensor cores with TF32 inputs and fp32 accumulation); kBf16 or
 // kFp16 (GEMMs on bf16/fp16 copies of their fp32 operands, rounded to nearest even, with
 // fp32 accumulation; buffers, weights and optimizer state stay fp32, every other kernel
-// computes in fp32, and fp16's loss scaling is the caller's). Errors: no usable GPU (the
-// driver's reason), a device index beyond the count.
+// computes in fp32, and fp16's loss scaling is the caller's). Errors: "no usable GPU (<the
+// driver's reason>)", a device index beyond the count.
 Result<std::unique_ptr<Backend>> make_cuda_backend(int device, Precision precision);
 
 // GPUs this process can use; 0 with the driver's reason in `why` (cudaGetDeviceCount

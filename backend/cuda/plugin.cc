@@ -1,5 +1,6 @@
-// The plugin's C entry points, which backend/gpu.cc finds with dlsym. The Backend object
-// crosses the boundary as a C++ object: the plugin and its loader come from one build.
+// The plugin's C entry points, which the backend registry (backend/registry.cc) finds with
+// dlsym. The Backend object crosses the boundary as a C++ object: the plugin and its loader
+// come from one build.
 #include <cstdint>
 #include <cstdio>
 #include <string>

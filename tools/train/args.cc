@@ -5,8 +5,21 @@
 #include <cmath>
 #include <cstdio>
 #include <system_error>
+#include <vector>
+
+#include "backend/registry.h"
 
 namespace pipeshard::train_cli {
+namespace {
+
+// What --device may say: the backend registry's rows.
+std::vector<std::string> backend_names() {
+  std::vector<std::string> names;
+  for (const BackendKind& kind : backend_kinds()) names.push_back(kind.name);
+  return names;
+}
+
+}  // namespace
 
 void define(CLI::App& app, Args& a) {
   app.add_option("model", a.model, "ONNX model to train (as written by torch.onnx.export)")->required();
@@ -41,7 +54,7 @@ void define(CLI::App& app, Args& a) {
   app.add_option("--resume", a.resume, "continue the run saved in this checkpoint folder");
   app.add_option("--device", a.device, "cpu (default) or cuda: each process computes on GPU (its rank on the machine) mod (GPUs there), "
                  "so several processes may share one")
-      ->check(CLI::IsMember({"cpu", "cuda"}));
+      ->check(CLI::IsMember(backend_names()));
   app.add_option("--precision", a.precision,
                  "fp32 (default) or, with --device cuda: tf32 (tensor-core GEMMs, fp32 accumulation), bf16 or fp16 "
                  "(GEMMs on 16-bit copies of their operands, fp32 accumulation; weights, optimizer state and every "

@@ -6,7 +6,6 @@
 #include <optional>
 
 #include "backend/backend.h"
-#include "backend/gpu.h"
 #include "comm/comm.h"
 #include "common/cli.h"
 #include "tools/train/args.h"
@@ -33,13 +32,12 @@ int run_training(Communicator& world, Run& run, int argc, char** argv) {
   // What only a neighbour can tell: the rank that finds a mismatch says so, and its exit
   // ends the job.
   if (Status s = run.trainer->check_links(); !s) return fail(s.message());
-  if (root) say_how_tensors_travel(a, run);
+  if (root) say_how_tensors_travel(run);
   if (a.check_equivalence > 0) {
-    const auto same_kind = [&a]() -> std::unique_ptr<Backend> {
-      if (a.device != "cuda") return make_cpu_backend();
-      Result<std::unique_ptr<Backend>> gpu = make_gpu_backend(my_gpu(), precision_of(a));
-      PIPESHARD_CHECK(gpu.is_ok(), gpu.status().message());  // this process made one already
-      return std::move(*gpu);
+    const auto same_kind = [&a, &run]() -> std::unique_ptr<Backend> {
+      Result<std::unique_ptr<Backend>> backend = make_backend_like_this_one(a, run);
+      PIPESHARD_CHECK(backend.is_ok(), backend.status().message());  // this process made one already
+      return std::move(*backend);
     };
     return check_equivalence(run.model->graph, *run.data, run.config, *run.trainer, a.check_equivalence, world,
                              same_kind);

@@ -20,9 +20,9 @@ namespace {
 
 // "peak …: …" from every process's peak of backend memory (decimal byte counts) and
 // what rank 0's holds.
-std::string peak_memory_line(const std::vector<std::string>& peaks, const std::string& device,
+std::string peak_memory_line(const std::vector<std::string>& peaks, const BackendKind& device,
                              const Trainer::Memory& mine) {
-  const char* where = device == "cuda" ? "GPU memory held by the backend" : "memory held by the backend";
+  const std::string where = std::string(device.memory_noun) + " held by the backend";
   std::vector<int64_t> bytes;
   for (const std::string& p : peaks) bytes.push_back(std::stoll(p));
   const Program::Memory& m = mine.program;
@@ -39,7 +39,7 @@ std::string peak_memory_line(const std::vector<std::string>& peaks, const std::s
 
 // Rank 0's lines about the run: how long, what it skipped, the CUDA graph's recordings
 // and the peak memory line (from `peaks`, every process's).
-void say_how_it_went(const Args& a, const Run& run, const LoopOutcome& loop, const std::vector<std::string>& peaks) {
+void say_how_it_went(const Run& run, const LoopOutcome& loop, const std::vector<std::string>& peaks) {
   const TrainConfig& config = run.config;
   const Trainer& trainer = *run.trainer;
   const double total = std::chrono::duration<double>(std::chrono::steady_clock::now() - loop.started).count();
@@ -55,7 +55,7 @@ void say_how_it_went(const Args& a, const Run& run, const LoopOutcome& loop, con
     fmt::print(stderr, "cuda graph: after this process's first step, forward and backward ran from {} recordings\n",
                trainer.recordings());
   }
-  fmt::print(stderr, "{}\n", peak_memory_line(peaks, a.device, trainer.memory()));
+  fmt::print(stderr, "{}\n", peak_memory_line(peaks, *run.device, trainer.memory()));
 }
 
 // The pipeline bubble, measured and in theory: said by rank 0 and put on --tensorboard.
@@ -79,7 +79,7 @@ int report_finished_run(const Args& a, Run& run, Communicator& world, const Loop
   Trainer& trainer = *run.trainer;
   // Every process's peak of backend memory, to rank 0 (collective).
   const std::vector<std::string> peaks = world.gather_text(std::to_string(run.backend->memory_use().peak), 0);
-  if (root) say_how_it_went(a, run, loop, peaks);
+  if (root) say_how_it_went(run, loop, peaks);
   const WatchdogSlowPhase slow("writing results");  // rank 0 writes, the others wait
   // The trained model first: what follows only describes the run.
   if (!a.save.empty()) {

@@ -11,6 +11,7 @@
 #include <string>
 
 #include "backend/backend.h"
+#include "backend/registry.h"
 #include "comm/comm.h"
 #include "common/cli.h"
 #include "common/fault_injection.h"
@@ -46,6 +47,7 @@ struct Run {
   std::optional<ImportedModel> model;
   std::optional<Dataset> data, eval;
   int64_t steps_per_epoch = 1;
+  const BackendKind* device = nullptr;  // the --device row of the backend registry
   std::unique_ptr<Backend> backend;
   // The groups over the backend's memory when it is not host memory (Parallel::device_groups).
   DeviceComm device_comm = DeviceComm::kHost;

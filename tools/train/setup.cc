@@ -14,6 +14,7 @@
 #include <fmt/core.h>
 
 #include "backend/gpu.h"
+#include "backend/registry.h"
 #include "comm/comm_staged.h"
 #include "common/host_memory.h"
 #include "comm/watchdog.h"
@@ -42,24 +43,31 @@ int local_rank() {
   return 0;
 }
 
-// --device and --precision, before anything is loaded.
-Status check_device(const Args& a) {
-  if (a.device == "cpu") {
-    if (a.precision != "fp32") {
-      return Status::error("--precision " + a.precision + " needs --device cuda: the CPU backend computes in fp32");
-    }
-    if (a.cuda_graph) {
-      return Status::error("--cuda-graph needs --device cuda: the CPU backend has no kernel launches to save");
-    }
-    if (a.gpu_comm != "staged") {
-      return Status::error("--gpu-comm " + a.gpu_comm + " needs --device cuda: the CPU backend's tensors travel over MPI");
-    }
-    return Status::ok();
+// --device, --precision, --cuda-graph and --gpu-comm, before anything is loaded: what
+// the backend registry says `device` (the --device row) does.
+Status check_device(const Args& a, const BackendKind& device) {
+  const Precision precision = precision_of(a);
+  if (!device.computes_in(precision)) {
+    const std::string where = backend_names_where([&](const BackendKind& k) { return k.computes_in(precision); });
+    return Status::error("--precision " + a.precision + " needs --device " + where + ": " + device.title +
+                         " computes in " + precision_list(device));
   }
-  std::string why;
-  if (usable_gpus(&why) == 0) return Status::error("--device cuda: no usable GPU (" + why + ")");
-  return Status::ok();
+  if (a.cuda_graph && !device.records_work) {
+    const std::string where = backend_names_where([](const BackendKind& k) { return k.records_work; });
+    return Status::error("--cuda-graph needs --device " + where + ": " + device.title + " " + device.why_no_recording);
+  }
+  if (device.memory == BackendMemory::kHost && a.gpu_comm != "staged") {
+    const std::string where =
+        backend_names_where([](const BackendKind& k) { return k.memory == BackendMemory::kDevice; });
+    return Status::error("--gpu-comm " + a.gpu_comm + " needs --device " + where + ": " + device.title +
+                         "'s tensors travel over MPI");
+  }
+  return check_usable(device).with_context("--device " + a.device);
 }
+
+// The device of `kind` this process computes on: by design.md, its rank on the machine,
+// modulo the devices there.
+int my_device(const BackendKind& kind) { return local_rank() % std::max(1, kind.usable_devices(nullptr)); }
 
 // The ranks of `world` on this machine (those that share its host name), in world order.
 // Collective over `world`.
@@ -79,7 +87,9 @@ Status set_up(const Args& a, Communicator& world, Run& run) {
   run.layout = *layout;
   run.groups = make_process_groups(world, run.layout);
   const bool root = world.rank() == 0;
-  PIPESHARD_RETURN_IF_ERROR(check_device(a));
+  run.device = find_backend(a.device);
+  PIPESHARD_CHECK(run.device != nullptr, "--device " + a.device + ": the flag takes only the registry's names");
+  PIPESHARD_RETURN_IF_ERROR(check_device(a, *run.device));
   if (a.eval_data.empty() != a.eval_labels.empty()) return Status::error("--eval-data and --eval-labels go together");
   if (!a.save.empty()) PIPESHARD_RETURN_IF_ERROR(check_output_file("--save", a.save));
   if (!a.trace.empty()) PIPESHARD_RETURN_IF_ERROR(check_output_file("--trace", a.trace));
@@ -122,10 +132,10 @@ Status set_up(const Args& a, Communicator& world, Run& run) {
 // needs a GPU of its own, and the NCCL plugin must load. Collective over `world`, and the
 // verdict is the same on every rank (sums over the world): NCCL's set-up waits for every
 // rank of a group, so if one rank went on without the others it would hang.
-Status check_gpu_comm(const Args& a, Communicator& world) {
+Status check_gpu_comm(const Args& a, Communicator& world, const Run& run) {
   if (a.gpu_comm != "nccl" || world.size() == 1) return Status::ok();
   std::unique_ptr<Communicator> machine = split_by_machine(world);
-  const int gpus = usable_gpus(nullptr);
+  const int gpus = run.device->usable_devices(nullptr);
   const bool leader = machine->rank() == 0;  // counts its machine once
   const bool crowded = machine->size() > gpus;
   const double crowded_machines = world.all_reduce_sum(leader && crowded ? 1.0 : 0.0);
@@ -148,25 +158,26 @@ Status check_gpu_comm(const Args& a, Communicator& world) {
 // the partitioner's estimate of each rank's parameters, gradients, optimizer state and
 // activations in flight. Collective over `world`: the ranks of one machine add up their
 // needs (a machine is the ranks that share a host name).
-Status check_memory(const Args& a, Communicator& world, const Run& run) {
+Status check_memory(Communicator& world, const Run& run) {
   const std::vector<int64_t> per_stage =
       Trainer::memory_per_stage(run.model->graph, run.config, run.layout, *run.backend);
   const int64_t mine = per_stage.empty() ? 0 : per_stage[run.layout.stage];
   std::unique_ptr<Communicator> machine = split_by_machine(world);
-  if (a.device == "cuda") {  // the processes that share this one's GPU add up their needs
-    const int gpu = local_rank() % std::max(1, usable_gpus(nullptr));
+  const BackendKind& device = *run.device;
+  if (device.memory == BackendMemory::kDevice) {  // the processes that share this one's device add up their needs
+    const int gpu = my_device(device);
     std::unique_ptr<Communicator> sharing = machine->split(gpu, machine->rank());
     const double on_gpu = sharing->all_reduce_sum(static_cast<double>(mine));
     int64_t free = 0, total = 0;
-    if (gpu_memory(gpu, &free, &total) && on_gpu > static_cast<double>(free)) {
+    if (device.device_memory(gpu, &free, &total) && on_gpu > static_cast<double>(free)) {
       const int ranks = sharing->size();
       return Status::error(fmt::format(
-          "training needs about {} on GPU {} ({}; the partitioner's estimate of parameters, gradients, optimizer "
-          "state and activations in flight) but it has {} free of {}: use more GPUs (--stages, --tensor-parallel), "
+          "training needs about {} on {} {} ({}; the partitioner's estimate of parameters, gradients, optimizer "
+          "state and activations in flight) but it has {} free of {}: use more {}s (--stages, --tensor-parallel), "
           "a smaller --batch-size or more --micro-batches",
-          bytes_text(static_cast<int64_t>(on_gpu)), gpu,
+          bytes_text(static_cast<int64_t>(on_gpu)), device.device_noun, gpu,
           ranks == 1 ? "one process" : fmt::format("{} processes, {} for this one", ranks, bytes_text(mine)),
-          bytes_text(free), bytes_text(total)));
+          bytes_text(free), bytes_text(total), device.device_noun));
     }
     return Status::ok();
   }
@@ -187,13 +198,10 @@ Status check_memory(const Args& a, Communicator& world, const Run& run) {
 }
 
 Status create_backend(const Args& a, Run& run) {
-  if (a.device == "cuda") {
-    Result<std::unique_ptr<Backend>> gpu = make_gpu_backend(my_gpu(), precision_of(a));
-    if (!gpu) return gpu.status();
-    run.backend = std::move(*gpu);
-  } else {
-    run.backend = make_cpu_backend();
-  }
+  Result<std::unique_ptr<Backend>> backend =
+      make_backend(a.device, {.device = my_device(*run.device), .precision = precision_of(a)});
+  if (!backend) return backend.status().with_context("--device " + a.device);
+  run.backend = std::move(*backend);
   return Status::ok();
 }
 
@@ -206,7 +214,8 @@ void make_device_groups(const Args& a, Communicator& world, Run& run) {
   // results bitwise those of the CPU layout's arithmetic. PIPESHARD_STAGE_COMM=1 stages
   // a CPU run the same way, so the tests check the staging without a GPU.
   const char* stage_env = std::getenv("PIPESHARD_STAGE_COMM");
-  if (world.size() == 1 || !(a.device == "cuda" || (stage_env != nullptr && std::string(stage_env) == "1"))) return;
+  const bool device_memory = run.device->memory == BackendMemory::kDevice;
+  if (world.size() == 1 || !(device_memory || (stage_env != nullptr && std::string(stage_env) == "1"))) return;
   run.device_comm = a.gpu_comm == "nccl" ? DeviceComm::kNccl : DeviceComm::kStaged;
   run.device_groups = make_staged_groups(run.groups, *run.backend);
   if (run.device_comm != DeviceComm::kNccl) return;
@@ -223,10 +232,10 @@ void make_device_groups(const Args& a, Communicator& world, Run& run) {
   // forever. MPI moves both sends along; NCCL would need the exchange issued in matching
   // order, or one communicator per direction.
   if (run.groups.data->size() > 1) {
-    run.device_groups.data = make_gpu_nccl_communicator(*run.groups.data, my_gpu(), *run.backend);
+    run.device_groups.data = make_gpu_nccl_communicator(*run.groups.data, my_device(*run.device), *run.backend);
   }
   if (run.groups.tensor->size() > 1) {
-    run.device_groups.tensor = make_gpu_nccl_communicator(*run.groups.tensor, my_gpu(), *run.backend);
+    run.device_groups.tensor = make_gpu_nccl_communicator(*run.groups.tensor, my_device(*run.device), *run.backend);
   }
 }
 
@@ -289,8 +298,9 @@ void arm_watchdog(const Args& a, Communicator& world, const ProcessLayout& l) {
 
 }  // namespace
 
-// The GPU this process computes on: by design.md, its rank on the machine.
-int my_gpu() { return local_rank() % std::max(1, usable_gpus(nullptr)); }
+Result<std::unique_ptr<Backend>> make_backend_like_this_one(const Args& a, const Run& run) {
+  return make_backend(a.device, {.device = my_device(*run.device), .precision = precision_of(a)});
+}
 
 // A rank that leaves with an error (or a signal, or a failed equivalence check) does not
 // shut its NCCL communicators down in order: ncclCommDestroy waits for the other ranks of
@@ -304,9 +314,9 @@ void abandon_nccl(Run& run) {
 
 bool set_up_run(const Args& a, const Status& parsed, Communicator& world, Run& run) {
   if (!agree_on_set_up(world, parsed ? set_up(a, world, run) : parsed)) return false;
-  if (!agree_on_set_up(world, check_gpu_comm(a, world))) return false;
+  if (!agree_on_set_up(world, check_gpu_comm(a, world, run))) return false;
   if (!agree_on_set_up(world, create_backend(a, run))) return false;
-  if (!agree_on_set_up(world, check_memory(a, world, run))) return false;
+  if (!agree_on_set_up(world, check_memory(world, run))) return false;
   // Every rank is here: NCCL's set-up waits on the other ranks of each group, watched as
   // training is. Not create_trainer, where --resume may keep one rank reading for long.
   arm_watchdog(a, world, run.layout);
@@ -319,13 +329,15 @@ bool set_up_run(const Args& a, const Status& parsed, Communicator& world, Run& r
 
 // How the processes exchange the tensors in the backend's memory, said once by rank 0
 // before the first step (--check-equivalence included: the tests read it).
-void say_how_tensors_travel(const Args& a, const Run& run) {
+void say_how_tensors_travel(const Run& run) {
   const ProcessLayout& layout = run.layout;
   if (run.device_comm == DeviceComm::kStaged) {
     fmt::print(stderr, "note: the {} processes exchange tensors through host memory over MPI (staged: {})\n",
                layout.world_size(),
-               a.device == "cuda" ? "any number of processes per GPU; --gpu-comm nccl for one GPU per process"
-                                  : "PIPESHARD_STAGE_COMM=1");
+               run.device->memory == BackendMemory::kDevice
+                   ? fmt::format("any number of processes per {0}; --gpu-comm nccl for one {0} per process",
+                                 run.device->device_noun)
+                   : "PIPESHARD_STAGE_COMM=1");
   } else if (run.device_comm == DeviceComm::kNccl) {
     const bool d = layout.replicas > 1, t = layout.shards > 1;
     const std::string staged = "pipeline stages exchange their tensors through host memory over MPI (staged)";

@@ -17,8 +17,9 @@ namespace pipeshard::train_cli {
 // failed on any rank: rank 0 has said why, once. From its end on, the watchdog is armed.
 bool set_up_run(const Args& a, const Status& parsed, Communicator& world, Run& run);
 
-// The GPU this process computes on: by design.md, its rank on the machine.
-int my_gpu();
+// A second backend like the one set_up_run made (the same row, device and precision), for
+// --check-equivalence's one-process run.
+Result<std::unique_ptr<Backend>> make_backend_like_this_one(const Args& a, const Run& run);
 
 // A rank that leaves with an error (or a signal, or a failed equivalence check) does not
 // shut its NCCL communicators down in order: ncclCommDestroy waits for the other ranks of
@@ -28,7 +29,7 @@ void abandon_nccl(Run& run);
 
 // How the processes exchange the tensors in the backend's memory, said once by rank 0
 // before the first step (--check-equivalence included: the tests read it).
-void say_how_tensors_travel(const Args& a, const Run& run);
+void say_how_tensors_travel(const Run& run);
 
 }  // namespace pipeshard::train_cli
 
