@@ -1,4 +1,4 @@
-// The NCCL plugin (libpipeshard_nccl_plugin.so, backend/gpu.h) without a GPU: it loads,
+// The NCCL plugin (libpipeshard_nccl_plugin.so, comm/device_groups.h) without a GPU: it loads,
 // and it shares this process's watchdog. The watchdog is process-wide state that train
 // arms; had the plugin a copy of its own, the NCCL communicator's waits would register
 // where nothing is armed and a hung NCCL operation would never be caught. A build without
@@ -10,7 +10,7 @@
 
 #include <gtest/gtest.h>
 
-#include "backend/gpu.h"
+#include "comm/device_groups.h"
 #include "comm/watchdog.h"
 
 namespace pipeshard {
@@ -37,8 +37,9 @@ int loaded_copies(const std::string& name) {
 
 TEST(NcclPlugin, LoadsAndSharesTheProcesssWatchdog) {
   watchdog_disarm();  // this process uses the watchdog, as train does: it is loaded before the plugin
-  std::string why;
-  if (!gpu_nccl_available(&why)) {
+  const Status available = find_device_groups("nccl")->available();
+  if (!available) {
+    const std::string& why = available.message();
     ASSERT_EQ(why.rfind("this build has no NCCL communicator", 0), 0u) << why;
     GTEST_SKIP() << why;
   }

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "backend/registry.h"
+#include "comm/device_groups.h"
 
 namespace pipeshard::train_cli {
 namespace {
@@ -16,6 +17,15 @@ namespace {
 std::vector<std::string> backend_names() {
   std::vector<std::string> names;
   for (const BackendKind& kind : backend_kinds()) names.push_back(kind.name);
+  return names;
+}
+
+// What --gpu-comm may say: the device-group kinds that carry a device's memory.
+std::vector<std::string> device_group_names() {
+  std::vector<std::string> names;
+  for (const DeviceGroupKind& kind : device_group_kinds()) {
+    if (kind.carries_memory(BackendMemory::kDevice)) names.push_back(kind.name);
+  }
   return names;
 }
 
@@ -64,7 +74,7 @@ void define(CLI::App& app, Args& a) {
                  "with --device cuda under mpirun, how GPU processes exchange tensors: staged (default: through host "
                  "memory over MPI, any number of processes per GPU) or nccl (data- and tensor-parallel groups over "
                  "NCCL, one GPU per process; pipeline stages stay staged; not yet verified on a multi-GPU machine)")
-      ->check(CLI::IsMember({"staged", "nccl"}));
+      ->check(CLI::IsMember(device_group_names()));
   app.add_option("--check-equivalence", a.check_equivalence,
                  "train K steps in this layout and in one process (on the same device and precision) on the "
                  "same data, print the largest loss and weight difference, and stop");

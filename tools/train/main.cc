@@ -56,6 +56,6 @@ int main(int argc, char** argv) {
   std::unique_ptr<Communicator> world = make_world_communicator();
   Run run;
   const int status = run_training(*world, run, argc, argv);
-  if (status != 0) abandon_nccl(run);
+  if (status != 0) run.device_groups.abandon();  // NCCL's, which must not be shut down in order now
   return status;
 }

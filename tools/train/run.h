@@ -13,6 +13,7 @@
 #include "backend/backend.h"
 #include "backend/registry.h"
 #include "comm/comm.h"
+#include "comm/device_groups.h"
 #include "common/cli.h"
 #include "common/fault_injection.h"
 #include "dataset/dataset.h"
@@ -26,13 +27,6 @@ namespace pipeshard::train_cli {
 inline int fail(const std::string& message) { return report_bad_input("train", message); }
 
 inline bool stderr_is_terminal() { return ::isatty(STDERR_FILENO) == 1; }
-
-// How the tensors in the backend's memory travel between processes.
-enum class DeviceComm {
-  kHost,    // over `groups`: one process, or the CPU backend's host memory
-  kStaged,  // through host memory over MPI (comm/comm_staged.h)
-  kNccl,    // data and tensor groups over NCCL, the pipeline group staged (--gpu-comm nccl)
-};
 
 // What the set-up makes for the training loop. Members are destroyed in the reverse order
 // of their declaration, and that order matters: the trainer first (its requests in flight
@@ -49,9 +43,7 @@ struct Run {
   int64_t steps_per_epoch = 1;
   const BackendKind* device = nullptr;  // the --device row of the backend registry
   std::unique_ptr<Backend> backend;
-  // The groups over the backend's memory when it is not host memory (Parallel::device_groups).
-  DeviceComm device_comm = DeviceComm::kHost;
-  ProcessGroups device_groups;
+  DeviceGroups device_groups;  // the groups over the backend's memory (comm/device_groups.h)
   std::unique_ptr<Trainer> trainer;
   std::ofstream metrics;
   std::unique_ptr<TrainingBoard> board;

@@ -21,12 +21,6 @@ bool set_up_run(const Args& a, const Status& parsed, Communicator& world, Run& r
 // --check-equivalence's one-process run.
 Result<std::unique_ptr<Backend>> make_backend_like_this_one(const Args& a, const Run& run);
 
-// A rank that leaves with an error (or a signal, or a failed equivalence check) does not
-// shut its NCCL communicators down in order: ncclCommDestroy waits for the other ranks of
-// the machine, which may still be training or waiting on this one. The process's exit frees
-// the GPU's resources, and mpirun ends the job, as for MPI (comm.h: no MPI_Finalize then).
-void abandon_nccl(Run& run);
-
 // How the processes exchange the tensors in the backend's memory, said once by rank 0
 // before the first step (--check-equivalence included: the tests read it).
 void say_how_tensors_travel(const Run& run);
