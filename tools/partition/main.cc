@@ -90,6 +90,54 @@ void print_table(const ImportedModel& m, const Plan& plan, const std::string& di
   fmt::print("wrote {} stage file{} and plan.json to {}/\n", files, files == 1 ? "" : "s", dir);
 }
 
+// What the command line said beyond PartitionOptions.
+struct Args {
+  std::string model, out_dir, balance = "params", schedule = "1f1b", optimizer = "adam", chart;
+  bool json = false, show_schedule = false, keep_activations = false;
+  PartitionOptions o;
+};
+
+// Declares every flag on `app`, writing into `a`, in the order --help lists them.
+void define(CLI::App& app, Args& a) {
+  PartitionOptions& o = a.o;
+  app.add_option("model", a.model, "ONNX model file (as written by torch.onnx.export)")->required();
+  app.add_option("--stages,-s", o.stages, "number of pipeline stages (default 1)");
+  app.add_option("--tensor-parallel,-t", o.tensor_parallel, "tensor-parallel shards per stage (default 1)");
+  app.add_option("--balance", a.balance, "what to balance: params (default), flops or memory")
+      ->check(CLI::IsMember({"params", "flops", "memory"}));
+  app.add_option("--out,-o", a.out_dir, "output folder (default: <model name>_stages)");
+  app.add_flag("--json", a.json, "print plan.json to stdout instead of the table (files are still written)");
+  app.add_option("--chart", a.chart, "draw parameters and memory per stage to this .svg or .png (needs matplotlib)");
+  app.add_flag("--show-schedule", a.show_schedule,
+               "print the pipeline schedule (--schedule, --micro-batches) as a step x stage grid, checked for "
+               "deadlock, as train runs it");
+  auto* est = "memory estimate";
+  app.add_option("--batch-size", o.batch_size, "samples per step per replica (memory estimate; default 32)")->group(est);
+  app.add_option("--micro-batches", o.micro_batches, "micro-batches per step (memory estimate; default = stages)")->group(est);
+  app.add_option("--schedule", a.schedule, "pipeline schedule: 1f1b (default) or gpipe (memory estimate)")
+      ->check(CLI::IsMember({"1f1b", "gpipe"}))->group(est);
+  app.add_option("--optimizer", a.optimizer, "sgd (momentum: 1 slot) or adam/adamw (2 slots; default)")
+      ->check(CLI::IsMember({"sgd", "adam", "adamw"}))->group(est);
+  app.add_flag("--keep-activations", a.keep_activations,
+               "as train --keep-activations: count the activation functions' outputs, which training otherwise "
+               "recomputes in backward (memory estimate)")
+      ->group(est);
+}
+
+// --show-schedule: the schedule as a step × stage grid, and what each stage keeps alive.
+void print_schedule(const PartitionOptions& o) {
+  const int m_batches = o.micro_batches > 0 ? o.micro_batches : o.stages;
+  const PipelineSchedule sc = make_pipeline_schedule(o.schedule, o.stages, m_batches);
+  fmt::print("\n{} schedule, {} stage{}, {} micro-batch{} (F/B: forward/backward of micro-batch k; "
+             "sA/rA, sG/rG: send/receive its activation, gradient):\n{}",
+             schedule_kind_name(o.schedule), o.stages, o.stages == 1 ? "" : "s", m_batches,
+             m_batches == 1 ? "" : "es", format_pipeline_schedule(sc));
+  for (int st = 0; st < o.stages; ++st) {
+    fmt::print("stage {}: at most {} micro-batch{} alive\n", st, max_in_flight(sc, st),
+               max_in_flight(sc, st) == 1 ? "" : "es");
+  }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -98,34 +146,8 @@ int main(int argc, char** argv) {
       "parameter count. Prints one row per stage and writes DIR/stage_<i>.onnx (stage_<i>_tp<j>.onnx when\n"
       "sharded) and DIR/plan.json. Example: partition models/simple.onnx --stages 2",
       "partition"};
-  std::string model, out_dir, balance = "params", schedule = "1f1b", optimizer = "adam";
-  PartitionOptions o;
-  bool json = false;
-  app.add_option("model", model, "ONNX model file (as written by torch.onnx.export)")->required();
-  app.add_option("--stages,-s", o.stages, "number of pipeline stages (default 1)");
-  app.add_option("--tensor-parallel,-t", o.tensor_parallel, "tensor-parallel shards per stage (default 1)");
-  app.add_option("--balance", balance, "what to balance: params (default), flops or memory")
-      ->check(CLI::IsMember({"params", "flops", "memory"}));
-  app.add_option("--out,-o", out_dir, "output folder (default: <model name>_stages)");
-  app.add_flag("--json", json, "print plan.json to stdout instead of the table (files are still written)");
-  std::string chart;
-  app.add_option("--chart", chart, "draw parameters and memory per stage to this .svg or .png (needs matplotlib)");
-  bool show_schedule = false;
-  app.add_flag("--show-schedule", show_schedule,
-               "print the pipeline schedule (--schedule, --micro-batches) as a step x stage grid, checked for "
-               "deadlock, as train runs it");
-  auto* est = "memory estimate";
-  app.add_option("--batch-size", o.batch_size, "samples per step per replica (memory estimate; default 32)")->group(est);
-  app.add_option("--micro-batches", o.micro_batches, "micro-batches per step (memory estimate; default = stages)")->group(est);
-  app.add_option("--schedule", schedule, "pipeline schedule: 1f1b (default) or gpipe (memory estimate)")
-      ->check(CLI::IsMember({"1f1b", "gpipe"}))->group(est);
-  app.add_option("--optimizer", optimizer, "sgd (momentum: 1 slot) or adam/adamw (2 slots; default)")
-      ->check(CLI::IsMember({"sgd", "adam", "adamw"}))->group(est);
-  bool keep_activations = false;
-  app.add_flag("--keep-activations", keep_activations,
-               "as train --keep-activations: count the activation functions' outputs, which training otherwise "
-               "recomputes in backward (memory estimate)")
-      ->group(est);
+  Args a;
+  define(app, a);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -133,40 +155,30 @@ int main(int argc, char** argv) {
     std::string what = e.what();
     return fail(what + " (see partition --help)");
   }
-  o.balance = balance == "flops" ? BalanceBy::kFlops : balance == "memory" ? BalanceBy::kMemory : BalanceBy::kParams;
-  o.schedule = schedule == "gpipe" ? ScheduleKind::kGPipe : ScheduleKind::k1F1B;
-  o.optimizer_slots = optimizer == "sgd" ? 1 : 2;
-  o.recompute_activations = !keep_activations;
-  if (out_dir.empty()) out_dir = std::filesystem::path(model).stem().string() + "_stages";
-  if (!chart.empty()) {  // before any work: a chart that cannot be drawn is a bad flag
-    if (Status s = check_picture_output(chart); !s) return fail("--chart: " + s.message());
+  PartitionOptions& o = a.o;
+  o.balance = a.balance == "flops" ? BalanceBy::kFlops : a.balance == "memory" ? BalanceBy::kMemory : BalanceBy::kParams;
+  o.schedule = a.schedule == "gpipe" ? ScheduleKind::kGPipe : ScheduleKind::k1F1B;
+  o.optimizer_slots = a.optimizer == "sgd" ? 1 : 2;
+  o.recompute_activations = !a.keep_activations;
+  if (a.out_dir.empty()) a.out_dir = std::filesystem::path(a.model).stem().string() + "_stages";
+  if (!a.chart.empty()) {  // before any work: a chart that cannot be drawn is a bad flag
+    if (Status s = check_picture_output(a.chart); !s) return fail("--chart: " + s.message());
   }
 
-  Result<ImportedModel> m = import_onnx_file(model);
+  Result<ImportedModel> m = import_onnx_file(a.model);
   if (!m) return fail(m.status().message());
-  Result<Plan> plan = make_plan(m->graph, model, o);
-  if (!plan) return fail(model + ": " + plan.status().message());
-  if (Status s = write_partition(*m, *plan, out_dir); !s) return fail(s.message());
-  if (json) {
+  Result<Plan> plan = make_plan(m->graph, a.model, o);
+  if (!plan) return fail(a.model + ": " + plan.status().message());
+  if (Status s = write_partition(*m, *plan, a.out_dir); !s) return fail(s.message());
+  if (a.json) {
     fmt::print("{}\n", plan_json_text(*plan, m->graph));
   } else {
-    print_table(*m, *plan, out_dir);
+    print_table(*m, *plan, a.out_dir);
   }
-  if (!chart.empty()) {
-    if (Status s = draw_picture(partition_chart_data(*plan), chart); !s) return fail("--chart: " + s.message());
-    if (!json) fmt::print("wrote the chart to {}\n", chart);
+  if (!a.chart.empty()) {
+    if (Status s = draw_picture(partition_chart_data(*plan), a.chart); !s) return fail("--chart: " + s.message());
+    if (!a.json) fmt::print("wrote the chart to {}\n", a.chart);
   }
-  if (show_schedule && !json) {
-    const int m_batches = o.micro_batches > 0 ? o.micro_batches : o.stages;
-    const PipelineSchedule sc = make_pipeline_schedule(o.schedule, o.stages, m_batches);
-    fmt::print("\n{} schedule, {} stage{}, {} micro-batch{} (F/B: forward/backward of micro-batch k; "
-               "sA/rA, sG/rG: send/receive its activation, gradient):\n{}",
-               schedule_kind_name(o.schedule), o.stages, o.stages == 1 ? "" : "s", m_batches,
-               m_batches == 1 ? "" : "es", format_pipeline_schedule(sc));
-    for (int st = 0; st < o.stages; ++st) {
-      fmt::print("stage {}: at most {} micro-batch{} alive\n", st, max_in_flight(sc, st),
-                 max_in_flight(sc, st) == 1 ? "" : "es");
-    }
-  }
+  if (a.show_schedule && !a.json) print_schedule(o);
   return 0;
 }

@@ -29,9 +29,8 @@ std::vector<std::string> device_group_names() {
   return names;
 }
 
-}  // namespace
-
-void define(CLI::App& app, Args& a) {
+// The model, the data and the optimization: what is trained, on what, how.
+void define_training(CLI::App& app, Args& a) {
   app.add_option("model", a.model, "ONNX model to train (as written by torch.onnx.export)")->required();
   app.add_option("--data", a.data, "features, float32 .npy of shape [N, ...]")->required();
   app.add_option("--labels", a.labels, "int64/int32 class ids [N] (cross-entropy) or float32 targets (mse)")->required();
@@ -55,6 +54,10 @@ void define(CLI::App& app, Args& a) {
   app.add_option("--epochs", a.epochs, "epochs to run (default 1)")->excludes(steps);
   app.add_flag("--no-shuffle", a.no_shuffle, "take batches in file order");
   app.add_option("--seed", a.seed, "seed of the shuffling and dropout (default 0)");
+}
+
+// What the run writes, and where it computes.
+void define_outputs_and_device(CLI::App& app, Args& a) {
   app.add_option("--metrics", a.metrics, "write one JSON object per step to this .jsonl file");
   app.add_option("--save", a.save, "write the trained model to this ONNX file");
   app.add_option("--checkpoint", a.checkpoint,
@@ -78,6 +81,10 @@ void define(CLI::App& app, Args& a) {
   app.add_option("--check-equivalence", a.check_equivalence,
                  "train K steps in this layout and in one process (on the same device and precision) on the "
                  "same data, print the largest loss and weight difference, and stop");
+}
+
+// The layout across processes, what is observed, and the rest.
+void define_layout_and_the_rest(CLI::App& app, Args& a) {
   app.add_option("--stages", a.stages, "pipeline stages P (mpirun -np P·T·D; default 1)");
   app.add_option("--tensor-parallel", a.tensor_parallel, "tensor-parallel shards T (mpirun -np P·T·D; default 1)");
   app.add_option("--micro-batches", a.micro_batches, "pipeline micro-batches M per replica batch (default 1)");
@@ -123,6 +130,14 @@ void define(CLI::App& app, Args& a) {
                "elementwise pass); the results are the same, bit for bit");
   app.add_flag("--sync-batchnorm", a.sync_batchnorm,
                "BatchNorm statistics over the global batch of all replicas (default: each replica's slice)");
+}
+
+}  // namespace
+
+void define(CLI::App& app, Args& a) {  // in the order --help lists them
+  define_training(app, a);
+  define_outputs_and_device(app, a);
+  define_layout_and_the_rest(app, a);
 }
 
 Status parse_command_line(int argc, char** argv, bool prints, Args& a, std::optional<int>& answered) {
