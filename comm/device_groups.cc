@@ -147,7 +147,8 @@ DeviceGroups::DeviceGroups() : kind_(&row("host")) {}
 DeviceGroups::DeviceGroups(const DeviceGroupKind& kind, ProcessGroups groups)
     : kind_(&kind), groups_(std::move(groups)) {}
 
-ProcessGroups* DeviceGroups::for_trainer() { return kind_ == &row("host") ? nullptr : &groups_; }
+// "host" makes no groups: the host groups carry the tensors.
+ProcessGroups* DeviceGroups::for_trainer() { return groups_.data != nullptr ? &groups_ : nullptr; }
 
 void DeviceGroups::abandon() {
   if (kind_->abandon != nullptr) kind_->abandon(groups_);

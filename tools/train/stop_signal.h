@@ -1,5 +1,5 @@
 // SIGINT and SIGTERM while train runs: stop after the current step, at the same step on
-// every rank, so that a last checkpoint can be written (tools/train/main.cc).
+// every rank, so that a last checkpoint can be written (tools/train/loop.cc).
 //
 // The handlers only record the signal. The training loop asks at the end of every step;
 // under MPI the ranks add up what each has seen with one all-reduce of two doubles, so
