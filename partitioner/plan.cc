@@ -8,6 +8,7 @@
 
 #include "partitioner/pipeline_split.h"
 #include "partitioner/tensor_parallel.h"
+#include "schedule/registry.h"
 
 namespace pipeshard {
 namespace {
@@ -40,7 +41,7 @@ int64_t value_bytes(const Graph& g, int v) { return g.values[v].shape.per_sample
 // In-flight micro-batches on stage k, whose activations it must keep for backward.
 int64_t in_flight(const PartitionOptions& o, int k) {
   const int m = o.micro_batches > 0 ? o.micro_batches : o.stages;
-  return o.schedule == ScheduleKind::kGPipe ? m : std::min(m, o.stages - k);
+  return find_schedule(o.schedule)->in_flight(o.stages, m, k);
 }
 
 int64_t micro_batch_size(const PartitionOptions& o) {
@@ -196,7 +197,7 @@ Status check_options(const PartitionOptions& o) {
   if (o.micro_batches < 0 || o.micro_batches > o.batch_size) {
     return Status::error("--micro-batches must be between 1 and the batch size");
   }
-  return Status::ok();
+  return check_schedule_name(o.schedule);
 }
 
 }  // namespace
@@ -337,7 +338,7 @@ nlohmann::json plan_to_json(const Plan& plan, const Graph& g) {
   j["crossing_bytes_per_sample"] = plan.crossing_bytes;
   j["memory_assumptions"] = {{"batch_size", o.batch_size},
                              {"micro_batches", o.micro_batches > 0 ? o.micro_batches : o.stages},
-                             {"schedule", o.schedule == ScheduleKind::kGPipe ? "gpipe" : "1f1b"},
+                             {"schedule", o.schedule},
                              {"optimizer_slots", o.optimizer_slots}};
   j["stages"] = nlohmann::json::array();
   for (const StagePlan& s : plan.stages) {

@@ -334,7 +334,7 @@ TEST(Program, EstimateCountsWhatTheBackendKeeps) {
     PartitionOptions o;
     o.batch_size = slots * micro;
     o.micro_batches = slots;
-    o.schedule = ScheduleKind::kGPipe;
+    o.schedule = "gpipe";
     o.kept_when_fused = kept_when_fused(*backend);
     Result<Plan> plan = make_plan(g, "", o);
     ASSERT_TRUE(plan.is_ok()) << plan.status().message();

@@ -10,6 +10,7 @@
 
 #include "common/cli.h"
 #include "common/host_memory.h"
+#include "schedule/registry.h"
 #include "schedule/schedule.h"
 #include "importer/onnx_importer.h"
 #include "partitioner/plan.h"
@@ -83,7 +84,7 @@ void print_table(const ImportedModel& m, const Plan& plan, const std::string& di
   fmt::print("memory: per rank, fp32 weights + grads + {} optimizer slot{}, activations of batch {} in {} "
              "micro-batch{} under {}{}\n",
              o.optimizer_slots, o.optimizer_slots == 1 ? "" : "s", o.batch_size, m_batches, m_batches == 1 ? "" : "es",
-             o.schedule == ScheduleKind::kGPipe ? "GPipe" : "1F1B",
+             find_schedule(o.schedule)->title,
              o.recompute_activations ? "" : ", activation functions' outputs kept (--keep-activations)");
   size_t files = 0;
   for (const StagePlan& s : plan.stages) files += s.files.size();
@@ -117,8 +118,8 @@ int main(int argc, char** argv) {
   auto* est = "memory estimate";
   app.add_option("--batch-size", o.batch_size, "samples per step per replica (memory estimate; default 32)")->group(est);
   app.add_option("--micro-batches", o.micro_batches, "micro-batches per step (memory estimate; default = stages)")->group(est);
-  app.add_option("--schedule", schedule, "pipeline schedule: 1f1b (default) or gpipe (memory estimate)")
-      ->check(CLI::IsMember({"1f1b", "gpipe"}))->group(est);
+  app.add_option("--schedule", schedule, "pipeline schedule: " + schedule_names_text() + " (default 1f1b; memory estimate)")
+      ->check(CLI::IsMember(schedule_names()))->group(est);
   app.add_option("--optimizer", optimizer, "sgd (momentum: 1 slot) or adam/adamw (2 slots; default)")
       ->check(CLI::IsMember({"sgd", "adam", "adamw"}))->group(est);
   bool keep_activations = false;
@@ -134,7 +135,7 @@ int main(int argc, char** argv) {
     return fail(what + " (see partition --help)");
   }
   o.balance = balance == "flops" ? BalanceBy::kFlops : balance == "memory" ? BalanceBy::kMemory : BalanceBy::kParams;
-  o.schedule = schedule == "gpipe" ? ScheduleKind::kGPipe : ScheduleKind::k1F1B;
+  o.schedule = schedule;
   o.optimizer_slots = optimizer == "sgd" ? 1 : 2;
   o.recompute_activations = !keep_activations;
   if (out_dir.empty()) out_dir = std::filesystem::path(model).stem().string() + "_stages";
@@ -161,7 +162,7 @@ int main(int argc, char** argv) {
     const PipelineSchedule sc = make_pipeline_schedule(o.schedule, o.stages, m_batches);
     fmt::print("\n{} schedule, {} stage{}, {} micro-batch{} (F/B: forward/backward of micro-batch k; "
                "sA/rA, sG/rG: send/receive its activation, gradient):\n{}",
-               schedule_kind_name(o.schedule), o.stages, o.stages == 1 ? "" : "s", m_batches,
+               sc.name, o.stages, o.stages == 1 ? "" : "s", m_batches,
                m_batches == 1 ? "" : "es", format_pipeline_schedule(sc));
     for (int st = 0; st < o.stages; ++st) {
       fmt::print("stage {}: at most {} micro-batch{} alive\n", st, max_in_flight(sc, st),

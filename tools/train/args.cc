@@ -6,6 +6,8 @@
 #include <cstdio>
 #include <system_error>
 
+#include "schedule/registry.h"
+
 namespace pipeshard::train_cli {
 
 void define(CLI::App& app, Args& a) {
@@ -58,8 +60,9 @@ void define(CLI::App& app, Args& a) {
   app.add_option("--stages", a.stages, "pipeline stages P (mpirun -np P·T·D; default 1)");
   app.add_option("--tensor-parallel", a.tensor_parallel, "tensor-parallel shards T (mpirun -np P·T·D; default 1)");
   app.add_option("--micro-batches", a.micro_batches, "pipeline micro-batches M per replica batch (default 1)");
-  app.add_option("--schedule", a.pipeline_schedule, "pipeline schedule: 1f1b (default) or gpipe")
-      ->check(CLI::IsMember({"1f1b", "gpipe"}));
+  app.add_option("--schedule", a.pipeline_schedule,
+                 "pipeline schedule: " + schedule_names_text() + " (default 1f1b; partition --show-schedule shows it)")
+      ->check(CLI::IsMember(schedule_names()));
   app.add_option("--balance", a.balance, "cut stages balancing params (default), flops or memory")
       ->check(CLI::IsMember({"params", "flops", "memory"}));
   app.add_option("--trace", a.trace,
@@ -140,7 +143,7 @@ Result<TrainConfig> make_config(const Args& a) {
   c.seed = a.seed;
   c.clip_grad_norm = a.clip;
   c.micro_batches = a.micro_batches;
-  c.pipeline_schedule = a.pipeline_schedule == "gpipe" ? ScheduleKind::kGPipe : ScheduleKind::k1F1B;
+  c.pipeline_schedule = a.pipeline_schedule;
   c.balance = a.balance == "flops" ? BalanceBy::kFlops : a.balance == "memory" ? BalanceBy::kMemory : BalanceBy::kParams;
   c.sync_batchnorm = a.sync_batchnorm;
   c.cuda_graph = a.cuda_graph;
