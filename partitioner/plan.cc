@@ -189,15 +189,21 @@ void fill_stage_values(const Graph& g, const std::vector<LiveRange>& live, Stage
 }
 
 Status check_options(const PartitionOptions& o) {
-  if (o.stages < 1) return Status::error("--stages must be at least 1, got " + std::to_string(o.stages));
-  if (o.tensor_parallel < 1) return Status::error("--tensor-parallel must be at least 1, got " + std::to_string(o.tensor_parallel));
+  if (o.stages < 1) return Status::invalid("stages", "a model needs at least 1 pipeline stage, not " + std::to_string(o.stages));
+  if (o.tensor_parallel < 1) {
+    return Status::invalid("tensor_parallel",
+                           "a stage needs at least 1 tensor-parallel shard, not " + std::to_string(o.tensor_parallel));
+  }
   if (o.batch_size < 1 || o.batch_size > kMaxBatchSize) {
-    return Status::error("--batch-size must be between 1 and " + std::to_string(kMaxBatchSize));
+    return Status::invalid("batch_size", "the batch size must be between 1 and " + std::to_string(kMaxBatchSize) +
+                                             ", not " + std::to_string(o.batch_size));
   }
   if (o.micro_batches < 0 || o.micro_batches > o.batch_size) {
-    return Status::error("--micro-batches must be between 1 and the batch size");
+    return Status::invalid("micro_batches", "micro-batches must be between 1 and the batch size, " +
+                                                std::to_string(o.batch_size) + ", not " + std::to_string(o.micro_batches));
   }
-  return check_schedule_name(o.schedule);
+  if (Status s = check_schedule_name(o.schedule); !s) return Status::invalid("schedule", s.message());
+  return Status::ok();
 }
 
 }  // namespace

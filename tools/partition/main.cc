@@ -91,6 +91,13 @@ void print_table(const ImportedModel& m, const Plan& plan, const std::string& di
   fmt::print("wrote {} stage file{} and plan.json to {}/\n", files, files == 1 ? "" : "s", dir);
 }
 
+// The flags of the PartitionOptions settings (Status::invalid names them).
+const FlagNames kFlags = {{"stages", "--stages"},
+                          {"tensor_parallel", "--tensor-parallel"},
+                          {"batch_size", "--batch-size"},
+                          {"micro_batches", "--micro-batches"},
+                          {"schedule", "--schedule"}};
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -146,6 +153,7 @@ int main(int argc, char** argv) {
   Result<ImportedModel> m = import_onnx_file(model);
   if (!m) return fail(m.status().message());
   Result<Plan> plan = make_plan(m->graph, model, o);
+  if (!plan && !plan.status().setting().empty()) return fail(flag_message(plan.status(), kFlags));
   if (!plan) return fail(model + ": " + plan.status().message());
   if (Status s = write_partition(*m, *plan, out_dir); !s) return fail(s.message());
   if (json) {

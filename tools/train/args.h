@@ -45,6 +45,10 @@ void define(CLI::App& app, Args& a);
 // Turns the flags into a TrainConfig, refusing flags the chosen optimizer has no use for.
 Result<TrainConfig> make_config(const Args& a);
 
+// A library error in train's words: the flag of the TrainConfig setting it is about
+// (Status::invalid) first.
+std::string flag_message(const Status& s);
+
 // --precision as the backend's enum.
 Precision precision_of(const Args& a);
 

@@ -222,9 +222,10 @@ Status set_up(const Args& a, Communicator& world, Run& run) {
     if (!e) return e.status();
     run.eval = std::move(*e);
   }
-  if (run.data->samples < run.config.batch_size) {
-    return Status::error(a.data + ": " + std::to_string(run.data->samples) + " samples, fewer than one batch of " +
-                         std::to_string(run.config.batch_size));
+  // The trainer's own check of the configuration, now that the model and data are known:
+  // before anything is allocated, and in the flags' words.
+  if (Status s = check_train_config(run.config, run.layout, run.model->graph, run.data->samples); !s) {
+    return Status::error(train_cli::flag_message(s));
   }
   const int64_t batches_per_epoch = run.data->samples / run.config.batch_size;
   run.steps_per_epoch = std::max<int64_t>(1, batches_per_epoch / run.config.grad_accum);
@@ -372,7 +373,7 @@ Status create_trainer(const Args& a, Communicator& world, Run& run) {
   const Parallel parallel{&world, &run.groups, &*run.model,
                           run.device_comm != DeviceComm::kHost ? &run.device_groups : nullptr};
   Result<std::unique_ptr<Trainer>> trainer = Trainer::create(run.model->graph, *run.data, *run.backend, run.config, parallel);
-  if (!trainer) return trainer.status();
+  if (!trainer) return Status::error(train_cli::flag_message(trainer.status()));
   run.trainer = std::move(*trainer);
   if (!a.resume.empty()) PIPESHARD_RETURN_IF_ERROR(run.trainer->load_checkpoint(a.resume));
   const bool root = world.rank() == 0;
@@ -695,7 +696,7 @@ int run_training(Communicator* world, Run& run, int argc, char** argv) {
     const Trainer::Bubble b = trainer.pipeline_bubble();
     if (log) {
       fmt::print(stderr, "pipeline bubble: stages idle {:.1f}% of the schedule's time (measured, transfers included); "
-                 "theory (P-1)/(M+P-1) = {:.1f}% for P={}, M={}\n", 100 * b.measured, 100 * b.theoretical,
+                 "theory {} = {:.1f}% for P={}, M={}\n", 100 * b.measured, b.formula, 100 * b.theoretical,
                  layout.stages, config.micro_batches);
     }
     if (run.board) {
