@@ -3,7 +3,10 @@
 #define PIPESHARD_COMMON_CLI_H_
 
 #include <cstdio>
+#include <map>
 #include <string>
+
+#include "common/status.h"
 
 namespace pipeshard {
 
@@ -25,6 +28,16 @@ inline std::string printable(const std::string& s) {
     }
   }
   return out;
+}
+
+// The flag a tool sets each library setting with (Status::invalid names the setting).
+using FlagNames = std::map<std::string, std::string>;  // setting -> "--flag"
+
+// A library error as a tool says it: "--micro-batches: <message>" when it is about a
+// setting that `flags` names, the message alone otherwise.
+inline std::string flag_message(const Status& s, const FlagNames& flags) {
+  auto it = flags.find(s.setting());
+  return it == flags.end() ? s.message() : it->second + ": " + s.message();
 }
 
 // Prints "<tool>: error: <message>" as one line on stderr; returns kExitBadInput.

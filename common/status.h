@@ -22,6 +22,14 @@ class [[nodiscard]] Status {
   Status() = default;  // OK
   static Status ok() { return Status(); }
   static Status error(std::string message) { return Status(std::move(message)); }
+  // An error about the value of one named setting: `setting` is the field of the options
+  // the library was given ("micro_batches", "batch_size"), so that a tool can name its
+  // own flag for it. Libraries speak of values, tools of flags (style.md 14).
+  static Status invalid(std::string setting, std::string message) {
+    Status s(std::move(message));
+    s.setting_ = std::move(setting);
+    return s;
+  }
 
   bool is_ok() const { return !message_.has_value(); }
   explicit operator bool() const { return is_ok(); }
@@ -30,15 +38,20 @@ class [[nodiscard]] Status {
     static const std::string kEmpty;
     return message_ ? *message_ : kEmpty;
   }
+  // The setting an invalid() error is about; empty otherwise.
+  const std::string& setting() const { return setting_; }
   // Returns a copy whose message is "context: message" (OK stays OK).
   Status with_context(const std::string& context) const {
     if (is_ok()) return *this;
-    return Status(context + ": " + *message_);
+    Status s(context + ": " + *message_);
+    s.setting_ = setting_;
+    return s;
   }
 
  private:
   explicit Status(std::string message) : message_(std::move(message)) {}
   std::optional<std::string> message_;
+  std::string setting_;
 };
 
 // A value or the Status that explains why there is none.

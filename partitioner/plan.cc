@@ -8,6 +8,7 @@
 
 #include "partitioner/pipeline_split.h"
 #include "partitioner/tensor_parallel.h"
+#include "schedule/registry.h"
 
 namespace pipeshard {
 namespace {
@@ -40,7 +41,7 @@ int64_t value_bytes(const Graph& g, int v) { return g.values[v].shape.per_sample
 // In-flight micro-batches on stage k, whose activations it must keep for backward.
 int64_t in_flight(const PartitionOptions& o, int k) {
   const int m = o.micro_batches > 0 ? o.micro_batches : o.stages;
-  return o.schedule == ScheduleKind::kGPipe ? m : std::min(m, o.stages - k);
+  return find_schedule(o.schedule)->in_flight(o.stages, m, k);
 }
 
 int64_t micro_batch_size(const PartitionOptions& o) {
@@ -188,14 +189,20 @@ void fill_stage_values(const Graph& g, const std::vector<LiveRange>& live, Stage
 }
 
 Status check_options(const PartitionOptions& o) {
-  if (o.stages < 1) return Status::error("--stages must be at least 1, got " + std::to_string(o.stages));
-  if (o.tensor_parallel < 1) return Status::error("--tensor-parallel must be at least 1, got " + std::to_string(o.tensor_parallel));
+  if (o.stages < 1) return Status::invalid("stages", "a model needs at least 1 pipeline stage, not " + std::to_string(o.stages));
+  if (o.tensor_parallel < 1) {
+    return Status::invalid("tensor_parallel",
+                           "a stage needs at least 1 tensor-parallel shard, not " + std::to_string(o.tensor_parallel));
+  }
   if (o.batch_size < 1 || o.batch_size > kMaxBatchSize) {
-    return Status::error("--batch-size must be between 1 and " + std::to_string(kMaxBatchSize));
+    return Status::invalid("batch_size", "the batch size must be between 1 and " + std::to_string(kMaxBatchSize) +
+                                             ", not " + std::to_string(o.batch_size));
   }
   if (o.micro_batches < 0 || o.micro_batches > o.batch_size) {
-    return Status::error("--micro-batches must be between 1 and the batch size");
+    return Status::invalid("micro_batches", "micro-batches must be between 1 and the batch size, " +
+                                                std::to_string(o.batch_size) + ", not " + std::to_string(o.micro_batches));
   }
+  if (Status s = check_schedule_name(o.schedule); !s) return Status::invalid("schedule", s.message());
   return Status::ok();
 }
 
@@ -337,7 +344,7 @@ nlohmann::json plan_to_json(const Plan& plan, const Graph& g) {
   j["crossing_bytes_per_sample"] = plan.crossing_bytes;
   j["memory_assumptions"] = {{"batch_size", o.batch_size},
                              {"micro_batches", o.micro_batches > 0 ? o.micro_batches : o.stages},
-                             {"schedule", o.schedule == ScheduleKind::kGPipe ? "gpipe" : "1f1b"},
+                             {"schedule", o.schedule},
                              {"optimizer_slots", o.optimizer_slots}};
   j["stages"] = nlohmann::json::array();
   for (const StagePlan& s : plan.stages) {

@@ -24,7 +24,6 @@
 namespace pipeshard {
 
 enum class BalanceBy { kParams, kFlops, kMemory };
-enum class ScheduleKind { kGPipe, k1F1B };
 
 // How a node runs under tensor parallelism.
 enum class ShardRole {
@@ -42,7 +41,7 @@ struct PartitionOptions {
   // Assumptions of the memory estimate (and of --balance memory):
   int64_t batch_size = 32;          // samples per step on one data-parallel replica
   int micro_batches = 0;            // 0: as many as stages
-  ScheduleKind schedule = ScheduleKind::k1F1B;
+  std::string schedule = "1f1b";  // a registered pipeline schedule (schedule/registry.h)
   int optimizer_slots = 2;          // float32 state per parameter (Adam: 2, SGD+momentum: 1)
   bool recompute_activations = true;  // training recomputes recomputable_values() (train --keep-activations: false)
   // Fused activations the backend keeps anyway (runtime/program.h's kept_when_fused():

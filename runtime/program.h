@@ -1,15 +1,17 @@
 // A Program runs a Graph on a Backend: forward in topological order, backward in
-// reverse. Trainable parameters and their gradients each live in one contiguous buffer
+// reverse. Where every tensor lives is its plan's business (runtime/program_plan.h,
+// computed before anything is allocated); the Program allocates what the plan lists and
+// runs it. Trainable parameters and their gradients each live in one contiguous buffer
 // (one memset, one optimizer loop, one all-reduce later); BatchNorm running statistics
-// live in a second one. Every value has an activation buffer sized for the largest
-// batch, except an activation's output that backward can recompute from the activation's
-// input: it lives only while forward needs it and again from where backward recomputes it
-// (one elementwise pass) to the activation's backward, in buffers such values share; an
-// MLP of Linear + activation layers keeps half the activations it would. Gradients are summed where a value fans out (residual connections, tied
-// weights) because every backward adds (+=). A value's gradient lives only inside one
-// backward(), from its last reader's node down to its producer, so values whose lives
-// do not overlap share gradient buffers (an MLP of any depth needs two); the model's
-// inputs and outputs keep their own, which outlive backward().
+// live in a second one. Gradients are summed where a value fans out (residual
+// connections, tied weights) because every backward adds (+=).
+//
+// Backward runs whole (backward(): B), or split in two (backward_input(), I, then later
+// backward_weight(), W) for schedules that fill the pipeline bubble with deferred weight
+// gradients: I computes every input gradient, and the parameter gradients of nodes other
+// than Linear; W the Linears' weight and bias gradients (and a row-parallel AllReduce's
+// bias), from the output gradient I left in its own buffer and the input kept from
+// forward. The same products in the same order: B and I-then-W give the same bits.
 //
 // A Linear whose only reader is an activation runs as one fused GEMM + bias +
 // activation pass; Reshape aliases its input's buffers and costs nothing, and so does a
@@ -33,9 +35,10 @@
 #include <memory>
 #include <vector>
 
-#include "common/status.h"
 #include "backend/backend.h"
+#include "common/status.h"
 #include "ir/graph.h"
+#include "runtime/program_plan.h"
 
 namespace pipeshard {
 
@@ -49,32 +52,6 @@ enum class Mode { kTrain, kEval };
 // (PartitionOptions::kept_when_fused).
 std::vector<ActivationKind> kept_when_fused(const Backend& backend);
 
-struct ProgramOptions {
-  // Micro-batches whose activations live at once, each in its own slot of max_batch rows.
-  int slots = 1;
-  // [graph inputs] inputs whose gradient backward must produce (a pipeline stage's
-  // inputs computed by an earlier stage); empty: none.
-  std::vector<bool> input_needs_grad;
-  // The tensor-parallel group that AllReduce/AllGather nodes reduce over; required when
-  // the graph has them, and then its size must be their `shards`.
-  Communicator* tensor = nullptr;
-  // [graph nodes] the index of each node in the whole model, which keys its dropout
-  // masks; empty: the node's own index (the Graph is the whole model).
-  std::vector<uint64_t> model_node_ids;
-  // Training BatchNorm statistics over several processes (--sync-batchnorm): sums the
-  // per-channel partial statistics over the data-parallel replicas. Null: this batch's.
-  ChannelReducer batchnorm_reducer;
-  // false: every value gets a gradient buffer of its own in every slot, as if all were
-  // model inputs or outputs (the tests' reference for sharing; it changes no result).
-  bool share_gradient_buffers = true;
-  // true: values that recomputable_values() names, and whose recomputation the backend
-  // says is exact, are recomputed in backward instead of kept from forward. false: every
-  // value keeps its own buffer in every slot (the tests' reference; it changes no result).
-  bool recompute_activations = true;
-  // Only kEval forwards (evaluation): no gradient buffers at all, and backward() is a bug.
-  bool forward_only = false;
-};
-
 class Program {
  public:
   // Builds the program for all of `graph` with room for batches of up to `max_batch`
@@ -83,12 +60,13 @@ class Program {
                                                  const ProgramOptions& options = {});
   ~Program();
 
+  const ProgramPlan& plan() const { return plan_; }
   // Trainable parameter elements: the size of parameters() and gradients().
-  int64_t trainable_elements() const { return trainable_elements_; }
+  int64_t trainable_elements() const { return plan_.trainable_elements; }
   float* parameters() { return params_.data(); }  // [trainable_elements]
   float* gradients() { return grads_.data(); }    // [trainable_elements]; null when forward_only
   // Where Graph parameter `p` lives in parameters() (-1 when it is not trainable).
-  int64_t parameter_offset(int p) const { return graph_.params[p].trainable ? param_offset_[p] : -1; }
+  int64_t parameter_offset(int p) const { return graph_.params[p].trainable ? plan_.param_offset[p] : -1; }
 
   // Copies parameters and running statistics from the backend into graph.params, or
   // back. `graph` must be the Graph the Program was built from (or a copy of it).
@@ -100,7 +78,7 @@ class Program {
 
   // Selects the micro-batch slot (0 .. slots − 1) that the calls below work on.
   void select_slot(int slot);
-  int slots() const { return slots_; }
+  int slots() const { return plan_.slots; }
   int slot() const { return slot_; }
 
   // Runs forward for `batch` samples. host_inputs[k] points at the k-th model input,
@@ -133,13 +111,22 @@ class Program {
   float* gradient(int v);
   // Whether backward produces a gradient for value v (some trainable parameter, or an
   // input that needs a gradient, is upstream of it).
-  bool needs_gradient(int v) const { return needs_grad_[v]; }
+  bool needs_gradient(int v) const { return plan_.needs_grad[v]; }
   // Adds ∂loss/∂parameters into gradients(). Requires a kTrain forward of the same batch.
   // `after_node(i)` runs once node i's backward is done (nodes go in reverse order):
   // from then on no later node adds into the gradients of node i's parameters unless
   // an earlier node shares them.
   void backward(int64_t batch, const std::function<void(size_t)>& after_node = {});
-  // What backward() leaves behind on the host, for a backward replayed from a recording
+  // backward() in two halves (ProgramOptions::split_backward): backward_input() computes
+  // every input gradient and the parameter gradients of nodes other than those
+  // plan().deferred_weight_grad names; backward_weight() then adds theirs, in reverse node
+  // order, calling `after_node(i)` as backward() does (for every node: after it, node i's
+  // parameter gradients are complete). Between the two, the selected slot's activations
+  // and output gradients must stay as they are: no forward or backward_input of another
+  // micro-batch in the same slot. Both halves of a micro-batch give backward()'s bits.
+  void backward_input(int64_t batch);
+  void backward_weight(int64_t batch, const std::function<void(size_t)>& after_node = {});
+  // What a backward leaves behind on the host, for one replayed from a recording
   // (Backend::record), which runs no host code: later backwards of the step add.
   void backward_replayed() { fresh_step_ = false; }
   // Zeroes the parameter gradients for a new step. Buffers that a single Linear writes
@@ -151,74 +138,43 @@ class Program {
   // what sharing saves shows here.
   int64_t value_gradient_elements() const;
   // Whether value v is recomputed in backward rather than kept from forward.
-  bool recomputed(int v) const { return recomputed_[v]; }
-  // Bytes of the buffers this program holds, as asked of the backend (before its rounding):
-  // parameters and running statistics; their gradients; activations (kept and recomputed)
-  // with what backward saves of them (masks, statistics) and collective staging; the
-  // activations' gradients.
-  struct Memory {
-    int64_t weights = 0, gradients = 0, activations = 0, activation_gradients = 0;
-    int64_t total() const { return weights + gradients + activations + activation_gradients; }
-  };
-  Memory memory() const;
+  bool recomputed(int v) const { return plan_.recomputed[v]; }
+  // Bytes of the buffers this program holds (ProgramPlan::Memory).
+  using Memory = ProgramPlan::Memory;
+  Memory memory() const { return plan_.memory(); }
 
  private:
-  Program(const Graph& graph, Backend& backend, int64_t max_batch, const ProgramOptions& options);
-  Status plan_tensor_parallel();
-  void plan_gradient_writes();
-  void plan_recomputed_values();
-  void plan_gradient_buffers(bool share);
+  Program(const Graph& graph, Backend& backend, ProgramPlan plan, const ProgramOptions& options);
+  void allocate();
+  // The parts of backward: which parameter gradients a node's backward writes.
+  enum class Part { kWhole, kInput, kWeight };
+  void backward_nodes(int64_t batch, Part part, const std::function<void(size_t)>& after_node);
   void forward_node(size_t i, int64_t batch, Mode mode, uint64_t seed, int64_t first_sample);
   void dropout_forward(size_t i, int64_t batch, uint64_t seed, int64_t first_sample);
-  void backward_node(size_t i, int64_t batch);
+  void backward_node(size_t i, int64_t batch, Part part);
+  void linear_backward(size_t i, int64_t batch, Part part);
+  void weight_backward(size_t i, int64_t batch);
+  void recompute(int v, int64_t batch);
   const float* param(int p) const;
   float* param_grad(int p);  // null for non-trainable parameters
   // Value v's activation and gradient in the selected slot.
-  float* val(int v) const { return value_[v] + slot_ * value_slot_stride_[v]; }
-  float* grad(int v) const { return grad_[v] + slot_ * grad_slot_stride_[v]; }
+  float* val(int v) const { return value_[v] + slot_ * plan_.value_slot_stride[v]; }
+  float* grad(int v) const { return grad_[v] + slot_ * plan_.grad_slot_stride[v]; }
 
   const Graph& graph_;
   Backend& backend_;
-  int64_t max_batch_;
-  int slots_ = 1, slot_ = 0;
+  const ProgramPlan plan_;
+  int slot_ = 0;
   Communicator* tensor_ = nullptr;
   std::vector<uint64_t> model_node_ids_;   // [graph nodes]
   ChannelReducer batchnorm_reducer_;       // empty: per-process statistics
-  int64_t trainable_elements_ = 0;
+  // The buffers the plan lists, and where each value's activation and gradient start.
   DeviceBuffer params_, grads_, buffers_;  // trainable, their gradients, running stats
-  std::vector<int64_t> param_offset_;      // [graph params]; into params_ or buffers_
-  std::vector<DeviceBuffer> value_storage_; // [graph values]; empty for a Reshape's output and recomputed values
-  std::vector<int64_t> value_slot_stride_;  // [graph values]: elements per slot; 0 for a recomputed value
-  // Recomputed values (plan_recomputed_values): their shared one-slot buffers, the values
-  // each node's backward recomputes first, and whether the value is there again by its
-  // producer's backward (when not, the activation's backward gets y = null).
-  std::vector<DeviceBuffer> transient_storage_;
-  std::vector<bool> recomputed_;               // [graph values]
-  std::vector<std::vector<int>> recompute_before_;  // [graph nodes]
-  std::vector<bool> back_for_producer_;        // [graph values]
-  std::vector<DeviceBuffer> grad_storage_;  // each a model input's or output's, or shared by several values
-  std::vector<float*> value_, grad_;       // [graph values]; Reshape aliases its input
-  std::vector<int> owner_;                 // [graph values]: the value whose buffers v aliases (Reshape, AllReduce in place), or v
-  std::vector<bool> shared_grad_;          // [graph values]: the gradient lives in a shared buffer
-  std::vector<int64_t> grad_slot_stride_;  // [graph values]: elements per slot; 0 when shared
-  std::vector<int> first_writer_;          // [graph values]: the node whose backward writes v's gradient first
-  std::vector<std::vector<int>> zero_before_;  // [graph nodes]: shared gradients zeroed before the node's backward
-  std::vector<DeviceBuffer> saved_a_, saved_b_;  // [graph nodes]: mean/rstd, mask, pre-activation
-  std::vector<int> fused_activation_;      // [graph nodes]: Linear -> its activation node, or -1
-  std::vector<bool> skip_forward_;         // [graph nodes]: an activation fused into its Linear
-  std::vector<bool> needs_grad_;           // [graph values]: some trainable parameter is upstream
-  // Tensor parallelism: values holding this shard's slice of the features, and the
-  // column-parallel Linears whose input gradient is a partial sum over the shards.
-  std::vector<bool> sharded_;              // [graph values]
-  std::vector<bool> partial_input_grad_;   // [graph nodes]
+  std::vector<DeviceBuffer> value_storage_, transient_storage_, grad_storage_;
+  std::vector<DeviceBuffer> saved_a_, saved_b_;  // [graph nodes]: mean/rstd, mask
   std::vector<DeviceBuffer> scratch_;      // [graph nodes]: AllGather's and partial dx's staging
-  // Gradients that one Linear writes alone, so they need no zeroing (GradWrite::kOverwrite):
-  std::vector<bool> owns_param_grads_;     // [graph nodes]: a Linear that alone uses its weight and bias
-  std::vector<bool> overwritten_;          // [graph values]: read only by one Linear, which writes dx
-  std::vector<std::pair<int64_t, int64_t>> zeroed_ranges_;  // [offset, end) of the other parameter gradients
-  std::vector<int> cleared_values_;        // own value gradients zeroed after each kTrain forward
+  std::vector<float*> value_, grad_;       // [graph values]; aliases point at their owner's
   bool fresh_step_ = false;                // zero_gradients() ran and no backward since
-  bool forward_only_ = false;
 };
 
 }  // namespace pipeshard

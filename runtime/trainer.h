@@ -1,95 +1,41 @@
-// The training loop: batches in design.md's order, forward, loss, backward, gradient
-// accumulation, clipping, learning-rate schedule, optimizer step; evaluation;
+// The training loop: batches in docs/design.md's order, forward, loss, backward,
+// gradient accumulation, clipping, learning-rate schedule, optimizer step; evaluation;
 // checkpoints that resume onto exactly the same trajectory.
 //
-// One Trainer runs on every rank of a P × D × T job (design.md, "Processes and
-// ranks"): it trains the rank's part of the model (runtime/rank_model.h) by running
-// its stage's pipeline schedule (schedule/schedule.h) over the micro-batches of its
-// replica's slice of each batch, and the step equals the one-process step up to float
-// rounding: gradients are summed over the replicas, partial sums over the shards, and
-// the loss and the clipping norm over the stages.
+// One Trainer runs on every rank of a P × D × T job (docs/design.md, "Processes and
+// ranks"): it trains the rank's part of the model (runtime/rank_model.h) with a stage
+// runner (runtime/stage_runner.h) that interprets its stage's pipeline schedule over the
+// micro-batches of its replica's slice of each batch, reducing gradients over the
+// replicas as the schedule says (runtime/gradient_sync.h). The step equals the
+// one-process step up to float rounding: gradients are summed over the replicas, partial
+// sums over the shards, and the loss and the clipping norm over the stages.
 #ifndef PIPESHARD_RUNTIME_TRAINER_H_
 #define PIPESHARD_RUNTIME_TRAINER_H_
 
 #include <cstdint>
-#include <functional>
-#include <map>
 #include <memory>
 #include <string>
 #include <string_view>
-#include <tuple>
 #include <vector>
 
+#include "backend/backend.h"
+#include "comm/comm.h"
 #include "common/atomic_file.h"
 #include "common/status.h"
-#include "backend/backend.h"
-#include "runtime/checkpoint_file.h"
-#include "comm/comm.h"
 #include "dataset/dataset.h"
-#include "runtime/loss.h"
+#include "importer/onnx_importer.h"
+#include "observe/trace.h"
+#include "runtime/checkpoint_file.h"
+#include "runtime/gradient_sync.h"
+#include "runtime/loss_scaler.h"
 #include "runtime/optimizer.h"
 #include "runtime/program.h"
 #include "runtime/rank_model.h"
+#include "runtime/stage_runner.h"
+#include "runtime/train_config.h"
 #include "schedule/schedule.h"
-#include "observe/trace.h"
 
 namespace pipeshard {
-
-// What a step does when its loss or a gradient is inf or NaN: it never updates the
-// weights; kStop then reports it (StepResult::non_finite) for the caller to stop, kSkip
-// goes on with the next step, counting this one as taken (what fp16 loss scaling does).
-enum class NonFinite { kStop, kSkip };
-
-// Loss scaling, fp16's companion (torch.cuda.amp.GradScaler's rules): the gradient of the
-// loss is multiplied by the scale before backward, so that small gradients survive fp16,
-// and every gradient is divided by it again before clipping and the update. Scales are
-// powers of two, which multiply and divide exactly in binary floating point: in fp32 a
-// scale changes no bit, unless a gradient overflows or underflows under it.
-// - kStatic: always `initial`.
-// - kDynamic: a step whose gradients became inf or NaN under the scale (the loss itself
-//   finite) is skipped, as NonFinite::kSkip skips, and the scale halves; after
-//   `growth_interval` updates in a row without that, it doubles. The scale and that count
-//   are kept in checkpoints. A non-finite loss is not the scale's doing: on_nonfinite
-//   decides as without scaling.
-struct LossScaling {
-  enum class Mode { kNone, kStatic, kDynamic };
-  Mode mode = Mode::kNone;
-  double initial = 65536.0;        // 2^16, GradScaler's init_scale
-  int64_t growth_interval = 2000;  // GradScaler's
-  // Scales stay within these powers of two, whose reciprocals are normal floats.
-  static constexpr double kMin = 0x1p-64, kMax = 0x1p64;
-};
-
-struct TrainConfig {
-  LossKind loss = LossKind::kCrossEntropy;
-  OptimizerConfig optimizer;
-  LrSchedule schedule = LrSchedule::kConstant;
-  int64_t warmup_steps = 0;
-  int64_t batch_size = 32;     // samples per micro-step
-  int64_t grad_accum = 1;      // micro-steps per optimizer step: one step sees batch_size * grad_accum samples
-  int64_t total_steps = 1;     // optimizer steps of the whole run (the cosine schedule's length)
-  bool shuffle = true;
-  uint64_t seed = 0;
-  double clip_grad_norm = 0;   // 0: off
-  int64_t bucket_bytes = 25 << 20;  // data parallel: gradients are all-reduced in buckets this big
-  int micro_batches = 1;       // pipeline micro-batches per replica batch (M)
-  ScheduleKind pipeline_schedule = ScheduleKind::k1F1B;
-  BalanceBy balance = BalanceBy::kParams;  // how stages are cut
-  bool sync_batchnorm = false;  // BatchNorm statistics over all replicas, not each replica's slice
-  NonFinite on_nonfinite = NonFinite::kStop;  // a step whose loss or gradients are not finite
-  LossScaling loss_scaling;
-  // --cuda-graph: from the second step on, each forward and backward is a recording of the
-  // first step's backend calls, replayed as one launch (Backend::record; a CUDA graph).
-  // One process, no Dropout (its masks change every step). The loss, clipping, loss
-  // scaling and the optimizer stay outside, so the learning rate, Adam's step count and
-  // the checks on the loss and gradients go on changing as they must; the results are
-  // those of the run without it, bit for bit.
-  bool cuda_graph = false;
-  // Keep every activation's output from forward to backward instead of recomputing it
-  // there from the activation's input (ProgramOptions::recompute_activations): one
-  // elementwise pass per activation less, one tensor per activation more. Same results.
-  bool keep_activations = false;
-};
 
 // Where a Trainer sits in a multi-process job. All null: one process.
 struct Parallel {
@@ -152,7 +98,7 @@ class Trainer {
   // Neighbouring pipeline stages check that they agree on what crosses their cut (sizes,
   // which gradients travel back). Collective over the pipeline: call once on every rank
   // after create() succeeded on all of them, before the first step.
-  Status check_links();
+  Status check_links() { return runner_->check_links(); }
 
   // Runs optimizer step steps_done() + 1 (collective: every rank calls it).
   StepResult step();
@@ -163,7 +109,7 @@ class Trainer {
   int64_t steps_done() const { return optimizer_->steps_taken(); }
   // --cuda-graph: the recordings the backend made (0 without it, or on a backend that
   // cannot record).
-  int64_t recordings() const;
+  int64_t recordings() const { return runner_->recordings(); }
   // What this process's backend memory holds: the training program's buffers, the
   // optimizer state, and the backend's peak (the rest of which is the trainer's own
   // buffers, evaluation, the backend's scratch and rounding: peak − the others).
@@ -175,7 +121,7 @@ class Trainer {
     return Memory{program_->memory(), optimizer_->state_bytes(), backend_.memory_use().peak};
   }
   // The loss scale the next step will use (1 when scaling is off).
-  double loss_scale() const { return loss_scale_; }
+  double loss_scale() const { return scaler_.scale(); }
   int64_t batches_per_epoch() const { return order_.batches_per_epoch(); }
   const PipelineSchedule& schedule() const { return schedule_; }
 
@@ -194,10 +140,12 @@ class Trainer {
   // chrome://tracing) to `path` on rank 0. Collective.
   Status write_trace(const std::string& path);
   // The pipeline bubble: the fraction of the schedule's time stages spent not
-  // computing, measured (mean over ranks) and in theory, (P − 1)/(M + P − 1).
-  // Collective; meaningful with more than one stage.
+  // computing, measured (mean over ranks) and in theory, by the schedule's formula
+  // (schedule/registry.h; `formula` is its text, "(P-1)/(M+P-1)"). Collective;
+  // meaningful with more than one stage.
   struct Bubble {
     double measured = 0, theoretical = 0;
+    std::string formula;
   };
   Bubble pipeline_bubble();
   // Forward plus backward time ("compute") and the time of the whole schedule, in µs
@@ -226,35 +174,24 @@ class Trainer {
 
  private:
   Trainer(const Dataset& data, Backend& backend, const TrainConfig& config, RankModel rank);
-  void plan_buckets();
+  Status build(const TrainConfig& config, Communicator* device_replicas, Communicator* device_tensor,
+               Communicator* device_pipeline);
   Status restore(const Checkpoint& checkpoint);
-  // Runs after node i's backward on the last micro-batch: starts the all-reduce of every
-  // gradient bucket that node completes.
-  void on_gradients_ready(size_t node);
-  // The stage's schedule over one replica batch (one micro-step of grad_accum).
-  double run_schedule(bool last_micro_step, uint64_t seed, int64_t first_sample);
+  // This rank's slice of global batch `batch_index`, read into the runner's inputs.
+  StageRunner::MicroStep micro_step(int64_t step, int64_t micro, int64_t batch_index);
   const float* batch_rows(const std::vector<int64_t>& rows);
+  // The last stage's loss of micro-batch k, its output gradient written and scaled.
+  double micro_batch_loss(int micro_batch);
+  // Inf or NaN in the step (StepResult::non_finite, scale_overflow): whether the update
+  // is skipped.
+  bool skip_non_finite(StepResult& r);
   Program& eval_program(const Graph& graph);
-  static constexpr int kForwardKey = 0, kBackwardKey = 1;
-  void replay_or_record(int what, int micro_batch, const std::function<void()>& work);
-  void wait_slot(int slot);
-  // Where link value `l` lives in the selected slot: the program's buffer or a carried one.
-  float* link_value(const LinkValue& l);
-  float* link_gradient(const LinkValue& l, bool received);
   double clip_gradients();
   // Whether any rank holds an inf or NaN gradient. Collective over the world.
   bool gradients_non_finite_anywhere();
   // Host copies of this rank's parameters (values) or of optimizer slot s.
   std::vector<std::vector<float>> local_values() const;
   std::vector<std::vector<float>> local_slot(int s) const;
-
-  struct Bucket {
-    int64_t begin = 0, end = 0;  // [begin, end) of the gradient buffer
-    size_t ready_after = 0;      // node whose backward completes the bucket
-  };
-  struct Carried {               // a value this stage passes on without reading it
-    DeviceBuffer value, grad;    // [slots][micro-batch rows, per_sample]
-  };
 
   const Dataset& data_;
   Backend& backend_;
@@ -264,36 +201,21 @@ class Trainer {
   Communicator* replicas_ = nullptr;   // data-parallel group (null: one replica)
   Communicator* tensor_ = nullptr;     // tensor-parallel group (null: one shard)
   Communicator* pipeline_ = nullptr;   // the stages (null: one stage)
-  // The same groups for buffers in the backend's memory (Parallel::device_groups).
-  Communicator* device_replicas_ = nullptr;
-  Communicator* device_tensor_ = nullptr;
-  Communicator* device_pipeline_ = nullptr;
   bool log_probs_ = false;
-  // --cuda-graph's recordings, by (kForwardKey or kBackwardKey, micro-step, micro-batch);
-  // a null one: the backend cannot record, and the work runs eagerly.
-  std::map<std::tuple<int, int64_t, int>, std::unique_ptr<RecordedWork>> recorded_;
-  int64_t micro_step_ = 0;  // of the accumulation, in the step being run
-  bool warmed_up_ = false;         // this process has run a step (eagerly)
-  bool replay_this_step_ = false;  // --cuda-graph, after the warm-up
-  double loss_scale_ = 1.0;        // LossScaling: the scale of the next step (1: none)
-  int64_t scale_good_steps_ = 0;   // updates since the dynamic scale last changed
+  bool warmed_up_ = false;             // this process has run a step (eagerly)
+  LossScaler scaler_;
   BatchOrder order_;
   int64_t local_batch_ = 0;            // samples of each micro-step on this replica
   int64_t micro_ = 0;                  // samples of each pipeline micro-batch
   PipelineSchedule schedule_;
-  std::vector<Bucket> buckets_;        // in launch order (end of the buffer first)
-  std::vector<std::unique_ptr<Request>> in_flight_;
-  std::vector<std::vector<std::unique_ptr<Request>>> sends_;  // [slots]: sends reading the slot
-  std::map<std::string, Carried> carried_;
   std::unique_ptr<Program> program_;
   std::unique_ptr<Optimizer> optimizer_;
+  std::unique_ptr<GradientSync> sync_;   // with replicas
+  Tracer tracer_;
+  std::unique_ptr<StageRunner> runner_;
   DeviceBuffer targets_;              // [local_batch * targets_per_sample]
   std::vector<float> host_features_;  // [local_batch * features_per_sample]: a gathered batch
-  const float* batch_features_ = nullptr;  // this step's features: into data_ or host_features_ (batch_rows())
   std::vector<float> host_targets_;   // [local_batch * targets_per_sample]
-  Tracer tracer_;
-  int64_t tracing_step_ = 0;          // the step events belong to
-  bool time_device_work_ = false;     // forward and backward wait for the backend (start_trace())
   // Evaluation on rank 0, forward-only, in chunks of the whole batch: of a cut model, the
   // whole model assembled in eval_graph_; of a whole one trained in micro-batches, the
   // same graph as the training program (which holds only one micro-batch).

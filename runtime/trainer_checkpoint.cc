@@ -53,9 +53,9 @@ Status Trainer::save_checkpoint(const std::string& dir, const CrashPoint& crash)
                .updates = optimizer_->updates(),
                .optimizer = optimizer_name(config_.optimizer.kind),
                .tensors = {}};
-  if (config_.loss_scaling.mode != LossScaling::Mode::kNone) {
-    c.loss_scale = loss_scale_;
-    c.loss_scale_good_steps = scale_good_steps_;
+  if (scaler_.enabled()) {
+    c.loss_scale = scaler_.scale();
+    c.loss_scale_good_steps = scaler_.good_steps();
   }
   // Parameters no node uses keep their file values.
   for (size_t p = 0; p < full.params.size(); ++p) {
@@ -158,10 +158,7 @@ Status Trainer::restore(const Checkpoint& c) {
   optimizer_->restore(c.step, c.updates, slots);
   // A dynamic scale goes on from where the run was; a static one is the flag's; a file
   // without a scale (a run without scaling) starts this run's scaling afresh.
-  if (config_.loss_scaling.mode == LossScaling::Mode::kDynamic && c.loss_scale > 0) {
-    loss_scale_ = std::clamp(c.loss_scale, LossScaling::kMin, LossScaling::kMax);
-    scale_good_steps_ = std::min(c.loss_scale_good_steps, config_.loss_scaling.growth_interval - 1);
-  }
+  scaler_.restore(c.loss_scale, c.loss_scale_good_steps);
   return Status::ok();
 }
 

@@ -164,10 +164,16 @@ INSTANTIATE_TEST_SUITE_P(
                       GradCase{"logsoftmax", LossKind::kCrossEntropy}, GradCase{"softmax", LossKind::kMse}),
     [](const auto& info) { return info.param.model + (info.param.loss == LossKind::kMse ? "_mse" : "_ce"); });
 
+// How two_slot_gradients() runs the backwards: whole (B1 B0), or split into input and
+// weight halves right after each other (I1 W1 I0 W0), or with the weight halves deferred
+// past the other micro-batch's input half (I1 I0 W1 W0), as zero-bubble schedules do.
+enum class Backward { kWhole, kSplit, kSplitDeferred };
+
 // Two micro-batches in flight, the way a 1F1B stage runs them (forward 0, forward 1,
 // backward 1, backward 0), from a fresh step and then accumulating; returns the
 // parameter gradients, after every input's gradient in both slots when they have one.
-std::vector<float> two_slot_gradients(const Graph& g, ProgramOptions options, bool inputs_need_grad) {
+std::vector<float> two_slot_gradients(const Graph& g, ProgramOptions options, bool inputs_need_grad,
+                                      Backward backward = Backward::kWhole) {
   std::unique_ptr<Backend> backend = make_cpu_backend();
   options.slots = 2;
   options.input_needs_grad.assign(g.inputs.size(), inputs_need_grad);
@@ -191,7 +197,13 @@ std::vector<float> two_slot_gradients(const Graph& g, ProgramOptions options, bo
     }
     for (int slot = 1; slot >= 0; --slot) {
       p.select_slot(slot);
-      p.backward(batch);
+      if (backward == Backward::kWhole) p.backward(batch);
+      if (backward != Backward::kWhole) p.backward_input(batch);
+      if (backward == Backward::kSplit) p.backward_weight(batch);
+    }
+    for (int slot = 1; slot >= 0 && backward == Backward::kSplitDeferred; --slot) {
+      p.select_slot(slot);
+      p.backward_weight(batch);
     }
     for (int slot = 0; slot < 2 && inputs_need_grad; ++slot) {
       p.select_slot(slot);
@@ -209,12 +221,13 @@ std::vector<float> two_slot_gradients(const Graph& g, ProgramOptions options, bo
 }
 
 // Two_slot_gradients() with `plain` (every value in buffers of its own) and `planned`
-// options, bit for bit, with and without input gradients: without, LayerNorm and
-// BatchNorm on the input get no dx, and the input no buffer.
-void expect_same_gradients(const Graph& g, const ProgramOptions& plain, const ProgramOptions& planned) {
+// options (run as `backward` says), bit for bit, with and without input gradients:
+// without, LayerNorm and BatchNorm on the input get no dx, and the input no buffer.
+void expect_same_gradients(const Graph& g, const ProgramOptions& plain, const ProgramOptions& planned,
+                           Backward backward = Backward::kWhole) {
   for (bool inputs_need_grad : {true, false}) {
     const std::vector<float> own = two_slot_gradients(g, plain, inputs_need_grad);
-    const std::vector<float> shared = two_slot_gradients(g, planned, inputs_need_grad);
+    const std::vector<float> shared = two_slot_gradients(g, planned, inputs_need_grad, backward);
     ASSERT_EQ(own.size(), shared.size());
     bool nonzero = false;
     for (size_t i = 0; i < own.size(); ++i) {
@@ -247,6 +260,30 @@ TEST_P(EveryModel, RecomputedActivationsChangeNoBit) {
   recomputed.recompute_activations = true;
   expect_same_gradients(m.graph, own_buffers(), recomputed);
   expect_same_gradients(m.graph, own_buffers(), ProgramOptions{});  // both, as training runs
+}
+
+// Backward as an input half and a weight half, adjacent or with the weight halves
+// deferred past the next micro-batch's input half: the same bits as whole backwards, with
+// the buffers training uses (shared gradients, recomputed activations, which W recomputes
+// again) and with every value in buffers of its own.
+TEST_P(EveryModel, SplitBackwardChangesNoBit) {
+  ImportedModel m = load_model(GetParam());
+  for (Backward backward : {Backward::kSplit, Backward::kSplitDeferred}) {
+    SCOPED_TRACE(backward == Backward::kSplit ? "I then W" : "I, I, then W, W");
+    ProgramOptions split;
+    split.split_backward = true;
+    expect_same_gradients(m.graph, own_buffers(), split, backward);
+    ProgramOptions own = own_buffers();
+    own.split_backward = true;
+    expect_same_gradients(m.graph, own_buffers(), own, backward);
+  }
+}
+
+// Without split_backward a program defers nothing: backward_input() is the whole backward
+// and backward_weight() adds nothing, so the halves still give backward()'s bits.
+TEST_P(EveryModel, HalvesOfAnUnsplitProgramAreTheWholeBackward) {
+  ImportedModel m = load_model(GetParam());
+  expect_same_gradients(m.graph, own_buffers(), ProgramOptions{}, Backward::kSplitDeferred);
 }
 
 // The cases no exported model has: a recomputed Sigmoid read in backward by two Linears
@@ -334,7 +371,7 @@ TEST(Program, EstimateCountsWhatTheBackendKeeps) {
     PartitionOptions o;
     o.batch_size = slots * micro;
     o.micro_batches = slots;
-    o.schedule = ScheduleKind::kGPipe;
+    o.schedule = "gpipe";
     o.kept_when_fused = kept_when_fused(*backend);
     Result<Plan> plan = make_plan(g, "", o);
     ASSERT_TRUE(plan.is_ok()) << plan.status().message();

@@ -92,7 +92,7 @@ std::vector<Case> cases() {
     c.optimizer.lr = 0.05f;
     c.batch_size = 64;
     c.micro_batches = 4;
-    c.pipeline_schedule = ScheduleKind::kGPipe;
+    c.pipeline_schedule = "gpipe";
     all.push_back({"micro_batches", "simple_digits", digits_x, digits_y, c});
   }
   {
@@ -159,7 +159,7 @@ TEST(RecordedStepEvaluation, RecordsAfreshAndStaysBitForBit) {
   c.optimizer.momentum = 0.9f;
   c.batch_size = 32;
   c.micro_batches = 2;
-  c.pipeline_schedule = ScheduleKind::kGPipe;
+  c.pipeline_schedule = "gpipe";
   c.total_steps = 6;
   std::unique_ptr<Backend> cpu = make_cpu_backend();
   auto eager = Trainer::create(m.graph, d, *cpu, c);

@@ -10,6 +10,7 @@
 
 #include "common/cli.h"
 #include "common/host_memory.h"
+#include "schedule/registry.h"
 #include "schedule/schedule.h"
 #include "importer/onnx_importer.h"
 #include "partitioner/plan.h"
@@ -83,12 +84,19 @@ void print_table(const ImportedModel& m, const Plan& plan, const std::string& di
   fmt::print("memory: per rank, fp32 weights + grads + {} optimizer slot{}, activations of batch {} in {} "
              "micro-batch{} under {}{}\n",
              o.optimizer_slots, o.optimizer_slots == 1 ? "" : "s", o.batch_size, m_batches, m_batches == 1 ? "" : "es",
-             o.schedule == ScheduleKind::kGPipe ? "GPipe" : "1F1B",
+             find_schedule(o.schedule)->title,
              o.recompute_activations ? "" : ", activation functions' outputs kept (--keep-activations)");
   size_t files = 0;
   for (const StagePlan& s : plan.stages) files += s.files.size();
   fmt::print("wrote {} stage file{} and plan.json to {}/\n", files, files == 1 ? "" : "s", dir);
 }
+
+// The flags of the PartitionOptions settings (Status::invalid names them).
+const FlagNames kFlags = {{"stages", "--stages"},
+                          {"tensor_parallel", "--tensor-parallel"},
+                          {"batch_size", "--batch-size"},
+                          {"micro_batches", "--micro-batches"},
+                          {"schedule", "--schedule"}};
 
 // What the command line said beyond PartitionOptions.
 struct Args {
@@ -114,8 +122,8 @@ void define(CLI::App& app, Args& a) {
   auto* est = "memory estimate";
   app.add_option("--batch-size", o.batch_size, "samples per step per replica (memory estimate; default 32)")->group(est);
   app.add_option("--micro-batches", o.micro_batches, "micro-batches per step (memory estimate; default = stages)")->group(est);
-  app.add_option("--schedule", a.schedule, "pipeline schedule: 1f1b (default) or gpipe (memory estimate)")
-      ->check(CLI::IsMember({"1f1b", "gpipe"}))->group(est);
+  app.add_option("--schedule", a.schedule, "pipeline schedule: " + schedule_names_text() + " (default 1f1b; memory estimate)")
+      ->check(CLI::IsMember(schedule_names()))->group(est);
   app.add_option("--optimizer", a.optimizer, "sgd (momentum: 1 slot) or adam/adamw (2 slots; default)")
       ->check(CLI::IsMember({"sgd", "adam", "adamw"}))->group(est);
   app.add_flag("--keep-activations", a.keep_activations,
@@ -130,7 +138,7 @@ void print_schedule(const PartitionOptions& o) {
   const PipelineSchedule sc = make_pipeline_schedule(o.schedule, o.stages, m_batches);
   fmt::print("\n{} schedule, {} stage{}, {} micro-batch{} (F/B: forward/backward of micro-batch k; "
              "sA/rA, sG/rG: send/receive its activation, gradient):\n{}",
-             schedule_kind_name(o.schedule), o.stages, o.stages == 1 ? "" : "s", m_batches,
+             sc.name, o.stages, o.stages == 1 ? "" : "s", m_batches,
              m_batches == 1 ? "" : "es", format_pipeline_schedule(sc));
   for (int st = 0; st < o.stages; ++st) {
     fmt::print("stage {}: at most {} micro-batch{} alive\n", st, max_in_flight(sc, st),
@@ -157,7 +165,7 @@ int main(int argc, char** argv) {
   }
   PartitionOptions& o = a.o;
   o.balance = a.balance == "flops" ? BalanceBy::kFlops : a.balance == "memory" ? BalanceBy::kMemory : BalanceBy::kParams;
-  o.schedule = a.schedule == "gpipe" ? ScheduleKind::kGPipe : ScheduleKind::k1F1B;
+  o.schedule = a.schedule;
   o.optimizer_slots = a.optimizer == "sgd" ? 1 : 2;
   o.recompute_activations = !a.keep_activations;
   if (a.out_dir.empty()) a.out_dir = std::filesystem::path(a.model).stem().string() + "_stages";
@@ -168,6 +176,7 @@ int main(int argc, char** argv) {
   Result<ImportedModel> m = import_onnx_file(a.model);
   if (!m) return fail(m.status().message());
   Result<Plan> plan = make_plan(m->graph, a.model, o);
+  if (!plan && !plan.status().setting().empty()) return fail(flag_message(plan.status(), kFlags));
   if (!plan) return fail(a.model + ": " + plan.status().message());
   if (Status s = write_partition(*m, *plan, a.out_dir); !s) return fail(s.message());
   if (a.json) {

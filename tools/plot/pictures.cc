@@ -1,5 +1,7 @@
 #include "tools/plot/pictures.h"
 
+#include "schedule/registry.h"
+
 namespace pipeshard {
 
 nlohmann::json partition_chart_data(const Plan& plan) {
@@ -20,7 +22,7 @@ nlohmann::json partition_chart_data(const Plan& plan) {
           {"balance", plan.balance},
           {"batch_size", o.batch_size},
           {"micro_batches", o.micro_batches > 0 ? o.micro_batches : o.stages},
-          {"schedule", o.schedule == ScheduleKind::kGPipe ? "GPipe" : "1F1B"},
+          {"schedule", find_schedule(o.schedule)->title},
           {"optimizer_slots", o.optimizer_slots},
           {"stages", stages}};
 }

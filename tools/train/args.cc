@@ -9,6 +9,8 @@
 
 #include "backend/registry.h"
 #include "comm/device_groups.h"
+#include "common/cli.h"
+#include "schedule/registry.h"
 
 namespace pipeshard::train_cli {
 namespace {
@@ -88,8 +90,9 @@ void define_layout_and_the_rest(CLI::App& app, Args& a) {
   app.add_option("--stages", a.stages, "pipeline stages P (mpirun -np P·T·D; default 1)");
   app.add_option("--tensor-parallel", a.tensor_parallel, "tensor-parallel shards T (mpirun -np P·T·D; default 1)");
   app.add_option("--micro-batches", a.micro_batches, "pipeline micro-batches M per replica batch (default 1)");
-  app.add_option("--schedule", a.pipeline_schedule, "pipeline schedule: 1f1b (default) or gpipe")
-      ->check(CLI::IsMember({"1f1b", "gpipe"}));
+  app.add_option("--schedule", a.pipeline_schedule,
+                 "pipeline schedule: " + schedule_names_text() + " (default 1f1b; partition --show-schedule shows it)")
+      ->check(CLI::IsMember(schedule_names()));
   app.add_option("--balance", a.balance, "cut stages balancing params (default), flops or memory")
       ->check(CLI::IsMember({"params", "flops", "memory"}));
   app.add_option("--trace", a.trace,
@@ -197,14 +200,12 @@ Result<TrainConfig> make_config(const Args& a) {
   if (a.warmup < 0) return Status::error("--warmup-steps cannot be negative");
   c.batch_size = a.batch_size;
   c.grad_accum = a.grad_accum;
-  if (a.batch_size < 1 || a.batch_size > (int64_t{1} << 24)) return Status::error("--batch-size must be between 1 and 16777216");
-  if (a.grad_accum < 1) return Status::error("--grad-accum must be at least 1");
   if (a.steps < 0 || a.epochs < 0) return Status::error("--steps and --epochs must be positive");
   c.shuffle = !a.no_shuffle;
   c.seed = a.seed;
   c.clip_grad_norm = a.clip;
   c.micro_batches = a.micro_batches;
-  c.pipeline_schedule = a.pipeline_schedule == "gpipe" ? ScheduleKind::kGPipe : ScheduleKind::k1F1B;
+  c.pipeline_schedule = a.pipeline_schedule;
   c.balance = a.balance == "flops" ? BalanceBy::kFlops : a.balance == "memory" ? BalanceBy::kMemory : BalanceBy::kParams;
   c.sync_batchnorm = a.sync_batchnorm;
   c.cuda_graph = a.cuda_graph;
@@ -215,20 +216,31 @@ Result<TrainConfig> make_config(const Args& a) {
     c.loss_scaling.mode = LossScaling::Mode::kDynamic;
   } else if (scaling != "none") {
     double value = 0;
-    int exponent = 0;
     const auto [end, ec] = std::from_chars(scaling.data(), scaling.data() + scaling.size(), value);
-    if (ec != std::errc() || end != scaling.data() + scaling.size() || !(value >= 0x1p-64 && value <= 0x1p64) ||
-        std::frexp(value, &exponent) != 0.5) {
+    c.loss_scaling.mode = LossScaling::Mode::kStatic;
+    c.loss_scaling.initial = value;
+    if (ec != std::errc() || end != scaling.data() + scaling.size() || !check_loss_scaling(c.loss_scaling)) {
       return Status::error("--loss-scale must be dynamic, none or a power of two from 2^-64 to 2^64 (such as 1024), "
                            "not '" + a.loss_scale + "'");
     }
-    c.loss_scaling.mode = LossScaling::Mode::kStatic;
-    c.loss_scaling.initial = value;
   }
   if (!(a.bucket_mb > 0) || a.bucket_mb > 1e6) return Status::error("--bucket-mb must be a positive size in MB");
   c.bucket_bytes = static_cast<int64_t>(a.bucket_mb * (1 << 20));
-  if (a.micro_batches < 1) return Status::error("--micro-batches must be at least 1");
   return c;
+}
+
+std::string flag_message(const Status& s) {
+  static const FlagNames kFlags = {{"batch_size", "--batch-size"},
+                                   {"micro_batches", "--micro-batches"},
+                                   {"grad_accum", "--grad-accum"},
+                                   {"pipeline_schedule", "--schedule"},
+                                   {"loss_scaling", "--loss-scale"},
+                                   {"cuda_graph", "--cuda-graph"},
+                                   {"sync_batchnorm", "--sync-batchnorm"},
+                                   {"stages", "--stages"},
+                                   {"tensor_parallel", "--tensor-parallel"},
+                                   {"schedule", "--schedule"}};
+  return pipeshard::flag_message(s, kFlags);
 }
 
 Precision precision_of(const Args& a) {

@@ -51,6 +51,10 @@ Status parse_command_line(int argc, char** argv, bool prints, Args& a, std::opti
 // Turns the flags into a TrainConfig, refusing flags the chosen optimizer has no use for.
 Result<TrainConfig> make_config(const Args& a);
 
+// A library error in train's words: the flag of the TrainConfig setting it is about
+// (Status::invalid) first.
+std::string flag_message(const Status& s);
+
 // --precision as the backend's enum.
 Precision precision_of(const Args& a);
 

@@ -63,7 +63,7 @@ Status report_bubble(const Run& run, bool log) {
   const Trainer::Bubble b = run.trainer->pipeline_bubble();
   if (log) {
     fmt::print(stderr, "pipeline bubble: stages idle {:.1f}% of the schedule's time (measured, transfers included); "
-               "theory (P-1)/(M+P-1) = {:.1f}% for P={}, M={}\n", 100 * b.measured, 100 * b.theoretical,
+               "theory {} = {:.1f}% for P={}, M={}\n", 100 * b.measured, b.formula, 100 * b.theoretical,
                run.layout.stages, run.config.micro_batches);
   }
   if (run.board) return run.board->add_bubble(run.config.total_steps, b);

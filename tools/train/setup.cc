@@ -89,9 +89,10 @@ Status load_inputs(const Args& a, int world_rank, Run& run) {
     if (!e) return e.status();
     run.eval = std::move(*e);
   }
-  if (run.data->samples < run.config.batch_size) {
-    return Status::error(a.data + ": " + std::to_string(run.data->samples) + " samples, fewer than one batch of " +
-                         std::to_string(run.config.batch_size));
+  // The trainer's own check of the configuration, now that the model and data are known:
+  // before anything is allocated, and in the flags' words.
+  if (Status s = check_train_config(run.config, run.layout, run.model->graph, run.data->samples); !s) {
+    return Status::error(train_cli::flag_message(s));
   }
   const int64_t batches_per_epoch = run.data->samples / run.config.batch_size;
   run.steps_per_epoch = std::max<int64_t>(1, batches_per_epoch / run.config.grad_accum);
@@ -142,7 +143,7 @@ Status create_backend(const Args& a, Run& run) {
 Status create_trainer(const Args& a, Communicator& world, Run& run) {
   const Parallel parallel{&world, &run.groups, &*run.model, run.device_groups.for_trainer()};
   Result<std::unique_ptr<Trainer>> trainer = Trainer::create(run.model->graph, *run.data, *run.backend, run.config, parallel);
-  if (!trainer) return trainer.status();
+  if (!trainer) return Status::error(train_cli::flag_message(trainer.status()));
   run.trainer = std::move(*trainer);
   if (!a.resume.empty()) PIPESHARD_RETURN_IF_ERROR(run.trainer->load_checkpoint(a.resume));
   const bool root = world.rank() == 0;

@@ -1,0 +1,127 @@
+// StageRunner: runs one pipeline stage's list of actions (schedule/schedule.h) on the
+// stage's Program and the pipeline group, for one replica batch — any schedule the
+// checker accepts, not only the built-in ones. It owns what the actions need between
+// them:
+// - micro-batch slots: each micro-batch takes a free slot of the program at its first
+//   action and gives it back after its last backward pass (B, or W after I), a
+//   deterministic assignment read off the schedule once, so slots follow any order of
+//   backwards;
+// - the stage's links: the values crossing its cuts (runtime/rank_model.h) are received
+//   into and sent from the program's buffers, or buffers of the runner's own for values
+//   the stage only carries to a later one; sends complete in the background and a slot is
+//   reused only after the sends reading it are done;
+// - the data-parallel gradient reduction's timing (runtime/gradient_sync.h): buckets fire
+//   during the chunk's last gradient pass of the step and the rest at R;
+// - --cuda-graph's recordings of forward and backward passes (Backend::record).
+// The trainer around it computes the loss, scales, clips and updates.
+//
+// A stage holds one chunk of the model today; schedules placing several chunks on a stage
+// (interleaved, V) need a program per chunk, which the runner's chunk index is for.
+#ifndef PIPESHARD_RUNTIME_STAGE_RUNNER_H_
+#define PIPESHARD_RUNTIME_STAGE_RUNNER_H_
+
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "backend/backend.h"
+#include "comm/comm.h"
+#include "common/status.h"
+#include "observe/trace.h"
+#include "runtime/gradient_sync.h"
+#include "runtime/program.h"
+#include "runtime/rank_model.h"
+#include "schedule/schedule.h"
+
+namespace pipeshard {
+
+class StageRunner {
+ public:
+  // One replica batch through the schedule: a micro-step of gradient accumulation.
+  struct MicroStep {
+    int64_t step = 0;          // the 1-based optimizer step (trace, watchdog, fault points)
+    int64_t index = 0;         // the micro-step within the step: recordings differ between them
+    bool last = true;          // the step's last micro-step: its backwards complete the gradients
+    uint64_t seed = 0;         // Dropout masks of this batch
+    int64_t first_sample = 0;  // where this replica's slice starts in the global batch
+    const float* features = nullptr;  // the first stage's input: [micro-batches × rows, features] in host memory
+    bool replay = false;       // --cuda-graph: forward and backward run from recordings
+  };
+  // Last stage, after F(k): the loss of micro-batch k (its share of the global mean),
+  // with the output gradient written (and scaled) for backward.
+  using LossFn = std::function<double(int micro_batch)>;
+
+  // `program` has the slots slots_needed() says; `pipeline` carries buffers in the
+  // backend's memory between stages (null: one stage); `sync` reduces gradients over the
+  // replicas (null: one replica). All must outlive the runner. `schedule` must pass
+  // check_pipeline_schedule(); the runner runs stage `rank.layout().stage`'s list.
+  StageRunner(const RankModel& rank, Program& program, Backend& backend, Communicator* pipeline,
+              GradientSync* sync, const PipelineSchedule& schedule, int64_t micro_rows,
+              int64_t features_per_sample, Tracer& tracer);
+
+  // Micro-batch slots the stage's program needs for `schedule`: the most micro-batches
+  // the runner keeps alive at once (schedule/schedule.h's max_in_flight_of_chunk()).
+  static int slots_needed(const PipelineSchedule& schedule, int stage);
+
+  // Neighbouring stages agree on what crosses their cut (sizes, which gradients travel
+  // back) before any training. Collective over the pipeline: every rank calls it once.
+  Status check_links();
+
+  // Runs this stage's actions for one micro-step; returns the loss it computed (the last
+  // stage's; 0 elsewhere).
+  double run(const MicroStep& micro_step, const LossFn& loss);
+
+  // --cuda-graph: the recordings made (0 without it, or on a backend that cannot record),
+  // and forgetting them (evaluation may move scratch buffers they point into).
+  int64_t recordings() const;
+  void clear_recordings() { recorded_.clear(); }
+  // Forward and backward wait for the backend's queued work, so that the trace and the
+  // pipeline bubble time the work itself (start_trace(): only where the figures are shown).
+  void set_time_device_work(bool on) { time_device_work_ = on; }
+
+ private:
+  struct Carried {             // a value this stage passes on without reading it
+    DeviceBuffer value, grad;  // [slots][micro-batch rows, per_sample]
+  };
+  void run_action(size_t index, const Action& a, const MicroStep& ms, const LossFn& loss, double& total);
+  void forward(const Action& a, const MicroStep& ms);
+  void backward(size_t index, const Action& a, const MicroStep& ms);
+  void add_carried_gradients();
+  void replay_or_record(ActionKind kind, const MicroStep& ms, int micro_batch, const std::function<void()>& work);
+  void wait_slot(int slot);
+  // Where link value `l` lives in the selected slot: the program's buffer or a carried one.
+  float* link_value(const LinkValue& l);
+  // `received`: the gradient arriving from the next stage (for values this stage reads
+  // and passes on, it is staged apart and added after backward); otherwise the gradient
+  // this stage sends back.
+  float* link_gradient(const LinkValue& l, bool received);
+  int peer(int j, int offset) const;  // the stage holding the chunk `offset` away from this stage's chunk j
+
+  const RankModel& rank_;
+  Program& program_;
+  Backend& backend_;
+  Communicator* pipeline_;
+  GradientSync* sync_;
+  const PipelineSchedule& schedule_;
+  const int stage_;
+  const int64_t micro_, features_per_sample_;
+  Tracer& tracer_;
+  bool first_chunk_ = true, last_chunk_ = true;  // of the model: it reads the data, it computes the loss
+  std::vector<int> slot_of_;             // [micro-batches]
+  int last_gradient_action_ = -1;        // index of the action that completes the step's gradients
+  std::map<std::string, Carried> carried_;
+  std::vector<std::vector<std::unique_ptr<Request>>> sends_;  // [slots]: sends reading the slot
+  // --cuda-graph's recordings, by (action kind, micro-step, micro-batch); a null one: the
+  // backend cannot record, and the work runs eagerly.
+  std::map<std::tuple<ActionKind, int64_t, int>, std::unique_ptr<RecordedWork>> recorded_;
+  bool time_device_work_ = false;
+  double reduce_us_ = 0;  // time spent at R in this run: not the schedule's own
+};
+
+}  // namespace pipeshard
+
+#endif  // PIPESHARD_RUNTIME_STAGE_RUNNER_H_
