@@ -3,10 +3,9 @@
 
 #include <chrono>
 #include <cstdio>
-#include <cstdlib>
 #include <string>
 
-#include "common/status.h"
+#include "common/check.h"
 
 namespace pipeshard::in_process {
 namespace {
@@ -50,9 +49,10 @@ WaitResult Job::wait(std::unique_lock<std::mutex>& lock, int rank, const std::fu
     }
     if (changed_.wait_until(lock, deadline) == std::cv_status::timeout && !ready() && failure_.empty()) {
       // Not a deadlock (some rank is busy elsewhere), but nothing came for too long.
-      PIPESHARD_CHECK(false, "in-process communicator: rank " + std::to_string(rank) + " has waited " +
-                                 seconds_text(options_.timeout.count()) + " in " + describe() +
-                                 "; the ranks it waits for are busy elsewhere or stuck (InProcessOptions::timeout)");
+      fatal(__FILE__, __LINE__,
+            "in-process communicator: rank " + std::to_string(rank) + " has waited " +
+                seconds_text(options_.timeout.count()) + " in " + describe() +
+                "; the ranks it waits for are busy elsewhere or stuck (InProcessOptions::timeout)");
     }
   }
   self = {};
