@@ -2,7 +2,9 @@
 //
 // Every communicator is set to MPI_ERRORS_RETURN so that a failed call is reported here,
 // with file:line and the call, before MPI_Abort ends the whole job (style.md 6): with
-// MPI's default handler the job would still die, but nobody would know where.
+// MPI's default handler the job would still die, but nobody would know where. The report
+// and the ending are common/check.h's, whose job abort hook this file installs once MPI is
+// up, so that a failed PIPESHARD_CHECK anywhere in the process ends every rank too.
 //
 // MPI counts are `int`. Buffers longer than the per-call limit (INT_MAX floats, lower in
 // tests) travel in pieces; all ranks cut the same pieces because they pass the same sizes,
@@ -21,9 +23,11 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
+#include "common/check.h"
 #include "comm/comm.h"
 #include "comm/comm_mpi.h"
 #include "comm/watchdog.h"
@@ -47,35 +51,32 @@ bool mpi_is_running() {
   std::abort();  // MPI_Abort does not return; this keeps [[noreturn]] honest if it did
 }
 
-[[noreturn]] void mpi_call_failed(int code, const char* call, const char* file, int line) {
-  char text[MPI_MAX_ERROR_STRING] = {};
-  int length = 0;
-  if (MPI_Error_string(code, text, &length) != MPI_SUCCESS) std::snprintf(text, sizeof text, "error code %d", code);
-  std::fprintf(stderr, "pipeshard: MPI error at %s:%d in %s: %s\n", file, line, call, text);
-  abort_job(1);
+// The thread that initialised MPI: the only one that may call it (MPI_THREAD_FUNNELED).
+std::thread::id mpi_thread;
+
+// common/check.h's job abort hook, installed once MPI is up: a failed check or call on any
+// rank ends every rank. A check that fails on another thread (an OpenMP worker's) returns
+// here without MPI; its process then aborts, and mpirun ends the rest of the job.
+void abort_job_after_fatal_error() {
+  if (std::this_thread::get_id() == mpi_thread) abort_job(1);
 }
 
-[[noreturn]] void mpi_check_failed(const char* file, int line, const char* expr, const std::string& detail) {
-  std::fprintf(stderr, "pipeshard: internal error at %s:%d: check '%s' failed%s%s\n", file, line, expr,
-               detail.empty() ? "" : ": ", detail.c_str());
-  abort_job(1);
+bool mpi_succeeded(int code) { return code == MPI_SUCCESS; }
+
+std::string mpi_error_text(int code) {
+  char text[MPI_MAX_ERROR_STRING] = {};
+  int length = 0;
+  if (MPI_Error_string(code, text, &length) != MPI_SUCCESS) return "error code " + std::to_string(code);
+  return text;
 }
 
 }  // namespace
 }  // namespace pipeshard
 
-// A call into MPI that must succeed.
-#define PIPESHARD_MPI_CALL(call)                                                        \
-  do {                                                                                  \
-    const int _mpi_rc = (call);                                                         \
-    if (_mpi_rc != MPI_SUCCESS) ::pipeshard::mpi_call_failed(_mpi_rc, #call, __FILE__, __LINE__); \
-  } while (0)
-
-// PIPESHARD_CHECK that ends every rank of the job, not only this one.
-#define PIPESHARD_MPI_CHECK(cond, ...)                                                          \
-  do {                                                                                          \
-    if (!(cond)) ::pipeshard::mpi_check_failed(__FILE__, __LINE__, #cond, std::string{__VA_ARGS__}); \
-  } while (0)
+// A call into MPI that must succeed (common/check.h): "pipeshard: MPI error at FILE:LINE in
+// CALL: MPI's text for the error", then the whole job ends.
+#define PIPESHARD_MPI_CALL(call) \
+  PIPESHARD_CHECKED_CALL("MPI", call, #call, ::pipeshard::mpi_succeeded, ::pipeshard::mpi_error_text)
 
 namespace pipeshard {
 namespace {
@@ -101,7 +102,9 @@ void initialize_mpi_once() {
     int provided = 0;
     // FUNNELED: worker threads (OpenMP) never call MPI, only the thread that started it.
     PIPESHARD_MPI_CALL(MPI_Init_thread(nullptr, nullptr, MPI_THREAD_FUNNELED, &provided));
-    PIPESHARD_MPI_CHECK(provided >= MPI_THREAD_FUNNELED, "MPI provides thread level " + std::to_string(provided));
+    mpi_thread = std::this_thread::get_id();
+    set_job_abort_hook(abort_job_after_fatal_error);
+    PIPESHARD_CHECK(provided >= MPI_THREAD_FUNNELED, "MPI provides thread level " + std::to_string(provided));
     PIPESHARD_MPI_CALL(MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_RETURN));
     on_exit(finalize_mpi_at_exit, nullptr);  // glibc: like atexit, but sees the exit status
   });
@@ -122,7 +125,7 @@ void divide(float* data, int64_t n, int size) {
 void check_received(const MPI_Status& status, int expected, int peer, int tag) {
   int received = 0;
   PIPESHARD_MPI_CALL(MPI_Get_count(&status, MPI_FLOAT, &received));
-  PIPESHARD_MPI_CHECK(received == expected, "received " + std::to_string(received) + " floats from rank " +
+  PIPESHARD_CHECK(received == expected, "received " + std::to_string(received) + " floats from rank " +
                                                 std::to_string(peer) + " (tag " + std::to_string(tag) + ") where " +
                                                 std::to_string(expected) + " were expected");
 }
@@ -180,7 +183,7 @@ class MpiCommunicator final : public Communicator {
     PIPESHARD_MPI_CALL(MPI_Comm_set_errhandler(comm_, MPI_ERRORS_RETURN));
     PIPESHARD_MPI_CALL(MPI_Comm_rank(comm_, &rank_));
     PIPESHARD_MPI_CALL(MPI_Comm_size(comm_, &size_));
-    PIPESHARD_MPI_CHECK(max_count_ >= size_ && max_count_ <= kMaxMpiCount,
+    PIPESHARD_CHECK(max_count_ >= size_ && max_count_ <= kMaxMpiCount,
                         "per-call limit " + std::to_string(max_count_) + " for " + std::to_string(size_) + " ranks");
     int* tag_ub = nullptr;
     int found = 0;
@@ -305,7 +308,7 @@ class MpiCommunicator final : public Communicator {
 
   void broadcast(float* data, int64_t n, int root) override {
     check_buffer(data, n);
-    PIPESHARD_MPI_CHECK(root >= 0 && root < size_, "root " + std::to_string(root) + " of " + std::to_string(size_) + " ranks");
+    PIPESHARD_CHECK(root >= 0 && root < size_, "root " + std::to_string(root) + " of " + std::to_string(size_) + " ranks");
     const WatchdogWait watched("the broadcast with", &others_);
     for_each_piece(n, max_count_, [&](int64_t offset, int count) {
       PIPESHARD_MPI_CALL(MPI_Bcast(data + offset, count, MPI_FLOAT, root, comm_));
@@ -315,7 +318,7 @@ class MpiCommunicator final : public Communicator {
   void broadcast_bytes(void* bytes, int64_t n, int root) override {
     auto* data = static_cast<char*>(bytes);
     check_buffer(data, n);
-    PIPESHARD_MPI_CHECK(root >= 0 && root < size_, "root " + std::to_string(root) + " of " + std::to_string(size_) + " ranks");
+    PIPESHARD_CHECK(root >= 0 && root < size_, "root " + std::to_string(root) + " of " + std::to_string(size_) + " ranks");
     const WatchdogWait watched("the broadcast with", &others_);
     for_each_piece(n, max_count_, [&](int64_t offset, int count) {
       PIPESHARD_MPI_CALL(MPI_Bcast(data + offset, count, MPI_BYTE, root, comm_));
@@ -372,7 +375,7 @@ class MpiCommunicator final : public Communicator {
   }
 
   std::unique_ptr<Communicator> split(int color, int key) override {
-    PIPESHARD_MPI_CHECK(color >= 0, "split color " + std::to_string(color) + " (colors are ≥ 0)");
+    PIPESHARD_CHECK(color >= 0, "split color " + std::to_string(color) + " (colors are ≥ 0)");
     MPI_Comm group = MPI_COMM_NULL;
     const WatchdogWait watched("the group split with", &others_);
     PIPESHARD_MPI_CALL(MPI_Comm_split(comm_, color, key, &group));
@@ -388,14 +391,14 @@ class MpiCommunicator final : public Communicator {
  private:
   template <typename T>
   void check_buffer(const T* data, int64_t n) const {
-    PIPESHARD_MPI_CHECK(n >= 0, "negative element count " + std::to_string(n));
-    PIPESHARD_MPI_CHECK(data != nullptr || n == 0,
+    PIPESHARD_CHECK(n >= 0, "negative element count " + std::to_string(n));
+    PIPESHARD_CHECK(data != nullptr || n == 0,
                         "null buffer for " + std::to_string(n) + (sizeof(T) == 8 ? " doubles" : sizeof(T) == 1 ? " bytes" : " floats"));
   }
   void check_transfer(const float* data, int64_t n, int peer, int tag) const {
     check_buffer(data, n);
-    PIPESHARD_MPI_CHECK(peer >= 0 && peer < size_, "peer " + std::to_string(peer) + " of " + std::to_string(size_) + " ranks");
-    PIPESHARD_MPI_CHECK(tag >= 0 && tag <= max_tag_, "tag " + std::to_string(tag) + " outside 0.." + std::to_string(max_tag_));
+    PIPESHARD_CHECK(peer >= 0 && peer < size_, "peer " + std::to_string(peer) + " of " + std::to_string(size_) + " ranks");
+    PIPESHARD_CHECK(tag >= 0 && tag <= max_tag_, "tag " + std::to_string(tag) + " outside 0.." + std::to_string(max_tag_));
   }
 
   // World ranks, for the watchdog's messages: peer_names_[r] = "rank W" for group rank r,

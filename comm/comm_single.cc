@@ -8,6 +8,7 @@
 #include <utility>
 #include <vector>
 
+#include "common/check.h"
 #include "common/status.h"
 #include "comm/comm.h"
 
@@ -33,9 +34,9 @@ void copy_floats(const float* from, float* to, int64_t n) {
 }
 
 [[noreturn]] void no_peers(const char* what, int peer, int tag) {
-  PIPESHARD_CHECK(false, std::string(what) + " with rank " + std::to_string(peer) + " (tag " + std::to_string(tag) +
-                             "): a single process has no peers");
-  std::abort();  // not reached
+  fatal(__FILE__, __LINE__,
+        std::string(what) + " with rank " + std::to_string(peer) + " (tag " + std::to_string(tag) +
+            "): a single process has no peers");
 }
 
 class SingleProcessCommunicator final : public Communicator {
@@ -108,15 +109,11 @@ class PlaceholderCommunicator final : public Communicator {
   std::unique_ptr<Request> recv_async(float*, int64_t, int, int) override { carried("recv_async"); }
   void barrier() override { carried("barrier"); }
   std::unique_ptr<Communicator> split(int, int) override { carried("split"); }
-  [[noreturn]] void abort(const std::string& message) override {
-    PIPESHARD_CHECK(false, message);
-    std::abort();  // not reached
-  }
+  [[noreturn]] void abort(const std::string& message) override { fatal(__FILE__, __LINE__, message); }
 
  private:
   [[noreturn]] void carried(const char* what) const {
-    PIPESHARD_CHECK(false, std::string(what) + " on " + who_ + ", which carries nothing");
-    std::abort();  // not reached
+    fatal(__FILE__, __LINE__, std::string(what) + " on " + who_ + ", which carries nothing");
   }
   int rank_, size_;
   std::string who_;

@@ -4,16 +4,16 @@
 // as the error propagates (`status.with_context("node 'fc2' (Gemm)")` gives
 // "node 'fc2' (Gemm): <message>"), and the tools print the final message as one
 // line on stderr and exit with status 2. Broken invariants are not Statuses: they
-// are bugs and abort through PIPESHARD_CHECK.
+// are bugs and end the job through PIPESHARD_CHECK (common/check.h, included here).
 #ifndef PIPESHARD_COMMON_STATUS_H_
 #define PIPESHARD_COMMON_STATUS_H_
 
-#include <cstdio>
-#include <cstdlib>
 #include <optional>
 #include <string>
 #include <utility>
 #include <variant>
+
+#include "common/check.h"
 
 namespace pipeshard {
 
@@ -78,20 +78,7 @@ class [[nodiscard]] Result {
   std::variant<T, Status> value_;
 };
 
-[[noreturn]] inline void check_failed(const char* file, int line, const char* expr,
-                                      const std::string& detail) {
-  std::fprintf(stderr, "pipeshard: internal error at %s:%d: check '%s' failed%s%s\n", file, line,
-               expr, detail.empty() ? "" : ": ", detail.c_str());
-  std::abort();
-}
-
 }  // namespace pipeshard
-
-// Aborts with file:line when an invariant (not user input) is broken.
-#define PIPESHARD_CHECK(cond, ...)                                                     \
-  do {                                                                                 \
-    if (!(cond)) ::pipeshard::check_failed(__FILE__, __LINE__, #cond, std::string{__VA_ARGS__}); \
-  } while (0)
 
 // Returns early from a function returning Status or Result<T> when `expr` fails.
 #define PIPESHARD_RETURN_IF_ERROR(expr)            \

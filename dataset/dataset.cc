@@ -36,7 +36,7 @@ Status check_features(const NpyArray& x, const Graph& g) {
 }  // namespace
 
 Result<Dataset> load_dataset(const std::string& features_path, const std::string& labels_path, const Graph& g,
-                             LossKind loss) {
+                             Targets targets) {
   PIPESHARD_RETURN_IF_ERROR(check_model(g));
   Result<NpyArray> x = read_npy(features_path);
   if (!x) return x.status();
@@ -45,10 +45,10 @@ Result<Dataset> load_dataset(const std::string& features_path, const std::string
   PIPESHARD_RETURN_IF_ERROR(check_features(*x, g));
   Result<NpyArray> y = read_npy(labels_path);
   if (!y) return y.status();
-  return make_dataset(*x, *y, g, loss);
+  return make_dataset(*x, *y, g, targets);
 }
 
-Result<Dataset> make_dataset(const NpyArray& x, const NpyArray& y, const Graph& g, LossKind loss) {
+Result<Dataset> make_dataset(const NpyArray& x, const NpyArray& y, const Graph& g, Targets targets) {
   PIPESHARD_RETURN_IF_ERROR(check_model(g));
   PIPESHARD_RETURN_IF_ERROR(check_features(x, g));
   const std::string& labels_path = y.path;
@@ -62,9 +62,10 @@ Result<Dataset> make_dataset(const NpyArray& x, const NpyArray& y, const Graph& 
                          " but the features have " + std::to_string(d.samples));
   }
   const Shape& out = g.values[g.outputs[0]].shape;
-  if (loss == LossKind::kCrossEntropy) {
+  if (targets == Targets::kClassIndices) {
     if (y.type == NpyType::kFloat32) {
-      return Status::error(labels_path + ": cross-entropy needs integer class labels (int64 or int32), got float32 (use --loss mse for regression targets)");
+      return Status::error(labels_path + ": cross-entropy needs integer class labels (int64 or int32), got float32 "
+                           "(regression targets need the mean-squared-error loss)");
     }
     if (y.shape.size() != 1) return Status::error(labels_path + ": class labels must have shape [N], got " + dims_text(y.shape));
     if (out.rank() != 2) return Status::error("cross-entropy needs a model output of shape [batch, classes], got " + out.to_string());

@@ -9,29 +9,32 @@
 #include <vector>
 
 #include "common/status.h"
-#include "runtime/loss.h"
 #include "dataset/npy.h"
 #include "ir/graph.h"
 
 namespace pipeshard {
 
+// What the labels hold: class indices (for cross-entropy: int64 or int32 [N], stored as
+// floats) or values shaped like the model's output (for a regression loss: float32).
+enum class Targets { kClassIndices, kValues };
+
 struct Dataset {
   int64_t samples = 0;
   int64_t features_per_sample = 0;  // elements of one sample of the model input
-  int64_t targets_per_sample = 0;   // 1 (a class id) for cross-entropy, the output size for MSE
+  int64_t targets_per_sample = 0;   // 1 (a class id) for class indices, the output size for values
   std::vector<float> features;      // [samples, features_per_sample]
   std::vector<float> targets;       // [samples, targets_per_sample]; class ids stored as floats
 };
 
 // Loads features (float32 [N, ...] matching the model input's dims after the batch)
-// and labels (int64/int32 class ids in [0, classes) for cross-entropy; float32 shaped
-// like the model output for MSE). Every mismatch is a Status naming the file.
+// and labels (int64/int32 class ids in [0, classes) for kClassIndices; float32 shaped
+// like the model output for kValues). Every mismatch is a Status naming the file.
 Result<Dataset> load_dataset(const std::string& features_path, const std::string& labels_path, const Graph& graph,
-                             LossKind loss);
+                             Targets targets);
 
 // The same checks and result for arrays already read (parse_npy, read_npy): messages name
 // each array by its NpyArray::path. The arrays are copied, not moved from.
-Result<Dataset> make_dataset(const NpyArray& features, const NpyArray& labels, const Graph& graph, LossKind loss);
+Result<Dataset> make_dataset(const NpyArray& features, const NpyArray& labels, const Graph& graph, Targets targets);
 
 // Which samples make up each batch of each epoch.
 class BatchOrder {

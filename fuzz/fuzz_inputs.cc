@@ -104,7 +104,7 @@ Dataset checkpoint_data(const Graph& g) {
   std::memcpy(features.bytes.data(), x.data(), features.bytes.size());
   NpyArray labels = zeros<int64_t>("labels.npy", NpyType::kInt64, 8, {});
   for (int64_t i = 0; i < 8; ++i) std::memcpy(labels.bytes.data() + i * sizeof(int64_t), &i, sizeof i);
-  Result<Dataset> d = make_dataset(features, labels, g, LossKind::kCrossEntropy);
+  Result<Dataset> d = make_dataset(features, labels, g, Targets::kClassIndices);
   PIPESHARD_CHECK(d.is_ok(), d.status().message());
   return std::move(*d);
 }
@@ -242,9 +242,9 @@ Status run_npy_input(std::string_view bytes) {
       const NpyArray labels = loss == LossKind::kCrossEntropy
                                   ? zeros<int64_t>("labels.npy", NpyType::kInt64, rows, {})
                                   : zeros<float>("labels.npy", NpyType::kFloat32, rows, sample_dims(out));
-      (void)make_dataset(*array, labels, g, loss);
+      (void)make_dataset(*array, labels, g, targets_of(loss));
       const NpyArray features = zeros<float>("features.npy", NpyType::kFloat32, rows, sample_dims(in));
-      (void)make_dataset(features, *array, g, loss);
+      (void)make_dataset(features, *array, g, targets_of(loss));
     }
   }
   return Status::ok();

@@ -62,7 +62,7 @@ int64_t output_parts(ShardRole role, int shards) {
 // per row. Column-parallel and shard-local nodes make a shard of their output, and a
 // column-gather Linear keeps the whole output it gathers beside its shard; a row-parallel
 // Linear's partial sums are all-reduced in place (stage_writer.cc writes them as values
-// of their own; runtime/program.cc's reduces_in_place()).
+// of their own; program/program.cc's reduces_in_place()).
 int64_t kept_bytes(const Graph& g, const Node& n, const std::vector<bool>& recomputed, ShardRole role, int shards) {
   const int x = n.inputs[0], y = n.outputs[0];
   const int64_t part = output_parts(role, shards);
@@ -110,7 +110,7 @@ LayerFigures layer_figures(const Graph& g, const std::vector<int>& layer, int la
 //   (kept, since the next stage or the loss reads them);
 // - one micro-batch of the buffers that values share: two for activation gradients, two
 //   for recomputed outputs, together no larger than the two largest such values
-//   (runtime/program.h; an MLP needs no more);
+//   (program/program.h; an MLP needs no more);
 // - one micro-batch of tensor-parallel scratch: an AllGather's whole output, and the
 //   input gradient a column-parallel Linear computes in part.
 int64_t memory_bytes(const Graph& g, const PartitionOptions& o, int k, const StagePlan& s, int64_t param_elements,

@@ -44,7 +44,7 @@ struct PartitionOptions {
   std::string schedule = "1f1b";  // a registered pipeline schedule (schedule/registry.h)
   int optimizer_slots = 2;          // float32 state per parameter (Adam: 2, SGD+momentum: 1)
   bool recompute_activations = true;  // training recomputes recomputable_values() (train --keep-activations: false)
-  // Fused activations the backend keeps anyway (runtime/program.h's kept_when_fused():
+  // Fused activations the backend keeps anyway (program/program.h's kept_when_fused():
   // GeluTanh on a GPU below fp32); none on the CPU.
   std::vector<ActivationKind> kept_when_fused;
   // An unpaired Linear with fewer parameters than this stays replicated.

@@ -17,7 +17,7 @@
 
 #include "comm/comm.h"
 #include "ir/graph.h"
-#include "runtime/program.h"
+#include "program/program.h"
 
 namespace pipeshard {
 

@@ -51,6 +51,15 @@ RankModel RankModel::whole(const Graph& graph, const ProcessLayout& layout) {
   return r;
 }
 
+// What RankModel::create works from: the whole model, its plan, and the stage's graph.
+struct RankModel::Cut {
+  const Graph& g;
+  const Plan& plan;
+  const std::string& label;        // "model.onnx (stage 1, shard 0)", for messages
+  std::vector<int> stage_of;       // [whole-model nodes]
+  std::vector<bool> needs_grad;    // [whole-model values]: a trainable parameter is upstream
+};
+
 Result<RankModel> RankModel::create(const ImportedModel& model, const ProcessLayout& layout, PartitionOptions options) {
   const Graph& g = model.graph;
   if (layout.stages == 1 && layout.shards == 1) return whole(g, layout);
@@ -58,10 +67,10 @@ Result<RankModel> RankModel::create(const ImportedModel& model, const ProcessLay
   options.tensor_parallel = layout.shards;
   Result<Plan> plan = make_plan(g, model.path, options);
   if (!plan) return plan.status();
-  const int P = layout.stages, me = layout.stage;
-  Result<std::shared_ptr<onnx::ModelProto>> proto = build_stage_model(model, *plan, me, layout.shard);
+  Result<std::shared_ptr<onnx::ModelProto>> proto = build_stage_model(model, *plan, layout.stage, layout.shard);
   if (!proto) return proto.status();
-  const std::string label = model.path + " (stage " + std::to_string(me) + ", shard " + std::to_string(layout.shard) + ")";
+  const std::string label =
+      model.path + " (stage " + std::to_string(layout.stage) + ", shard " + std::to_string(layout.shard) + ")";
   Result<ImportedModel> stage =
       import_onnx_model(*proto, std::filesystem::path(model.path).parent_path().string(), label);
   if (!stage) return stage.status().with_context("cutting the stage file");
@@ -71,123 +80,140 @@ Result<RankModel> RankModel::create(const ImportedModel& model, const ProcessLay
   r.whole_ = false;
   r.layout_ = layout;
   r.local_ = std::move(stage->graph);
-  const Graph& local = r.local_;
-  const auto full_values = index_by_name(g.values), full_params = index_by_name(g.params);
-
-  // Stage of every node; parameters each stage holds (a parameter in two stages cannot be
-  // trained there: its two halves of the gradient would never meet).
-  std::vector<int> stage_of(g.nodes.size(), -1);
+  Cut cut{g, *plan, label, std::vector<int>(g.nodes.size(), -1), {}};
   for (const StagePlan& s : plan->stages)
-    for (int n : s.nodes) stage_of[n] = s.stage;
-  r.stage_params_.assign(P, {});
+    for (int n : s.nodes) cut.stage_of[n] = s.stage;
+  // Gradients flow back to a value when a trainable parameter is upstream of it.
+  cut.needs_grad.assign(g.values.size(), false);
+  for (const Node& n : g.nodes) {
+    bool upstream = false;
+    for (int p : g.node_params(n)) upstream = upstream || g.params[p].trainable;
+    for (int in : n.inputs) upstream = upstream || cut.needs_grad[in];
+    for (int out : n.outputs) cut.needs_grad[out] = upstream;
+  }
+  PIPESHARD_RETURN_IF_ERROR(r.place_parameters(cut));
+  r.name_nodes_and_inputs(cut);
+  PIPESHARD_RETURN_IF_ERROR(r.find_links(cut));
+  return r;
+}
+
+// Parameters each stage holds (a parameter in two stages cannot be trained there: its two
+// halves of the gradient would never meet), and the local parameters as (slices of)
+// whole-model ones.
+Status RankModel::place_parameters(const Cut& cut) {
+  const Graph& g = cut.g;
+  const auto full_params = index_by_name(g.params);
+  stage_params_.assign(layout_.stages, {});
   std::vector<int> holder(g.params.size(), -1);
   for (size_t n = 0; n < g.nodes.size(); ++n) {
     for (int p : g.node_params(g.nodes[n])) {
-      if (holder[p] >= 0 && holder[p] != stage_of[n]) {
-        return Status::error("parameter '" + g.params[p].name + "' is used by stages " + std::to_string(holder[p]) +
-                             " and " + std::to_string(stage_of[n]) +
-                             "; weights shared across pipeline stages cannot be trained, use fewer --stages");
+      const int s = cut.stage_of[n];
+      if (holder[p] >= 0 && holder[p] != s) {
+        return Status::invalid("stages", "parameter '" + g.params[p].name + "' is used by stages " +
+                                             std::to_string(holder[p]) + " and " + std::to_string(s) +
+                                             "; weights shared across pipeline stages cannot be trained: use fewer "
+                                             "stages");
       }
-      if (holder[p] < 0) r.stage_params_[stage_of[n]].push_back(p);
-      holder[p] = stage_of[n];
+      if (holder[p] < 0) stage_params_[s].push_back(p);
+      holder[p] = s;
     }
   }
-  for (auto& list : r.stage_params_) std::sort(list.begin(), list.end());
-
-  // Local parameters as (slices of) whole ones.
-  for (const Parameter& q : local.params) {
+  for (auto& list : stage_params_) std::sort(list.begin(), list.end());
+  for (const Parameter& q : local_.params) {
     auto it = full_params.find(q.name);
-    if (it == full_params.end()) return Status::error(label + ": parameter '" + q.name + "' is not in the model");
+    if (it == full_params.end()) return Status::error(cut.label + ": parameter '" + q.name + "' is not in the model");
     const Parameter& whole = g.params[it->second];
     int axis = -1;
     if (q.dims != whole.dims) {
       for (size_t a = 0; a < q.dims.size() && q.dims.size() == whole.dims.size(); ++a) {
         if (q.dims[a] == whole.dims[a]) continue;
-        if (axis >= 0 || q.dims[a] * layout.shards != whole.dims[a]) axis = -2;
+        if (axis >= 0 || q.dims[a] * layout_.shards != whole.dims[a]) axis = -2;
         if (axis == -1) axis = static_cast<int>(a);
       }
-      if (axis < 0) return Status::error(label + ": parameter '" + q.name + "' is no even shard of the model's");
+      if (axis < 0) return Status::error(cut.label + ": parameter '" + q.name + "' is no even shard of the model's");
     }
-    r.full_param_.push_back(it->second);
-    r.shard_axis_.push_back(axis);
+    full_param_.push_back(it->second);
+    shard_axis_.push_back(axis);
   }
-  for (int p : r.stage_params_[me]) {
-    if (std::find(r.full_param_.begin(), r.full_param_.end(), p) == r.full_param_.end()) {
-      return Status::error(label + ": parameter '" + g.params[p].name + "' is missing from the stage");
+  for (int p : stage_params_[layout_.stage]) {
+    if (std::find(full_param_.begin(), full_param_.end(), p) == full_param_.end()) {
+      return Status::error(cut.label + ": parameter '" + g.params[p].name + "' is missing from the stage");
     }
   }
-  // A local node is the whole model's node that produces the same value: value names are
-  // unique in ONNX (node names need not be). Nodes the stage writer made (sharded Linears)
-  // produce values of their own and get ids past the model's.
-  for (size_t i = 0; i < local.nodes.size(); ++i) {
-    auto it = full_values.find(local.values[local.nodes[i].outputs[0]].name);
+  return Status::ok();
+}
+
+// A local node is the whole model's node that produces the same value: value names are
+// unique in ONNX (node names need not be). Nodes the stage writer made (sharded Linears)
+// produce values of their own and get ids past the model's. A stage input needs a
+// gradient when the whole model's value does.
+void RankModel::name_nodes_and_inputs(const Cut& cut) {
+  const Graph& g = cut.g;
+  const auto full_values = index_by_name(g.values);
+  for (size_t i = 0; i < local_.nodes.size(); ++i) {
+    auto it = full_values.find(local_.values[local_.nodes[i].outputs[0]].name);
     const int producer = it != full_values.end() ? g.values[it->second].producer : -1;
-    r.model_node_ids_.push_back(producer >= 0 ? static_cast<uint64_t>(producer) : g.nodes.size() + i);
+    model_node_ids_.push_back(producer >= 0 ? static_cast<uint64_t>(producer) : g.nodes.size() + i);
   }
+  for (int v : local_.inputs) {
+    auto it = full_values.find(local_.values[v].name);
+    input_needs_grad_.push_back(it != full_values.end() && cut.needs_grad[it->second]);
+  }
+}
 
-  // Gradients flow back to a value when a trainable parameter is upstream of it.
-  std::vector<bool> needs(g.values.size(), false);
-  for (const Node& n : g.nodes) {
-    bool upstream = false;
-    for (int p : g.node_params(n)) upstream = upstream || g.params[p].trainable;
-    for (int in : n.inputs) upstream = upstream || needs[in];
-    for (int out : n.outputs) needs[out] = upstream;
-  }
-  for (int v : local.inputs) {
-    auto it = full_values.find(local.values[v].name);
-    r.input_needs_grad_.push_back(it != full_values.end() && needs[it->second]);
-  }
-
-  // The values crossing cut c (after stage c): made at or before stage c, read after it
-  // (the loss reads the model outputs on the last stage).
+// The values crossing cut c (after stage c): made at or before stage c, read after it
+// (the loss reads the model outputs on the last stage), checked against the Plan's.
+Result<std::vector<LinkValue>> RankModel::link(const Cut& cut, int c) const {
+  const Graph& g = cut.g;
   std::vector<int> made(g.values.size(), -1), last(g.values.size(), -1);
   for (size_t v = 0; v < g.values.size(); ++v) {
-    if (g.values[v].producer >= 0) made[v] = stage_of[g.values[v].producer];
-    for (int c : g.values[v].consumers) last[v] = std::max(last[v], stage_of[c]);
+    if (g.values[v].producer >= 0) made[v] = cut.stage_of[g.values[v].producer];
+    for (int reader : g.values[v].consumers) last[v] = std::max(last[v], cut.stage_of[reader]);
   }
-  for (int v : g.outputs) last[v] = P - 1;
-  const auto local_values = index_by_name(local.values);
-  auto link = [&](int cut) -> Result<std::vector<LinkValue>> {
-    std::vector<LinkValue> out;
-    std::set<std::string> names;
-    for (size_t v = 0; v < g.values.size(); ++v) {
-      if (made[v] > cut || last[v] <= cut) continue;
-      LinkValue l{g.values[v].name, g.values[v].shape.per_sample_elements(), needs[v], -1};
-      if (auto it = local_values.find(l.name); it != local_values.end()) {
-        l.local = it->second;
-        if (local.values[l.local].shape.per_sample_elements() != l.per_sample) {
-          return Status::error(label + ": value '" + l.name + "' crosses a cut but is sharded in the stage");
-        }
+  for (int v : g.outputs) last[v] = layout_.stages - 1;
+  const auto full_values = index_by_name(g.values), local_values = index_by_name(local_.values);
+  std::vector<LinkValue> out;
+  std::set<std::string> names;
+  for (size_t v = 0; v < g.values.size(); ++v) {
+    if (made[v] > c || last[v] <= c) continue;
+    LinkValue l{g.values[v].name, g.values[v].shape.per_sample_elements(), cut.needs_grad[v], -1};
+    if (auto it = local_values.find(l.name); it != local_values.end()) {
+      l.local = it->second;
+      if (local_.values[l.local].shape.per_sample_elements() != l.per_sample) {
+        return Status::error(cut.label + ": value '" + l.name + "' crosses a cut but is sharded in the stage");
       }
-      out.push_back(l);
-      names.insert(l.name);
     }
-    // The Plan says what crosses the cut too; the two must agree, shapes included.
-    const StagePlan& s = plan->stages[cut];
-    std::vector<TensorSpec> planned = s.outputs;
-    planned.insert(planned.end(), s.carried.begin(), s.carried.end());
-    bool same = planned.size() == out.size();
-    for (const TensorSpec& t : planned) {
-      auto it = full_values.find(t.name);
-      same = same && names.count(t.name) && it != full_values.end() && g.values[it->second].shape == t.shape;
-    }
-    if (!same) {
-      return Status::error(label + ": the values crossing cut " + std::to_string(cut) + " do not match the plan (" +
-                           shape_list(planned) + ")");
-    }
-    return out;
-  };
-  if (me > 0) {
-    Result<std::vector<LinkValue>> in = link(me - 1);
+    out.push_back(l);
+    names.insert(l.name);
+  }
+  // The Plan says what crosses the cut too; the two must agree, shapes included.
+  const StagePlan& s = cut.plan.stages[c];
+  std::vector<TensorSpec> planned = s.outputs;
+  planned.insert(planned.end(), s.carried.begin(), s.carried.end());
+  bool same = planned.size() == out.size();
+  for (const TensorSpec& t : planned) {
+    auto it = full_values.find(t.name);
+    same = same && names.count(t.name) && it != full_values.end() && g.values[it->second].shape == t.shape;
+  }
+  if (!same) {
+    return Status::error(cut.label + ": the values crossing cut " + std::to_string(c) + " do not match the plan (" +
+                         shape_list(planned) + ")");
+  }
+  return out;
+}
+
+Status RankModel::find_links(const Cut& cut) {
+  if (layout_.stage > 0) {
+    Result<std::vector<LinkValue>> in = link(cut, layout_.stage - 1);
     if (!in) return in.status();
-    r.incoming_ = std::move(*in);
+    incoming_ = std::move(*in);
   }
-  if (me < P - 1) {
-    Result<std::vector<LinkValue>> out = link(me);
+  if (layout_.stage < layout_.stages - 1) {
+    Result<std::vector<LinkValue>> out = link(cut, layout_.stage);
     if (!out) return out.status();
-    r.outgoing_ = std::move(*out);
+    outgoing_ = std::move(*out);
   }
-  return r;
+  return Status::ok();
 }
 
 std::vector<float> RankModel::slice(int local, const std::vector<float>& whole) const {

@@ -78,6 +78,12 @@ class RankModel {
               Communicator& world, Communicator* tensor, bool trainable_only) const;
 
  private:
+  struct Cut;
+  Status place_parameters(const Cut& cut);
+  void name_nodes_and_inputs(const Cut& cut);
+  Result<std::vector<LinkValue>> link(const Cut& cut, int c) const;
+  Status find_links(const Cut& cut);
+
   const Graph* full_ = nullptr;
   bool whole_ = true;
   ProcessLayout layout_;

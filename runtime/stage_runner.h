@@ -33,7 +33,7 @@
 #include "common/status.h"
 #include "observe/trace.h"
 #include "runtime/gradient_sync.h"
-#include "runtime/program.h"
+#include "program/program.h"
 #include "runtime/rank_model.h"
 #include "schedule/schedule.h"
 

@@ -9,12 +9,13 @@
 #include <string>
 
 #include "comm/comm.h"
+#include "dataset/dataset.h"
 #include "common/status.h"
 #include "ir/graph.h"
 #include "partitioner/plan.h"
-#include "runtime/loss.h"
+#include "program/loss.h"
 #include "runtime/loss_scaler.h"
-#include "runtime/optimizer.h"
+#include "program/optimizer.h"
 
 namespace pipeshard {
 
@@ -53,6 +54,11 @@ struct TrainConfig {
   // elementwise pass per activation less, one tensor per activation more. Same results.
   bool keep_activations = false;
 };
+
+// The labels a loss reads: class indices for cross-entropy, values for MSE.
+inline Targets targets_of(LossKind loss) {
+  return loss == LossKind::kCrossEntropy ? Targets::kClassIndices : Targets::kValues;
+}
 
 // OK when `config` can train `graph` on `samples` samples in `layout`: batch sizes,
 // micro-batches and accumulation that divide, a registered schedule, a valid loss scale,

@@ -105,9 +105,11 @@ class StructureCheck {
     const auto& actions = sc_.actions[s];
     for (int i = 0; i < static_cast<int>(actions.size()); ++i) {
       const Action& a = actions[i];
-      const std::string here = "stage " + std::to_string(s) + ": action " + std::to_string(i) + " (" + name(a) + ")";
       const int held = static_cast<int>(sc_.stage_chunks[s].size());
-      if (a.chunk < 0 || a.chunk >= held) {
+      const bool chunk_held = a.chunk >= 0 && a.chunk < held;
+      const std::string here = "stage " + std::to_string(s) + ": action " + std::to_string(i) + " (" +
+                               (chunk_held ? name(a) : action_name(a)) + ")";
+      if (!chunk_held) {
         return Status::error(here + " names its chunk " + std::to_string(a.chunk) + ", but the stage holds " +
                              std::to_string(held));
       }

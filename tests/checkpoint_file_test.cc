@@ -79,7 +79,7 @@ class CheckpointIntegrity : public ::testing::Test {
     ASSERT_TRUE(m.is_ok()) << m.status().message();
     model_ = std::move(*m);
     Result<Dataset> d = load_dataset(source_path("data/digits_features.npy"), source_path("data/digits_labels.npy"),
-                                     model_.graph, LossKind::kCrossEntropy);
+                                     model_.graph, Targets::kClassIndices);
     ASSERT_TRUE(d.is_ok()) << d.status().message();
     data_ = std::move(*d);
     config_.optimizer.kind = OptimizerKind::kAdam;

@@ -56,8 +56,7 @@ ImportedModel digits_model() {
 }
 
 Dataset digits(const Graph& g) {
-  Result<Dataset> d = load_dataset(source_path("data/digits_features.npy"), source_path("data/digits_labels.npy"), g,
-                                   LossKind::kCrossEntropy);
+  Result<Dataset> d = load_dataset(source_path("data/digits_features.npy"), source_path("data/digits_labels.npy"), g, Targets::kClassIndices);
   EXPECT_TRUE(d.is_ok()) << d.status().message();
   return std::move(d).value();
 }

@@ -37,7 +37,7 @@
 #include <vector>
 
 #include "backend/backend.h"
-#include "runtime/program.h"
+#include "program/program.h"
 #include "importer/onnx_importer.h"
 #include "tests/onnx_node_util.h"
 

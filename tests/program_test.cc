@@ -13,8 +13,8 @@
 #include <gtest/gtest.h>
 
 #include "comm/comm.h"
-#include "runtime/loss.h"
-#include "runtime/program.h"
+#include "program/loss.h"
+#include "program/program.h"
 #include "testing/reference_forward.h"
 #include "partitioner/plan.h"
 #include "partitioner/stage_writer.h"

@@ -31,7 +31,7 @@ using testing::source_path;
 using testing::tool_path;
 
 Dataset data_for(const ImportedModel& m, const std::string& x, const std::string& y, LossKind loss) {
-  Result<Dataset> d = load_dataset(source_path(x), source_path(y), m.graph, loss);
+  Result<Dataset> d = load_dataset(source_path(x), source_path(y), m.graph, targets_of(loss));
   EXPECT_TRUE(d.is_ok()) << d.status().message();
   return std::move(d).value();
 }

@@ -3,6 +3,7 @@
 // a step × stage grid; hand-broken schedules are rejected with messages that name the
 // stage and action.
 #include "schedule/schedule.h"
+#include "schedule/registry.h"
 
 #include <gtest/gtest.h>
 
@@ -310,6 +311,177 @@ TEST(ScheduleCli, PartitionShowsTheScheduleGrid) {
       << r.out;
   EXPECT_NE(r.out.find("stage 0: at most 2 micro-batches alive"), std::string::npos) << r.out;
   EXPECT_NE(r.out.find("stage 1: at most 1 micro-batch alive"), std::string::npos) << r.out;
+}
+
+}  // namespace
+}  // namespace pipeshard
+
+namespace pipeshard {
+namespace {
+
+// ---- the registry ----
+
+// Every row's in-flight formula is what its built schedule keeps alive, and the stage
+// runner's slots are as many; the bubble formula is the fill and drain of the pipeline.
+TEST(ScheduleRegistry, FormulasAgreeWithTheBuiltSchedules) {
+  ASSERT_EQ(schedule_names(), (std::vector<std::string>{"gpipe", "1f1b"}));
+  for (const std::string& name : schedule_names()) {
+    const ScheduleInfo& info = *find_schedule(name);
+    for (int p = 1; p <= 6; ++p) {
+      for (int m = 1; m <= 9; ++m) {
+        SCOPED_TRACE(name + " P=" + std::to_string(p) + " M=" + std::to_string(m));
+        const PipelineSchedule sc = make_pipeline_schedule(name, p, m);
+        for (int s = 0; s < p; ++s) {
+          EXPECT_EQ(info.in_flight(p, m, s), max_in_flight(sc, s)) << "stage " << s;
+          EXPECT_EQ(max_in_flight_of_chunk(sc, s, 0), max_in_flight(sc, s)) << "stage " << s;
+        }
+        EXPECT_DOUBLE_EQ(info.bubble(p, m), static_cast<double>(p - 1) / (m + p - 1));
+      }
+    }
+  }
+  EXPECT_EQ(find_schedule("zb-h1"), nullptr);
+  EXPECT_EQ(check_schedule_name("zb-h1").message(), "no pipeline schedule 'zb-h1' (there are gpipe, 1f1b)");
+}
+
+// Every action kind has one row of facts, in enum order.
+TEST(ScheduleRegistry, EveryActionKindHasItsRow) {
+  for (int i = 0; i < kActionKindCount; ++i) {
+    const ActionKindInfo& info = action_kind_info(static_cast<ActionKind>(i));
+    EXPECT_EQ(static_cast<int>(info.kind), i);
+    EXPECT_NE(std::string(info.prefix), "");
+    EXPECT_NE(std::string(info.trace_name), "");
+  }
+  EXPECT_TRUE(action_kind_info(ActionKind::kBackward).input_gradient);
+  EXPECT_TRUE(action_kind_info(ActionKind::kBackward).weight_gradient);
+  EXPECT_FALSE(action_kind_info(ActionKind::kBackwardInput).weight_gradient);
+  EXPECT_FALSE(action_kind_info(ActionKind::kBackwardWeight).input_gradient);
+}
+
+// A schedule registered for a scope is found, built, lowered and checked like the
+// built-in ones, and gone afterwards.
+TEST(ScheduleRegistry, ARegisteredScheduleIsFoundAndLeaves) {
+  {
+    ScheduleInfo info = *find_schedule("gpipe");
+    info.name = "gpipe-copy";
+    ScheduleRegistration registration(info);
+    ASSERT_NE(find_schedule("gpipe-copy"), nullptr);
+    EXPECT_EQ(check_pipeline_schedule(make_pipeline_schedule("gpipe-copy", 3, 4)).message(), "");
+    EXPECT_EQ(schedule_names_text(), "gpipe, 1f1b, gpipe-copy");
+  }
+  EXPECT_EQ(find_schedule("gpipe-copy"), nullptr);
+}
+
+// ---- lowering ----
+
+// R (REDUCE_GRAD) follows each stage's last gradient pass and the send after it.
+TEST(ScheduleLowering, ReduceGradientsAfterTheLastBackward) {
+  LowerOptions reduce;
+  reduce.reduce_gradients = true;
+  PipelineSchedule sc = make_pipeline_schedule("1f1b", 2, 2, reduce);
+  EXPECT_EQ(names(sc.actions[0]), "F0 sA0 F1 sA1 rG0 B0 rG1 B1 R");
+  EXPECT_EQ(names(sc.actions[1]), "rA0 F0 B0 sG0 rA1 F1 B1 sG1 R");
+  EXPECT_EQ(check_message(sc), "OK");
+  sc.actions[1].pop_back();
+  EXPECT_EQ(check_message(sc), "stage 1: no R after the last gradient pass, which other stages have");
+  PipelineSchedule early = make_pipeline_schedule("gpipe", 1, 2, reduce);
+  std::swap(early.actions[0][2], early.actions[0][4]);  // F0 F1 R B1 B0
+  EXPECT_EQ(check_message(early), "stage 0: R comes before B0");
+}
+
+// A compute order with I and W: the lowering puts the gradient transfers around I, none
+// around W, and R after the last W.
+ComputeOrder one_f_one_b_split(int stages, int micro_batches) {
+  ComputeOrder order = find_schedule("1f1b")->build(stages, micro_batches);
+  for (auto& stage : order) {
+    std::vector<Action> split;
+    for (const Action& a : stage) {
+      if (a.kind != ActionKind::kBackward) {
+        split.push_back(a);
+        continue;
+      }
+      split.push_back({ActionKind::kBackwardInput, a.micro_batch, a.chunk});
+      split.push_back({ActionKind::kBackwardWeight, a.micro_batch, a.chunk});
+    }
+    stage = split;
+  }
+  return order;
+}
+
+TEST(ScheduleLowering, InputAndWeightHalves) {
+  LowerOptions reduce;
+  reduce.reduce_gradients = true;
+  const PipelineSchedule sc = lower_schedule("1f1b-iw", 2, 2, {0, 1}, one_f_one_b_split(2, 2), reduce);
+  EXPECT_EQ(names(sc.actions[0]), "F0 sA0 F1 sA1 rG0 I0 W0 rG1 I1 W1 R");
+  EXPECT_EQ(names(sc.actions[1]), "rA0 F0 I0 sG0 W0 rA1 F1 I1 sG1 W1 R");
+  EXPECT_EQ(check_message(sc), "OK");
+  EXPECT_EQ(max_in_flight(sc, 0), 2);
+  EXPECT_EQ(last_gradient_action(sc, 1, 0), 9);
+}
+
+TEST(ScheduleCheck, ReportsBrokenSplitBackwards) {
+  const PipelineSchedule good = lower_schedule("1f1b-iw", 2, 2, {0, 1}, one_f_one_b_split(2, 2));
+  PipelineSchedule no_w = good;
+  no_w.actions[1].erase(no_w.actions[1].begin() + 4);  // rA0 F0 I0 sG0 [W0] ...
+  EXPECT_EQ(check_message(no_w), "stage 1: no W0 after I0");
+  PipelineSchedule w_first = good;
+  std::swap(w_first.actions[0][5], w_first.actions[0][6]);  // ... rG0 W0 I0 ...
+  EXPECT_EQ(check_message(w_first), "stage 0: W0 comes before I0");
+  PipelineSchedule both = good;
+  both.actions[0].insert(both.actions[0].begin() + 7, Action{ActionKind::kBackward, 0});
+  EXPECT_EQ(check_message(both),
+            "stage 0: B0 and I0 both: a micro-batch's backward is one B, or one I and one W");
+}
+
+// ---- several chunks per stage ----
+
+// Interleaved placement (chunk c on stage c mod P), one forward sweep then one backward
+// sweep over the chunks: the lowering adds transfers only between chunks on different
+// stages, names carry the model chunk, and every link matches in order.
+ComputeOrder interleaved_gpipe(int stages, int micro_batches, int chunks_per_stage) {
+  ComputeOrder order(stages);
+  for (int s = 0; s < stages; ++s) {
+    for (int j = 0; j < chunks_per_stage; ++j)
+      for (int k = 0; k < micro_batches; ++k) order[s].push_back({ActionKind::kForward, k, j});
+    for (int j = chunks_per_stage; j-- > 0;)
+      for (int k = 0; k < micro_batches; ++k) order[s].push_back({ActionKind::kBackward, k, j});
+  }
+  return order;
+}
+
+TEST(ScheduleChunks, InterleavedPlacementLowersAndRuns) {
+  const PipelineSchedule sc = lower_schedule("interleaved-gpipe", 2, 2, {0, 1, 0, 1}, interleaved_gpipe(2, 2, 2));
+  EXPECT_EQ(sc.chunks(), 4);
+  ASSERT_TRUE(sc.names_chunks());
+  std::string stage0;
+  for (const Action& a : sc.actions[0]) stage0 += (stage0.empty() ? "" : " ") + action_label(sc, 0, a);
+  EXPECT_EQ(stage0, "0F0 0sA0 0F1 0sA1 2rA0 2F0 2sA0 2rA1 2F1 2sA1 2rG0 2B0 2sG0 2rG1 2B1 2sG1 0rG0 0B0 0rG1 0B1");
+  EXPECT_EQ(check_message(sc), "OK");
+  EXPECT_EQ(max_in_flight(sc, 0), 4);
+  EXPECT_EQ(max_in_flight_of_chunk(sc, 0, 1), 2);
+  EXPECT_TRUE(pipeline_schedule_steps(sc).is_ok());
+}
+
+// A V: stage s holds chunks s and 2P − 1 − s, so the last stage holds two neighbours,
+// which hand over in place (no transfer between them), in dependency order.
+TEST(ScheduleChunks, VPlacementHandsOverInPlace) {
+  const std::vector<int> v = {0, 1, 1, 0};  // chunks 0..3 on stages 0, 1, 1, 0
+  const PipelineSchedule sc = lower_schedule("v-gpipe", 2, 1, v, interleaved_gpipe(2, 1, 2));
+  std::string stage1;
+  for (const Action& a : sc.actions[1]) stage1 += (stage1.empty() ? "" : " ") + action_label(sc, 1, a);
+  EXPECT_EQ(stage1, "1rA0 1F0 2F0 2sA0 2rG0 2B0 1B0 1sG0");
+  EXPECT_EQ(check_message(sc), "OK");
+  PipelineSchedule swapped = sc;
+  std::swap(swapped.actions[1][1], swapped.actions[1][2]);  // 2F0 before 1F0
+  EXPECT_EQ(check_message(swapped), "stage 1: 2F0 comes before 1F0");
+}
+
+TEST(ScheduleChunks, ReportsPlacementErrors) {
+  PipelineSchedule sc = lower_schedule("interleaved-gpipe", 2, 1, {0, 1, 0, 1}, interleaved_gpipe(2, 1, 2));
+  sc.stage_chunks[1] = {1, 1};
+  EXPECT_EQ(check_message(sc), "stage 1 holds chunk 1: chunks 0..3 go on one stage each");
+  PipelineSchedule bad_chunk = lower_schedule("interleaved-gpipe", 2, 1, {0, 1, 0, 1}, interleaved_gpipe(2, 1, 2));
+  bad_chunk.actions[0][0].chunk = 5;
+  EXPECT_EQ(check_message(bad_chunk), "stage 0: action 0 (F0) names its chunk 5, but the stage holds 2");
 }
 
 }  // namespace

@@ -7,7 +7,7 @@
 #include <gtest/gtest.h>
 
 #include "dataset/npy.h"
-#include "runtime/program.h"
+#include "program/program.h"
 #include "runtime/trainer.h"
 #include "importer/onnx_importer.h"
 #include "tests/model_util.h"
@@ -29,7 +29,7 @@ struct RunResult {
 Dataset digits() {
   ImportedModel m = load_model("simple_digits");
   Result<Dataset> d = load_dataset(source_path("data/digits_features.npy"), source_path("data/digits_labels.npy"),
-                                   m.graph, LossKind::kCrossEntropy);
+                                   m.graph, Targets::kClassIndices);
   EXPECT_TRUE(d.is_ok()) << d.status().message();
   return std::move(d).value();
 }
@@ -118,7 +118,7 @@ TEST(Trainer, ResumedRunEqualsTheUninterruptedRun) {
 TEST(Trainer, ResumesABatchNormModelBitIdentically) {
   ImportedModel m = load_model("batchnorm_train");
   Result<Dataset> loaded = load_dataset(source_path("tests/golden/gelu_layernorm/x.npy"),
-                                        source_path("tests/golden/gelu_layernorm/y.npy"), m.graph, LossKind::kCrossEntropy);
+                                        source_path("tests/golden/gelu_layernorm/y.npy"), m.graph, Targets::kClassIndices);
   ASSERT_TRUE(loaded.is_ok()) << loaded.status().message();
   const Dataset& d = *loaded;
   for (double clip : {0.0, 0.5}) {
@@ -269,7 +269,7 @@ class BadData : public ::testing::Test {
   ImportedModel model_ = load_model("simple_digits");
   ScratchDir dir_{"data"};
   std::string message(const std::string& x, const std::string& y, LossKind loss = LossKind::kCrossEntropy) {
-    Result<Dataset> d = load_dataset(x, y, model_.graph, loss);
+    Result<Dataset> d = load_dataset(x, y, model_.graph, targets_of(loss));
     EXPECT_FALSE(d.is_ok());
     return d.is_ok() ? "" : d.status().message();
   }
@@ -319,8 +319,7 @@ TEST_F(BadData, MseTargetsMustMatchTheOutput) {
 }
 
 TEST_F(BadData, FewerSamplesThanOneBatch) {
-  Result<Dataset> d = load_dataset(write_floats("x.npy", {4, 64}), write_labels("y.npy", {0, 1, 2, 3}), model_.graph,
-                                   LossKind::kCrossEntropy);
+  Result<Dataset> d = load_dataset(write_floats("x.npy", {4, 64}), write_labels("y.npy", {0, 1, 2, 3}), model_.graph, Targets::kClassIndices);
   ASSERT_TRUE(d.is_ok());
   std::unique_ptr<Backend> backend = make_cpu_backend();
   auto t = Trainer::create(model_.graph, *d, *backend, sgd(8, 1, 1));

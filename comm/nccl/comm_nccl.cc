@@ -138,13 +138,14 @@ class NcclRequest final : public Request {
 
 // A CUDA or NCCL failure inside the communicator: abort NCCL, then the job.
 #define PIPESHARD_NCCL_FAIL(what) fail(what, __FILE__, __LINE__)
-#define PIPESHARD_NCCL_CUDA(call)                                                              \
-  do {                                                                                         \
-    const cudaError_t _cuda_rc = (call);                                                       \
-    if (_cuda_rc != cudaSuccess) {                                                             \
-      PIPESHARD_NCCL_FAIL(std::string(#call) + ": " + cudaGetErrorString(_cuda_rc));           \
-    }                                                                                          \
-  } while (0)
+// A CUDA call inside the communicator (common/check.h's checked call), failing as above.
+#define PIPESHARD_NCCL_CUDA(call)                                                                        \
+  PIPESHARD_CHECKED_CALL_OR("CUDA", call, #call, [](cudaError_t rc) { return rc == cudaSuccess; },       \
+                            cudaGetErrorString,                                                          \
+                            [this](const char*, std::string_view text, std::string_view error,           \
+                                   const char* file, int line) {                                         \
+                              fail(std::string(text) + ": " + std::string(error), file, line);           \
+                            })
 // An NCCL call that must succeed, waited for when NCCL finishes it in the background.
 #define PIPESHARD_NCCL_CALL(call, during) complete((call), #call, during, __FILE__, __LINE__)
 

@@ -6,6 +6,9 @@
 // does. Registered in tests/CMakeLists.txt under mpiexec -n 1 (label "gpu"), so that the
 // unique id travels over MPI as in a real run; without a launcher it runs on the group of
 // one. Without a usable GPU every test skips and says why.
+//
+// NcclConformance runs the Communicator conformance suite (testing/comm_conformance.h),
+// which every communicator runs, on the same group, with its buffers in GPU memory.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
@@ -22,6 +25,7 @@
 
 #include "comm/comm.h"
 #include "comm/nccl/comm_nccl.h"
+#include "testing/comm_conformance.h"
 #include "tests/cuda/gpu_test_util.h"
 
 namespace pipeshard {
@@ -243,6 +247,31 @@ TEST_F(NcclCommTest, SplitGroupsWork) {
   child.reset();
 }
 
+// GPU memory for the conformance suite: plain cudaMalloc and blocking copies, so an upload
+// is complete before the communicator's operation starts.
+class CudaCommMemory final : public CommMemory {
+ public:
+  float* allocate(int64_t n) override {
+    void* p = nullptr;
+    check_cuda(cudaMalloc(&p, sizeof(float) * static_cast<size_t>(n)), "cudaMalloc");
+    return static_cast<float*>(p);
+  }
+  void deallocate(float* p) override { check_cuda(cudaFree(p), "cudaFree"); }
+  void upload(float* dst, const float* host, int64_t n) override {
+    check_cuda(cudaMemcpy(dst, host, sizeof(float) * static_cast<size_t>(n), cudaMemcpyHostToDevice), "upload");
+  }
+  void download(float* host, const float* src, int64_t n) override {
+    check_cuda(cudaMemcpy(host, src, sizeof(float) * static_cast<size_t>(n), cudaMemcpyDeviceToHost), "download");
+  }
+};
+
+void run_on_nccl(const ConformanceCase& c) {
+  if (!g_no_gpu.empty()) GTEST_SKIP() << g_no_gpu;
+  CudaCommMemory memory;
+  // NCCL has no tags: receives match by issue order only (comm.h).
+  c.run({*g_nccl, memory, SelfTransfers::kSupported, TagMatching::kIssueOrderOnly});
+}
+
 // Why this process cannot use a GPU, or empty.
 std::string no_gpu_reason() {
   const std::string why = testing::no_usable_gpu();
@@ -258,6 +287,7 @@ int main(int argc, char** argv) {
   std::unique_ptr<Communicator> world = make_world_communicator();
   g_world = world.get();
   g_no_gpu = no_gpu_reason();
+  register_comm_conformance_tests("NcclConformance", run_on_nccl);
   std::unique_ptr<Communicator> nccl, synced;
   if (!g_no_gpu.empty()) {
     std::printf("cuda_nccl_comm_test: skipped, %s\n", g_no_gpu.c_str());  // tests/CMakeLists.txt's skip pattern

@@ -9,6 +9,10 @@
 // floats, and on the world staged over the CPU backend (comm/comm_staged.h: what
 // GPU processes use, every buffer copied through the backend's download and upload).
 //
+// Then the Communicator conformance suite (testing/comm_conformance.h), which every
+// communicator runs, on the same three: MpiConformance, MpiSmallPiecesConformance and
+// MpiStagedConformance (over the CPU backend's memory).
+//
 // Only rank 0 prints GoogleTest's report; other ranks print their failures prefixed with
 // their rank. Every rank exits non-zero when a test failed on any rank.
 //
@@ -36,6 +40,7 @@
 #include "comm/comm_mpi.h"
 #include "comm/comm_staged.h"
 #include "comm/watchdog.h"
+#include "testing/comm_conformance.h"
 
 namespace pipeshard {
 namespace {
@@ -475,6 +480,16 @@ int main(int argc, char** argv) {
   std::unique_ptr<Backend> cpu = make_cpu_backend();
   std::unique_ptr<Communicator> staged = make_staged_communicator(*world, *cpu);
   g_staged = staged.get();
+  std::unique_ptr<CommMemory> host_memory = make_host_comm_memory();
+  std::unique_ptr<CommMemory> cpu_memory = make_backend_comm_memory(*cpu);
+  register_comm_conformance_tests("MpiConformance", [&](const ConformanceCase& c) { c.run({*world, *host_memory}); });
+  register_comm_conformance_tests("MpiSmallPiecesConformance", [&](const ConformanceCase& c) {
+    // 64 KiB in pieces of 7 floats would be thousands of MPI calls per rank, for nothing the
+    // whole-buffer run does not cover.
+    if (std::string(c.name) == "LargeBuffers") GTEST_SKIP() << "large buffers run whole, not in small pieces";
+    c.run({*small_pieces, *host_memory});
+  });
+  register_comm_conformance_tests("MpiStagedConformance", [&](const ConformanceCase& c) { c.run({*staged, *cpu_memory}); });
 
   ::testing::TestEventListeners& listeners = ::testing::UnitTest::GetInstance()->listeners();
   if (world->rank() != 0) {

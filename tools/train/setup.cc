@@ -81,11 +81,11 @@ Status load_inputs(const Args& a, int world_rank, Run& run) {
   Result<ImportedModel> model = import_onnx_file(a.model);
   if (!model) return model.status();
   run.model = std::move(*model);
-  Result<Dataset> data = load_dataset(a.data, a.labels, run.model->graph, run.config.loss);
+  Result<Dataset> data = load_dataset(a.data, a.labels, run.model->graph, targets_of(run.config.loss));
   if (!data) return data.status();
   run.data = std::move(*data);
   if (!a.eval_data.empty()) {
-    Result<Dataset> e = load_dataset(a.eval_data, a.eval_labels, run.model->graph, run.config.loss);
+    Result<Dataset> e = load_dataset(a.eval_data, a.eval_labels, run.model->graph, targets_of(run.config.loss));
     if (!e) return e.status();
     run.eval = std::move(*e);
   }

@@ -1,4 +1,4 @@
-#include "runtime/program_plan.h"
+#include "program/program_plan.h"
 
 #include <algorithm>
 

@@ -1,7 +1,7 @@
 // Optimizers over the contiguous parameter buffer, exactly as torch.optim computes them,
 // plus the learning-rate schedule and gradient clipping that wrap a step.
-#ifndef PIPESHARD_RUNTIME_OPTIMIZER_H_
-#define PIPESHARD_RUNTIME_OPTIMIZER_H_
+#ifndef PIPESHARD_PROGRAM_OPTIMIZER_H_
+#define PIPESHARD_PROGRAM_OPTIMIZER_H_
 
 #include <cstdint>
 #include <vector>
@@ -64,4 +64,4 @@ double clip_grad_norm(Backend& backend, float* grads, int64_t n, double max_norm
 
 }  // namespace pipeshard
 
-#endif  // PIPESHARD_RUNTIME_OPTIMIZER_H_
+#endif  // PIPESHARD_PROGRAM_OPTIMIZER_H_

@@ -1,4 +1,4 @@
-#include "runtime/optimizer.h"
+#include "program/optimizer.h"
 
 #include <cmath>
 

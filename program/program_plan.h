@@ -1,4 +1,4 @@
-// The plan of a Program (runtime/program.h): where every parameter, activation, gradient
+// The plan of a Program (program/program.h): where every parameter, activation, gradient
 // and saved tensor lives, which buffers values share, what backward recomputes and what it
 // zeroes — computed from the Graph and the options alone, as plain data. No backend memory
 // is touched: Program::create allocates exactly the buffers the plan lists and then only
@@ -19,8 +19,8 @@
 //   buffers (an MLP of any depth needs two).
 // - Gradients that one Linear writes alone are overwritten by its first backward of a step
 //   instead of zeroed and added to.
-#ifndef PIPESHARD_RUNTIME_PROGRAM_PLAN_H_
-#define PIPESHARD_RUNTIME_PROGRAM_PLAN_H_
+#ifndef PIPESHARD_PROGRAM_PROGRAM_PLAN_H_
+#define PIPESHARD_PROGRAM_PROGRAM_PLAN_H_
 
 #include <cstdint>
 #include <utility>
@@ -123,7 +123,7 @@ struct ProgramPlan {
 // The plan for all of `graph` with room for batches of up to `max_batch` samples.
 // `tensor_shards`: the size of the tensor-parallel group (1: none); `kept_when_fused`: the
 // fused activations the backend cannot recompute exactly (kept_when_fused() in
-// runtime/program.h). Errors: a graph the options do not fit (a collective's group size,
+// program/program.h). Errors: a graph the options do not fit (a collective's group size,
 // a value nobody makes, an op that cannot run on a feature shard).
 Result<ProgramPlan> plan_program(const Graph& graph, int64_t max_batch, const ProgramOptions& options,
                                  int tensor_shards, const std::vector<ActivationKind>& kept_when_fused);
@@ -134,4 +134,4 @@ bool backward_reads_input(const Node& n);
 
 }  // namespace pipeshard
 
-#endif  // PIPESHARD_RUNTIME_PROGRAM_PLAN_H_
+#endif  // PIPESHARD_PROGRAM_PROGRAM_PLAN_H_

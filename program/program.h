@@ -1,5 +1,5 @@
 // A Program runs a Graph on a Backend: forward in topological order, backward in
-// reverse. Where every tensor lives is its plan's business (runtime/program_plan.h,
+// reverse. Where every tensor lives is its plan's business (program/program_plan.h,
 // computed before anything is allocated); the Program allocates what the plan lists and
 // runs it. Trainable parameters and their gradients each live in one contiguous buffer
 // (one memset, one optimizer loop, one all-reduce later); BatchNorm running statistics
@@ -27,8 +27,8 @@
 //   whose output is sharded) is a partial sum over the shards, summed before use.
 // - Dropout draws the mask element (sample, feature) of the WHOLE model would draw, so a
 //   micro-batch, a data-parallel slice or a feature shard sees the one-process mask.
-#ifndef PIPESHARD_RUNTIME_PROGRAM_H_
-#define PIPESHARD_RUNTIME_PROGRAM_H_
+#ifndef PIPESHARD_PROGRAM_PROGRAM_H_
+#define PIPESHARD_PROGRAM_PROGRAM_H_
 
 #include <cstdint>
 #include <functional>
@@ -38,7 +38,7 @@
 #include "backend/backend.h"
 #include "common/status.h"
 #include "ir/graph.h"
-#include "runtime/program_plan.h"
+#include "program/program_plan.h"
 
 namespace pipeshard {
 
@@ -179,4 +179,4 @@ class Program {
 
 }  // namespace pipeshard
 
-#endif  // PIPESHARD_RUNTIME_PROGRAM_H_
+#endif  // PIPESHARD_PROGRAM_PROGRAM_H_

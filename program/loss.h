@@ -1,12 +1,12 @@
 // Losses over a Program's output 0, PyTorch's reduction='mean' over the GLOBAL batch:
 // the caller passes how many samples the mean runs over, so data-parallel replicas and
 // accumulated micro-batches each add their share and the sum equals one big batch.
-#ifndef PIPESHARD_RUNTIME_LOSS_H_
-#define PIPESHARD_RUNTIME_LOSS_H_
+#ifndef PIPESHARD_PROGRAM_LOSS_H_
+#define PIPESHARD_PROGRAM_LOSS_H_
 
 #include <cstdint>
 
-#include "runtime/program.h"
+#include "program/program.h"
 #include "ir/graph.h"
 
 namespace pipeshard {
@@ -30,4 +30,4 @@ double apply_loss(Program& program, LossKind kind, bool log_probs, const float* 
 
 }  // namespace pipeshard
 
-#endif  // PIPESHARD_RUNTIME_LOSS_H_
+#endif  // PIPESHARD_PROGRAM_LOSS_H_

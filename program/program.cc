@@ -1,4 +1,4 @@
-#include "runtime/program.h"
+#include "program/program.h"
 
 #include <algorithm>
 

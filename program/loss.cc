@@ -1,4 +1,4 @@
-#include "runtime/loss.h"
+#include "program/loss.h"
 
 namespace pipeshard {
 

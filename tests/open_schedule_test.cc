@@ -1,0 +1,240 @@
+// The schedule table is open: schedules that exist only in this file are registered
+// (schedule/registry.h), built, checked and run by the stage runner on an in-process job
+// (testing/in_process_comm.h: each rank a thread), with nothing outside this file told
+// about them. Each trains what one process trains:
+// - "1f1b-iw": 1F1B whose backwards run as an input half then a weight half (I, W),
+//   bit for bit the layout's 1F1B;
+// - "1f1b-late-w": 1F1B whose weight halves all wait until every input half has run
+//   (the zero-bubble idea, without its memory bound), bit for bit 1F1B as well, since the
+//   weight gradients still add up in micro-batch order;
+// - "gpipe-reversed": GPipe with its backwards in reverse micro-batch order, which sums
+//   the gradients in another order: equal to one process up to float rounding.
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <mutex>
+
+#include <gtest/gtest.h>
+
+#include "runtime/trainer.h"
+#include "schedule/registry.h"
+#include "testing/in_process_comm.h"
+#include "tests/model_util.h"
+#include "tests/test_util.h"
+
+namespace pipeshard {
+namespace {
+
+using testing::load_model;
+using testing::source_path;
+
+// ---- the schedules, defined here and nowhere else ----
+
+Action with_kind(Action a, ActionKind kind) {
+  a.kind = kind;
+  return a;
+}
+
+ComputeOrder one_f_one_b_input_then_weight(int stages, int micro_batches) {
+  ComputeOrder order = find_schedule("1f1b")->build(stages, micro_batches);
+  for (auto& stage : order) {
+    std::vector<Action> split;
+    for (const Action& a : stage) {
+      if (a.kind != ActionKind::kBackward) {
+        split.push_back(a);
+        continue;
+      }
+      split.push_back(with_kind(a, ActionKind::kBackwardInput));
+      split.push_back(with_kind(a, ActionKind::kBackwardWeight));
+    }
+    stage = split;
+  }
+  return order;
+}
+
+ComputeOrder one_f_one_b_late_weights(int stages, int micro_batches) {
+  ComputeOrder order = find_schedule("1f1b")->build(stages, micro_batches);
+  for (auto& stage : order) {
+    std::vector<Action> split, weights;
+    for (const Action& a : stage) {
+      if (a.kind != ActionKind::kBackward) {
+        split.push_back(a);
+        continue;
+      }
+      split.push_back(with_kind(a, ActionKind::kBackwardInput));
+      weights.push_back(with_kind(a, ActionKind::kBackwardWeight));
+    }
+    split.insert(split.end(), weights.begin(), weights.end());
+    stage = split;
+  }
+  return order;
+}
+
+ComputeOrder gpipe_reversed(int stages, int micro_batches) {
+  ComputeOrder order(stages);
+  for (auto& stage : order) {
+    for (int k = 0; k < micro_batches; ++k) stage.push_back({ActionKind::kForward, k});
+    for (int k = micro_batches; k-- > 0;) stage.push_back({ActionKind::kBackward, k});
+  }
+  return order;
+}
+
+ScheduleInfo row(std::string name, std::function<ComputeOrder(int, int)> build,
+                 std::function<int(int, int, int)> in_flight) {
+  const ScheduleInfo& like = *find_schedule("1f1b");
+  return ScheduleInfo{std::move(name), "test", "a schedule of open_schedule_test.cc", 1, nullptr, std::move(build),
+                      std::move(in_flight), like.bubble, like.bubble_formula};
+}
+
+class OpenSchedules : public ::testing::Test {
+ protected:
+  ScheduleRegistration iw_{row("1f1b-iw", one_f_one_b_input_then_weight, find_schedule("1f1b")->in_flight)};
+  ScheduleRegistration late_w_{row("1f1b-late-w", one_f_one_b_late_weights, [](int, int m, int) { return m; })};
+  ScheduleRegistration reversed_{row("gpipe-reversed", gpipe_reversed, [](int, int m, int) { return m; })};
+};
+
+// ---- training a layout in one process ----
+
+struct Trained {
+  std::vector<double> losses;
+  Graph weights;
+};
+
+TrainConfig adamw(const std::string& schedule, int micro_batches) {
+  TrainConfig c;
+  c.optimizer.kind = OptimizerKind::kAdamW;
+  c.optimizer.lr = 0.001f;  // train's defaults for AdamW, as --check-equivalence runs it
+  c.optimizer.weight_decay = 0.01f;
+  c.batch_size = 32;
+  c.grad_accum = 2;
+  c.total_steps = 4;
+  c.clip_grad_norm = 0.5;
+  c.micro_batches = micro_batches;
+  c.pipeline_schedule = schedule;
+  return c;
+}
+
+// `steps` steps of `config` on `ranks` in-process ranks cut into `stages` × `shards`
+// (replicas: the rest), each with a CPU backend of its own; rank 0's losses and the whole
+// trained model.
+Trained train_layout(const ImportedModel& model, const Dataset& data, const TrainConfig& config, int ranks,
+                     int stages, int shards, int steps) {
+  Trained result;
+  std::mutex mu;
+  run_ranks(ranks, [&](Communicator& world) {
+    ProcessGroups groups = make_layout_groups(world, stages, shards);
+    std::unique_ptr<Backend> backend = make_cpu_backend();
+    const Parallel parallel{&world, &groups, &model, nullptr};
+    Result<std::unique_ptr<Trainer>> t = Trainer::create(model.graph, data, *backend, config, parallel);
+    ASSERT_TRUE(t.is_ok()) << t.status().message();
+    ASSERT_TRUE((*t)->check_links().is_ok());
+    std::vector<double> losses;
+    for (int s = 0; s < steps; ++s) losses.push_back((*t)->step().loss);
+    Graph weights = model.graph;
+    (*t)->download_parameters(weights);
+    if (world.rank() != 0) return;
+    std::lock_guard<std::mutex> lock(mu);
+    result = Trained{losses, weights};
+  });
+  return result;
+}
+
+Trained train_alone(const ImportedModel& model, const Dataset& data, TrainConfig config, int steps) {
+  config.micro_batches = 1;
+  config.pipeline_schedule = "1f1b";
+  return train_layout(model, data, config, 1, 1, 1, steps);
+}
+
+void expect_bitwise(const Trained& a, const Trained& b) {
+  ASSERT_EQ(a.losses.size(), b.losses.size());
+  for (size_t s = 0; s < a.losses.size(); ++s) EXPECT_EQ(a.losses[s], b.losses[s]) << "step " << s + 1;
+  for (size_t p = 0; p < a.weights.params.size(); ++p) {
+    const auto& x = a.weights.params[p].data;
+    const auto& y = b.weights.params[p].data;
+    ASSERT_EQ(x.size(), y.size());
+    EXPECT_EQ(std::memcmp(x.data(), y.data(), sizeof(float) * x.size()), 0) << a.weights.params[p].name;
+  }
+}
+
+// --check-equivalence's tolerance: losses relative, weights relative to each tensor's
+// largest value, both within 1e-5.
+void expect_equivalent(const Trained& layout, const Trained& alone) {
+  ASSERT_EQ(layout.losses.size(), alone.losses.size());
+  for (size_t s = 0; s < alone.losses.size(); ++s) {
+    EXPECT_LE(std::fabs(layout.losses[s] - alone.losses[s]), 1e-5 * std::fabs(alone.losses[s])) << "step " << s + 1;
+  }
+  for (size_t p = 0; p < alone.weights.params.size(); ++p) {
+    const auto& want = alone.weights.params[p].data;
+    const auto& got = layout.weights.params[p].data;
+    float scale = 1.0f;
+    for (float v : want) scale = std::max(scale, std::fabs(v));
+    for (size_t i = 0; i < want.size(); ++i) {
+      ASSERT_LE(std::fabs(got[i] - want[i]), 1e-5f * scale) << alone.weights.params[p].name << "[" << i << "]";
+    }
+  }
+  const Graph file = load_model("simple_digits").graph;
+  bool moved = false;  // the check compares trained weights, not the file's
+  for (size_t p = 0; p < alone.weights.params.size(); ++p) moved = moved || alone.weights.params[p].data != file.params[p].data;
+  EXPECT_TRUE(moved);
+}
+
+Dataset digits(const ImportedModel& model) {
+  Result<Dataset> d = load_dataset(source_path("data/digits_features.npy"), source_path("data/digits_labels.npy"),
+                                   model.graph, Targets::kClassIndices);
+  EXPECT_TRUE(d.is_ok()) << d.status().message();
+  return std::move(d).value();
+}
+
+TEST_F(OpenSchedules, RegisteredSchedulesPassTheChecker) {
+  for (const char* name : {"1f1b-iw", "1f1b-late-w", "gpipe-reversed"}) {
+    for (int p = 1; p <= 4; ++p) {
+      for (int m = 1; m <= 8; ++m) {
+        const PipelineSchedule sc = make_pipeline_schedule(name, p, m);
+        EXPECT_TRUE(check_pipeline_schedule(sc).is_ok()) << name << " P=" << p << " M=" << m;
+        for (int s = 0; s < p; ++s) {
+          EXPECT_EQ(max_in_flight(sc, s), find_schedule(name)->in_flight(p, m, s)) << name << " stage " << s;
+        }
+      }
+    }
+  }
+}
+
+// Two stages (and two stages × two replicas) on threads: the split backwards give the
+// layout's own 1F1B bit for bit, and that is the one-process training.
+TEST_F(OpenSchedules, SplitBackwardsAreOneFOneBBitForBit) {
+  const ImportedModel model = load_model("simple_digits");
+  const Dataset data = digits(model);
+  const Trained alone = train_alone(model, data, adamw("1f1b", 1), 4);
+  for (int replicas : {1, 2}) {
+    SCOPED_TRACE(std::to_string(replicas) + " replica(s) of 2 stages");
+    const int ranks = 2 * replicas;
+    const Trained one_f_one_b = train_layout(model, data, adamw("1f1b", 4), ranks, 2, 1, 4);
+    expect_equivalent(one_f_one_b, alone);
+    for (const char* name : {"1f1b-iw", "1f1b-late-w"}) {
+      SCOPED_TRACE(name);
+      expect_bitwise(train_layout(model, data, adamw(name, 4), ranks, 2, 1, 4), one_f_one_b);
+    }
+  }
+}
+
+// Backwards in reverse micro-batch order, on three stages: the gradients add up in
+// another order, and the training is still the one-process training.
+TEST_F(OpenSchedules, ReversedBackwardsTrainTheOneProcessModel) {
+  const ImportedModel model = load_model("simple_digits");
+  const Dataset data = digits(model);
+  const Trained alone = train_alone(model, data, adamw("1f1b", 1), 4);
+  expect_equivalent(train_layout(model, data, adamw("gpipe-reversed", 4), 3, 3, 1, 4), alone);
+}
+
+// With tensor parallelism too (2 stages × 2 shards): the column-parallel Linear's partial
+// input gradient is summed in I, its weight gradient added in W.
+TEST_F(OpenSchedules, SplitBackwardsWithTensorParallelShards) {
+  const ImportedModel model = load_model("simple_digits");
+  const Dataset data = digits(model);
+  const Trained one_f_one_b = train_layout(model, data, adamw("1f1b", 2), 4, 2, 2, 3);
+  expect_bitwise(train_layout(model, data, adamw("1f1b-late-w", 2), 4, 2, 2, 3), one_f_one_b);
+  expect_equivalent(one_f_one_b, train_alone(model, data, adamw("1f1b", 1), 3));
+}
+
+}  // namespace
+}  // namespace pipeshard
