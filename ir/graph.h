@@ -3,7 +3,7 @@
 // The importer (importer/onnx_importer.h) turns the many forms exporters emit into one
 // node per concept (a Gemm, a MatMul+Add or a Transpose+MatMul all become one Linear;
 // the Erf pattern, the tanh pattern and the Gelu op all become one GELU activation),
-// so that the partitioner and the executor handle each concept once.
+// so that the partitioner and the runtime handle each concept once.
 //
 // Everything here is plain data with no ONNX dependency. Values are activations whose
 // first dimension is the symbolic batch (kBatch); Parameters are the model's

@@ -3,7 +3,7 @@
 // With one stage and one shard that is the whole Graph. Otherwise it is the Graph of
 // the rank's stage file — exactly what `partition` writes (partitioner/stage_writer.h):
 // the stage's own nodes, its slice of every split Linear under the original initializer
-// names, AllReduce/AllGather nodes — imported back, plus what the executor needs to
+// names, AllReduce/AllGather nodes — imported back, plus what the runtime needs to
 // stitch the ranks together:
 // - the values crossing the cut before and after the stage (residuals included), in one
 //   order both neighbours agree on, with their shapes checked against the Plan;

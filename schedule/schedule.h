@@ -24,13 +24,13 @@
 //     point-to-point does: the k-th send of activations from stage s to stage t pairs with
 //     the k-th receive of activations on t from s; likewise for gradients.
 //
-// Communication semantics (SendMode): the executor posts sends without blocking and
+// Communication semantics (SendMode): the stage runner posts sends without blocking and
 // blocks on receives until the matching send has been posted (kBuffered); every
 // schedule made here is deadlock-free under it. Under rendezvous semantics
 // (kRendezvous: a send completes only when the peer is at the matching receive in the
 // same step, as a blocking MPI_Ssend or a single-stream NCCL send/recv behaves), GPipe
 // is deadlock-free but 1F1B deadlocks for P ≥ 2 and M ≥ 2 (stage s sends an
-// activation while stage s + 1 sends a gradient): an executor must not run 1F1B with
+// activation while stage s + 1 sends a gradient): a runner must not run 1F1B with
 // blocking sends.
 #ifndef PIPESHARD_SCHEDULE_SCHEDULE_H_
 #define PIPESHARD_SCHEDULE_SCHEDULE_H_

@@ -10,7 +10,7 @@ cd "$(dirname "$0")/.."
 packages=(
   cmake g++ make                                   # toolchain
   libonnx-dev libprotobuf-dev protobuf-compiler    # ONNX model files
-  libopenmpi-dev openmpi-bin libopenblas-dev       # processes and BLAS (the executor)
+  libopenmpi-dev openmpi-bin libopenblas-dev       # processes and BLAS (comm/, backend/cpu/)
   libcli11-dev nlohmann-json3-dev libfmt-dev       # command line, plan.json, output
   libgtest-dev libgmock-dev libonnx-testdata      # tests (ONNX's own backend node tests)
   python3-matplotlib                               # pictures: partition --chart, train --plot

@@ -17,7 +17,7 @@
 namespace pipeshard::cpu {
 
 // exp(x) for x <= 0 in branch-free float arithmetic that vectorises (glibc's expf is a
-// scalar call; the files using it build with -fno-trapping-math, see executor/CMakeLists.txt,
+// scalar call; the files using it build with -fno-trapping-math, see backend/cpu/CMakeLists.txt,
 // without which GCC keeps the clamp's compare scalar): Cephes' range reduction
 // x = n·ln2 + r, |r| <= ln2/2, a
 // degree-6 polynomial for e^r, and 2^n put together from its exponent bits. Error under

@@ -1,6 +1,6 @@
-// The NCCL plugin's C entry point, which backend/gpu.cc finds with dlsym. Like the CUDA
-// plugin (backend/cuda/plugin.cc), objects cross the boundary as C++ objects: the plugin
-// and its loader come from one build.
+// The NCCL plugin's C entry point, which comm/device_groups.cc opens through
+// backend/plugin.h. Like the CUDA plugin (backend/cuda/plugin.cc), objects cross the
+// boundary as C++ objects: the plugin and its loader come from one build.
 //
 // What the plugin holds and what it borrows. It holds the NCCL communicator
 // (comm_nccl.cc) and libnccl. It borrows, from the process that opens it: the MPI group the

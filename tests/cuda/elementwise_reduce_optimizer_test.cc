@@ -11,15 +11,7 @@
 // bit when run twice. Each shape runs on 16-byte-aligned buffers (the float4 paths) and on
 // buffers one float off (the scalar paths).
 //
-// Not yet in tests/CMakeLists.txt: linking libpipeshard_cuda.a pulls in cuda_backend.cc.o
-// (it holds COMDAT copies of std::string members that elementwise.cu.o references), which
-// needs every other family's launchers. Until those land, from the build directory
-// (one command line, split here):
-//   O=executor/CMakeFiles/pipeshard_cuda.dir/cuda
-//   g++ -std=c++20 -O2 -I.. -I/usr/local/cuda/include ../tests/cuda/elementwise_reduce_optimizer_test.cc
-//     $O/elementwise.cu.o $O/reduce.cu.o $O/optimizer.cu.o executor/libpipeshard_executor.a
-//     libpipeshard_importer.a libpipeshard_common.a -L/usr/local/cuda/lib64 -lcudart -lgtest_main -lgtest
-//     -lopenblas -fopenmp -lonnx -lonnx_proto -lprotobuf -lpthread -o cuda_kernels_test
+// Built and run by tests/CMakeLists.txt as cuda_elementwise_reduce_optimizer_test (label gpu).
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
