@@ -30,9 +30,7 @@ namespace pipeshard {
 // Opsets of the default ONNX domain that the importer knows.
 inline constexpr int64_t kMinOpset = 7;
 inline constexpr int64_t kMaxOpset = 20;
-// Refuse models whose tensors would need more than this many elements in one tensor
-// or one sample's activation: such dims are corrupt, not real MLPs.
-inline constexpr int64_t kMaxTensorElements = int64_t{1} << 32;
+// kMaxTensorElements, the largest tensor or sample the importer accepts: ir/graph.h.
 
 struct ImportedModel {
   Graph graph;

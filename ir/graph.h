@@ -20,6 +20,9 @@ namespace pipeshard {
 
 // The symbolic batch dimension inside a Shape.
 inline constexpr int64_t kBatch = -1;
+// Refuse models whose tensors would need more than this many elements in one tensor
+// or one sample's activation: such dims are corrupt, not real MLPs.
+inline constexpr int64_t kMaxTensorElements = int64_t{1} << 32;
 
 // An activation's shape: dims[0] is kBatch, the rest are concrete, e.g. [batch, 100].
 struct Shape {
@@ -35,6 +38,8 @@ struct Shape {
   bool operator==(const Shape& other) const { return dims == other.dims; }
 };
 
+// What a Node computes. Everything else pipeshard knows about a kind (its name, shape
+// rule, parameters, what backward keeps, how it shards) is its row in ir/op_table.h.
 enum class OpKind {
   kLinear,      // y = alpha * x·W(ᵀ) + beta * b over the last dim
   kActivation,  // elementwise, see ActivationKind
@@ -126,25 +131,27 @@ struct Graph {
   int64_t node_parameter_count(const Node& node) const;
   // Trainable parameter elements in the whole model, shared parameters counted once.
   int64_t total_parameter_count() const;
-  // Multiply-accumulates per sample for `node` (Linear: in*out*rows; others: elements).
+  // Multiply-accumulates per sample for `node` (Linear: in*out*rows; others: elements),
+  // by its row in the op table.
   int64_t node_flops_per_sample(const Node& node) const;
 };
 
-// [nodes] Activation nodes that training runs inside the Linear before them, as one
-// GEMM + bias + activation pass: the Linear's output is read by nothing else and is no
-// model output.
+// [nodes] Activation nodes (ops whose row says Fusion::kLinearEpilogue) that training
+// runs inside the Linear before them, as one GEMM + bias + activation pass: the Linear's
+// output is read by nothing else and is no model output.
 std::vector<bool> fused_activations(const Graph& g);
 
 // [values] Activations that training need not keep from forward to backward: the output
-// of an activation node whose input is kept, which backward can recompute from that input
-// in one elementwise pass. Not model outputs (the loss and the next pipeline stage read
-// them), nor values a Reshape aliases, nor an activation of an activation that is itself
-// recomputed, nor a fused activation (fused_activations()) of a kind in
-// `kept_when_fused`: those whose fused pass the backend cannot repeat bit for bit
-// (Backend::epilogue_recomputes_exactly).
+// of an activation node (Recompute::kFromInput) whose input is kept, which backward can
+// recompute from that input in one elementwise pass. Not model outputs (the loss and the
+// next pipeline stage read them), nor values a Reshape aliases (OutputBuffer::kAliasesInput),
+// nor an activation of an activation that is itself recomputed, nor a fused activation
+// (fused_activations()) of a kind in `kept_when_fused`: those whose fused pass the backend
+// cannot repeat bit for bit (Backend::epilogue_recomputes_exactly).
 std::vector<bool> recomputable_values(const Graph& g, const std::vector<ActivationKind>& kept_when_fused = {});
 
-// "Linear", "Relu", "Gelu", ... : the names used in messages, plan.json and tests.
+// "Linear", "Relu", "Gelu", ... : the names used in messages, plan.json and tests (the op
+// table's, an activation named by its ActivationKind).
 const char* op_kind_name(const Node& node);
 // "Relu", "LeakyRelu", "Gelu", "GeluTanh", ...
 const char* activation_name(ActivationKind kind);

@@ -6,6 +6,7 @@
 #include <set>
 #include <string>
 
+#include "ir/op_table.h"
 #include "partitioner/pipeline_split.h"
 #include "partitioner/tensor_parallel.h"
 #include "schedule/registry.h"
@@ -56,26 +57,6 @@ int64_t output_parts(ShardRole role, int shards) {
   return split ? shards : 1;
 }
 
-// Bytes per sample a Program keeps in every slot for node `n` running as `role` on one
-// of `shards` tensor-parallel ranks: every output but a Reshape's (an alias) and a
-// recomputed one (see recomputable_values()), Dropout's mask, LayerNorm's mean and 1/σ
-// per row. Column-parallel and shard-local nodes make a shard of their output, and a
-// column-gather Linear keeps the whole output it gathers beside its shard; a row-parallel
-// Linear's partial sums are all-reduced in place (stage_writer.cc writes them as values
-// of their own; program/program.cc's reduces_in_place()).
-int64_t kept_bytes(const Graph& g, const Node& n, const std::vector<bool>& recomputed, ShardRole role, int shards) {
-  const int x = n.inputs[0], y = n.outputs[0];
-  const int64_t part = output_parts(role, shards);
-  int64_t bytes = 0;
-  if (n.kind != OpKind::kReshape && !recomputed[y]) bytes += value_bytes(g, y) / part;
-  if (role == ShardRole::kColumnGather) bytes += value_bytes(g, y);
-  if (n.kind == OpKind::kDropout) bytes += value_bytes(g, x) / part;
-  if (n.kind == OpKind::kLayerNorm) {
-    bytes += 2 * kFloatBytes * g.values[x].shape.per_sample_elements() / g.values[x].shape.features();
-  }
-  return bytes;
-}
-
 // Per-layer figures: trainable parameters (each tensor at its first use), all parameter
 // elements (running statistics too), flops and activation bytes kept for backward, all
 // as if unsharded (the balance's view; a stage's estimate uses its shard roles).
@@ -97,13 +78,13 @@ LayerFigures layer_figures(const Graph& g, const std::vector<int>& layer, int la
       if (g.params[p].trainable) f.params[l] += g.params[p].elements();
     }
     f.flops[l] += g.node_flops_per_sample(n);
-    f.activation_bytes[l] += kept_bytes(g, n, recomputed, ShardRole::kReplicated, 1);
+    f.activation_bytes[l] += node_kept_bytes(g, n, recomputed, ShardRole::kReplicated, 1);
   }
   return f;
 }
 
 // Estimate per rank of stage `k`: parameters, their gradients and optimizer state; what
-// its nodes keep for backward in every slot in flight (kept_bytes()); and the working set
+// its nodes keep for backward in every slot in flight (node_kept_bytes()); and the working set
 // beside them:
 // - the stage's inputs in every slot, and their gradients when an earlier stage made
 //   them; its outputs' gradients there too, and recomputed values that leave the stage
@@ -128,7 +109,7 @@ int64_t memory_bytes(const Graph& g, const PartitionOptions& o, int k, const Sta
   }
   for (auto i = s.nodes.rbegin(); i != s.nodes.rend(); ++i) {  // a Reshape's input shares its output's buffers
     const Node& n = g.nodes[*i];
-    if (n.kind == OpKind::kReshape && outputs.count(n.outputs[0])) outputs.insert(n.inputs[0]);
+    if (output_aliases_input(n.kind) && outputs.count(n.outputs[0])) outputs.insert(n.inputs[0]);
   }
   const int shards = o.tensor_parallel;
   std::vector<int64_t> values, recomputed_values;  // per sample, in shared buffers
@@ -136,7 +117,7 @@ int64_t memory_bytes(const Graph& g, const PartitionOptions& o, int k, const Sta
   for (size_t i = 0; i < s.nodes.size(); ++i) {
     const Node& n = g.nodes[s.nodes[i]];
     const ShardRole role = s.roles[i];
-    per_slot += kept_bytes(g, n, recomputed, role, shards);
+    per_slot += node_kept_bytes(g, n, recomputed, role, shards);
     const int y = n.outputs[0];
     if (role == ShardRole::kColumnGather) {
       values.push_back(value_bytes(g, y) / shards);  // the shard it gathers
@@ -207,6 +188,15 @@ Status check_options(const PartitionOptions& o) {
 }
 
 }  // namespace
+
+int64_t node_kept_bytes(const Graph& g, const Node& n, const std::vector<bool>& recomputed, ShardRole role, int shards) {
+  const int y = n.outputs[0];
+  const int64_t part = output_parts(role, shards);
+  int64_t bytes = 0;
+  if (!output_aliases_input(n.kind) && !recomputed[y]) bytes += value_bytes(g, y) / part;
+  if (role == ShardRole::kColumnGather) bytes += value_bytes(g, y);
+  return bytes + saved_bytes_per_sample(g, n, part);
+}
 
 std::vector<int> layer_of_nodes(const Graph& g) {
   // A node with parameters opens a new layer; parameter-free nodes join the layer

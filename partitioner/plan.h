@@ -85,6 +85,19 @@ struct Plan {
 // Layer index of every node ([nodes]); the number of layers is back() + 1.
 std::vector<int> layer_of_nodes(const Graph& graph);
 
+// Bytes per sample a Program (program/program.h) keeps in every micro-batch slot for node
+// `n` running as `role` on one of `shards` tensor-parallel ranks: its output unless it
+// aliases its input (a Reshape) or is recomputed in backward (`recomputed`, [values], see
+// recomputable_values()), and what forward saves for its backward per sample
+// (saved_bytes_per_sample(): Dropout's mask, LayerNorm's mean and rstd per row; BatchNorm's
+// per-channel statistics are per micro-batch and not counted). Column-parallel and
+// shard-local nodes make one shard of their output, and a column-gather Linear keeps the
+// whole output it gathers beside its shard; a row-parallel Linear's partial sums are
+// all-reduced in place (stage_writer.cc writes them as values of their own;
+// program/program_plan.cc's reduces_in_place(), OutputBuffer::kInPlace in the op table).
+int64_t node_kept_bytes(const Graph& graph, const Node& n, const std::vector<bool>& recomputed, ShardRole role,
+                        int shards);
+
 // Cuts `graph` as `options` asks. Errors: more stages than layers, a width that does
 // not divide by tensor_parallel (naming the layer), invalid options.
 Result<Plan> make_plan(const Graph& graph, const std::string& model_path,

@@ -4,16 +4,14 @@
 #include <map>
 #include <set>
 
+#include "ir/op_table.h"
+
 namespace pipeshard {
 namespace {
 
-bool is_elementwise(const Node& n) { return n.kind == OpKind::kActivation || n.kind == OpKind::kDropout; }
-
-std::string label(const Node& n) { return "node '" + n.name + "' (Linear)"; }
-
 Status check_divides(const Node& n, int64_t width, const char* what, int t) {
   if (width % t == 0) return Status::ok();
-  return Status::error(label(n) + ": " + std::to_string(width) + " " + what + " do not divide into " +
+  return Status::error(node_label(n) + ": " + std::to_string(width) + " " + what + " do not divide into " +
                        std::to_string(t) + " tensor-parallel shards");
 }
 
@@ -52,7 +50,7 @@ Status assign_shard_roles(const Graph& g, const PartitionOptions& o, StagePlan& 
       int c = sole_local_consumer(v);
       if (c < 0) break;
       if (g.nodes[c].kind == OpKind::kLinear) { partner = c; break; }
-      if (!is_elementwise(g.nodes[c])) break;
+      if (!runs_on_feature_shard(g.nodes[c].kind)) break;
       chain.push_back(position[c]);
       v = g.nodes[c].outputs[0];
     }

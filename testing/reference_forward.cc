@@ -2,6 +2,8 @@
 
 #include <cmath>
 
+#include "ir/op_table.h"
+
 namespace pipeshard {
 namespace {
 
@@ -173,7 +175,7 @@ Result<std::map<std::string, HostTensor>> run_forward(const Graph& g,
       PIPESHARD_CHECK(have[v], "value computed before use");
       in.push_back(&values[v]);
     }
-    if (n.kind == OpKind::kAllReduce || n.kind == OpKind::kAllGather) {
+    if (op_info(n.kind).tensor_parallel == ShardUse::kCombinesShards) {
       return Status::error("node '" + n.name + "' needs the other tensor-parallel shards; run the shards together");
     }
     values[n.outputs[0]] = forward_node(g, n, in);
