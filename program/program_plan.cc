@@ -1,6 +1,9 @@
 #include "program/program_plan.h"
 
 #include <algorithm>
+#include <span>
+
+#include "ir/op_table.h"
 
 namespace pipeshard {
 namespace {
@@ -9,8 +12,6 @@ bool is_model_output(const Graph& g, int v) { return std::find(g.outputs.begin()
 
 int64_t per_sample(const Graph& g, int v) { return g.values[v].shape.per_sample_elements(); }
 
-// Rows a last-dim op sees per sample (1 for [batch, features], 4 for [batch, 4, features]).
-int64_t rows_per_sample(const Graph& g, int v) { return per_sample(g, v) / g.values[v].shape.features(); }
 
 // Interval colouring's choice for a value of `need` elements among the buffers (their
 // sizes) that `usable` allows: one that fits over one that does not; of two that fit, the
@@ -36,7 +37,7 @@ int best_buffer(const std::vector<int64_t>& sizes, int64_t need, Usable&& usable
 // aliases its input, instead of being a copy held as long (a whole activation per layer
 // and slot), and its gradient is theirs (dx = dy).
 bool reduces_in_place(const Graph& g, const Node& n, const std::vector<bool>& recomputed) {
-  if (n.kind != OpKind::kAllReduce) return false;
+  if (op_info(n.kind).output != OutputBuffer::kInPlace) return false;
   const int x = n.inputs[0];
   const int producer = g.values[x].producer;
   return producer >= 0 && g.nodes[producer].kind == OpKind::kLinear && g.values[x].consumers.size() == 1 &&
@@ -96,25 +97,15 @@ class Planner {
     p_.saved_b_size.assign(nn, 0);
     for (size_t i = 0; i < nn; ++i) {
       const Node& n = g_.nodes[i];
-      const int x = n.inputs[0], y = n.outputs[0];
+      const int y = n.outputs[0];
       bool upstream = !g_.node_params(n).empty();
       for (int in : n.inputs) upstream = upstream || p_.needs_grad[in];
       p_.needs_grad[y] = upstream;
-      const int64_t rows = o_.slots * p_.max_batch * rows_per_sample(g_, x);
-      switch (n.kind) {
-        case OpKind::kLayerNorm:
-          p_.saved_a_size[i] = rows;  // mean
-          p_.saved_b_size[i] = rows;  // rstd
-          break;
-        case OpKind::kBatchNorm:
-          p_.saved_a_size[i] = o_.slots * g_.values[x].shape.dims[1];
-          p_.saved_b_size[i] = o_.slots * g_.values[x].shape.dims[1];
-          break;
-        case OpKind::kDropout:
-          p_.saved_a_size[i] = o_.slots * p_.max_batch * per_sample(g_, x);  // mask
-          break;
-        default:
-          break;
+      // What its backward needs from forward (ir/op_table.h): LayerNorm's mean and rstd per
+      // row, BatchNorm's per channel, Dropout's mask; a slot's worth per micro-batch.
+      const std::span<const SavedBuffer> saved = saved_buffers(n.kind);
+      for (size_t k = 0; k < saved.size(); ++k) {
+        (k == 0 ? p_.saved_a_size : p_.saved_b_size)[i] = o_.slots * saved_elements(g_, n, saved[k], p_.max_batch);
       }
     }
     p_.fused_activation.assign(nn, -1);
@@ -144,7 +135,7 @@ class Planner {
     for (int v : g_.inputs) own(v);
     for (const Node& n : g_.nodes) {
       const int x = n.inputs[0], y = n.outputs[0];
-      if (n.kind == OpKind::kReshape || reduces_in_place(g_, n, p_.recomputed)) {
+      if (output_aliases_input(n.kind) || reduces_in_place(g_, n, p_.recomputed)) {
         p_.value_slot_stride[y] = p_.value_slot_stride[x];
         p_.owner[y] = p_.owner[x];
       } else if (p_.recomputed[y]) {
@@ -191,7 +182,7 @@ class Planner {
       std::vector<std::pair<int, int>> mine{{written, val.consumers.empty() ? written : val.consumers.back()}};
       int first_reader = -1;  // in backward order: the highest node
       for (int c : val.consumers) {
-        if (backward_reads_input(g_.nodes[c]) && p_.needs_grad[g_.nodes[c].outputs[0]]) {
+        if (backward_reads_input(g_.nodes[c].kind) && p_.needs_grad[g_.nodes[c].outputs[0]]) {
           first_reader = std::max(first_reader, c);
         }
       }
@@ -234,7 +225,7 @@ class Planner {
       const int x = n.inputs[0], y = n.outputs[0];
       if (n.kind == OpKind::kAllReduce || n.kind == OpKind::kAllGather) {
         if (tensor_shards < 1 || tensor_shards != n.shards) {
-          return Status::error("node '" + n.name + "' (" + op_kind_name(n) + ") needs a tensor-parallel group of " +
+          return Status::error(node_label(n) + " needs a tensor-parallel group of " +
                                std::to_string(n.shards) + " ranks" +
                                (tensor_shards >= 1 ? ", this one has " + std::to_string(tensor_shards) : std::string()));
         }
@@ -249,10 +240,10 @@ class Planner {
         if (n.kind == OpKind::kLinear) {
           p_.partial_input_grad[i] = true;
           p_.scratch_size[i] = p_.max_batch * per_sample(g_, x);
-        } else if (n.kind == OpKind::kActivation || n.kind == OpKind::kDropout) {
+        } else if (runs_on_feature_shard(n.kind)) {
           p_.sharded[x] = true;
         } else {
-          return Status::error("node '" + n.name + "' (" + op_kind_name(n) + ") cannot run on a feature shard");
+          return Status::error(node_label(n) + " cannot run on a feature shard");
         }
       }
     }
@@ -408,11 +399,6 @@ int64_t sum(const std::vector<int64_t>& sizes) {
 }
 
 }  // namespace
-
-bool backward_reads_input(const Node& n) {
-  return n.kind == OpKind::kLinear || n.kind == OpKind::kActivation || n.kind == OpKind::kLayerNorm ||
-         n.kind == OpKind::kBatchNorm;
-}
 
 Result<ProgramPlan> plan_program(const Graph& graph, int64_t max_batch, const ProgramOptions& options,
                                  int tensor_shards, const std::vector<ActivationKind>& kept_when_fused) {

@@ -128,10 +128,6 @@ struct ProgramPlan {
 Result<ProgramPlan> plan_program(const Graph& graph, int64_t max_batch, const ProgramOptions& options,
                                  int tensor_shards, const std::vector<ActivationKind>& kept_when_fused);
 
-// Whether node n's backward reads its input's activation (then only when that backward
-// runs at all).
-bool backward_reads_input(const Node& n);
-
 }  // namespace pipeshard
 
 #endif  // PIPESHARD_PROGRAM_PROGRAM_PLAN_H_
