@@ -1,6 +1,6 @@
 // Faults on purpose, for the tests that prove no rank hangs when another one fails
-// (tests/rank_failure_test.cc) and that checkpoints survive a crash mid-write
-// (tests/checkpoint_kill_test.cc). `train` reads them from the environment variable
+// (tests/tools/rank_failure_test.cc) and that checkpoints survive a crash mid-write
+// (tests/tools/checkpoint_kill_test.cc). `train` reads them from the environment variable
 // PIPESHARD_FAULT_AT; nothing else sets them, and without it every check is one compare.
 //
 //   PIPESHARD_FAULT_AT=checkpoint:BYTES | checkpoint:synced | checkpoint:renamed

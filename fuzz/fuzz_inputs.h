@@ -1,5 +1,5 @@
 // What the fuzz targets (fuzz/fuzz_onnx.cc, fuzz_npy.cc, fuzz_checkpoint.cc) do with one
-// input, as plain functions, so that tests/fuzz_regression_test.cc replays the saved
+// input, as plain functions, so that tests/fuzz/fuzz_regression_test.cc replays the saved
 // findings through the same code in every build, with or without clang and libFuzzer.
 //
 // Each takes bytes as a file would hold them (the checkpoint's after a mode byte) and must

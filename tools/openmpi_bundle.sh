@@ -10,7 +10,7 @@
 # prefix, which OPAL_PREFIX moves; the bundle keeps Debian's layout below the prefix
 # (lib/x86_64-linux-gnu/openmpi/lib/openmpi3, share/openmpi, …) and sets the directories that
 # are not under it (sysconfdir /etc/openmpi) and PMIx's component path explicitly.
-# Checked with the system's copy hidden: tests/openmpi_bundle_check.sh (ctest openmpi_bundle_relocates).
+# Checked with the system's copy hidden: tests/tools/openmpi_bundle_check.sh (ctest openmpi_bundle_relocates).
 set -euo pipefail
 
 [ $# -eq 1 ] || { echo "usage: $0 DIR" >&2; exit 2; }

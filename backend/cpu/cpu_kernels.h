@@ -21,7 +21,7 @@ namespace pipeshard::cpu {
 // without which GCC keeps the clamp's compare scalar): Cephes' range reduction
 // x = n·ln2 + r, |r| <= ln2/2, a
 // degree-6 polynomial for e^r, and 2^n put together from its exponent bits. Error under
-// 2 ulp on [-87, 0] (tests/backend_training_test.cc checks it against std::exp);
+// 2 ulp on [-87, 0] (tests/backend/backend_training_test.cc checks it against std::exp);
 // arguments below -87.3 give 0's neighbour e^-87.3 ≈ 1.2e-38 rather than denormals, and
 // NaN gives NaN.
 inline float exp_nonpositive(float x) {

@@ -14,7 +14,7 @@
 //   optimizer.cu    SGD, Adam/AdamW over the contiguous parameter buffer
 //
 // Every launcher accepts n == 0 (or rows == 0) and then launches nothing. Results must
-// equal the CPU backend's to the tolerances tests/backend_check.h states; elementwise
+// equal the CPU backend's to the tolerances tests/backend/backend_check.h states; elementwise
 // results that the CPU computes exactly (copies, masks, ReLU) must be bitwise equal.
 #ifndef PIPESHARD_BACKEND_CUDA_LAUNCHERS_H_
 #define PIPESHARD_BACKEND_CUDA_LAUNCHERS_H_

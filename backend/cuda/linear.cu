@@ -504,7 +504,7 @@ struct ForwardPlan {
 // tell, with the hardware's approximate tanh (relative error ~2^-11). That is at or below
 // the rounding of a TF32, fp16 (both 2^-11 per operand) or bf16 (2^-8) GEMM's inputs, but
 // fifty times the 1e-5 that fp32 results are held to against the CPU
-// (tests/backend_check.h), so fp32 mode computes GELU-tanh in our kernel (tanhf).
+// (tests/backend/backend_check.h), so fp32 mode computes GELU-tanh in our kernel (tanhf).
 bool gelu_epilogue_allowed(const LinearContext& c) { return c.precision != Precision::kFp32; }
 
 // Everything after a plain GEMM (or one with the bias epilogue when `bias_fused`).

@@ -1,5 +1,5 @@
 // float32 → bfloat16 / float16 rounding, written once for the device and the host: the
-// kernel in convert.cu calls these, and tests/cuda_math_test.cc checks them on a machine
+// kernel in convert.cu calls these, and tests/backend/cuda_math_test.cc checks them on a machine
 // without a GPU (under nvcc they are __host__ __device__, under a plain C++ compiler
 // ordinary inline functions, as in elementwise_math.cuh).
 //

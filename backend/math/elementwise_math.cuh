@@ -1,7 +1,7 @@
 // The per-element formulas of the CUDA elementwise and optimizer kernels (elementwise.cu,
 // optimizer.cu), written once for the device and the host: under nvcc the functions are
 // __host__ __device__, under a plain C++ compiler they are ordinary inline functions, so
-// tests/cuda_math_test.cc checks them against the CPU backend on a machine without a GPU.
+// tests/backend/cuda_math_test.cc checks them against the CPU backend on a machine without a GPU.
 //
 // Each formula repeats the CPU backend's (cpu_backend.cc's ReluOp…SiluOp, cpu_training.cc's
 // dropout draw and optimizer loops) operation by operation. Arithmetic goes through mul_rn,

@@ -1,7 +1,7 @@
 // The per-element and per-row formulas of the softmax, loss, LayerNorm and BatchNorm
 // kernels (softmax.cu, layernorm.cu, batchnorm.cu), written once for device and host:
 // under nvcc they are __host__ __device__, under a host compiler plain inline functions,
-// so tests/cuda_norm_math_test.cc checks them against the CPU backend on machines without
+// so tests/backend/cuda_norm_math_test.cc checks them against the CPU backend on machines without
 // a GPU. Each repeats the CPU backend's arithmetic (cpu_normalization.cc, cpu_training.cc)
 // operation by operation and in the same types. What the device does differently lies
 // outside this header: the order of its row and channel sums (fixed by the kernels, no

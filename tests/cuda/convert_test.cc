@@ -7,7 +7,7 @@
 // - on the GPU (skipped without one, saying why): convert_to_16bit at every alignment and
 //   length class of its two paths (float4 groups with a tail, one element at a time) equals
 //   the host function bit for bit.
-// tests/cuda_math_test.cc checks convert_math.cuh itself against known bit patterns and an
+// tests/backend/cuda_math_test.cc checks convert_math.cuh itself against known bit patterns and an
 // independent reference.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>

@@ -44,7 +44,7 @@
 #include "backend/cuda/allocator.h"
 #include "backend/math/convert_math.cuh"
 #include "backend/cuda/launchers.h"
-#include "tests/backend_check.h"
+#include "tests/backend/backend_check.h"
 #include "tests/cuda/gpu_test_util.h"
 
 namespace pipeshard::cuda {

@@ -19,7 +19,7 @@
 
 #include "backend/backend.h"
 #include "backend/cuda/launchers.h"
-#include "tests/backend_check.h"
+#include "tests/backend/backend_check.h"
 #include "tests/cuda/gpu_test_util.h"
 
 namespace pipeshard {

@@ -19,7 +19,7 @@ pipeshard) and torch.optim, in float32 on one thread, and writes
                                       [A-Za-z0-9._-] replaced by '_' (case.json keeps the name)
   tests/golden/<case>/{x,y}.npy      synthetic data, for the cases that are not on digits
 
-tests/golden_test.cc runs build/bin/train with each case's flags and compares its metrics
+tests/golden/golden_test.cc runs build/bin/train with each case's flags and compares its metrics
 (losses, learning rates) and saved model (weights) with these files.
 
 What the reference does per optimizer step t = 1..S (the train contract):

@@ -11,8 +11,8 @@
 // mean |numeric|): two orders of magnitude of headroom, while any formula error (a
 // missing factor, a wrong transpose, a dropped term) is of order one. Forward values are
 // held to 1e-5 of the output's scale.
-#ifndef PIPESHARD_TESTS_BACKEND_CHECK_H_
-#define PIPESHARD_TESTS_BACKEND_CHECK_H_
+#ifndef PIPESHARD_TESTS_BACKEND_BACKEND_CHECK_H_
+#define PIPESHARD_TESTS_BACKEND_BACKEND_CHECK_H_
 
 #include <gtest/gtest.h>
 
@@ -159,4 +159,4 @@ class BackendTest : public ::testing::Test {
 
 }  // namespace pipeshard::testing
 
-#endif  // PIPESHARD_TESTS_BACKEND_CHECK_H_
+#endif  // PIPESHARD_TESTS_BACKEND_BACKEND_CHECK_H_

@@ -6,9 +6,9 @@
 #include <gtest/gtest.h>
 
 #include "importer/onnx_importer.h"
-#include "model_builder.h"
+#include "tests/model_builder.h"
 #include "tests/model_util.h"
-#include "test_util.h"
+#include "tests/test_util.h"
 
 namespace pipeshard {
 namespace {

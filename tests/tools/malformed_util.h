@@ -2,8 +2,8 @@
 // partition tool on the result, and checking the contract for bad input (exit status 2,
 // one "partition: error: " line on stderr naming what is wrong, nothing on stdout, no
 // output folder).
-#ifndef PIPESHARD_TESTS_MALFORMED_UTIL_H_
-#define PIPESHARD_TESTS_MALFORMED_UTIL_H_
+#ifndef PIPESHARD_TESTS_TOOLS_MALFORMED_UTIL_H_
+#define PIPESHARD_TESTS_TOOLS_MALFORMED_UTIL_H_
 
 #include <onnx/onnx_pb.h>
 #include <gtest/gtest.h>
@@ -16,7 +16,7 @@
 #include <string>
 #include <vector>
 
-#include "test_util.h"
+#include "tests/test_util.h"
 
 namespace pipeshard::testing {
 
@@ -189,4 +189,4 @@ class Malformed : public ::testing::Test {
 
 }  // namespace pipeshard::testing
 
-#endif  // PIPESHARD_TESTS_MALFORMED_UTIL_H_
+#endif  // PIPESHARD_TESTS_TOOLS_MALFORMED_UTIL_H_

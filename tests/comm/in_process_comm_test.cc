@@ -1,5 +1,5 @@
 // What only the in-process communicator (testing/in_process_comm.h) promises beyond
-// comm/comm.h, which the conformance suite checks (tests/comm_conformance_test.cc): sends
+// comm/comm.h, which the conformance suite checks (tests/comm/comm_conformance_test.cc): sends
 // are buffered, reductions run in rank order, deadlocks and ranks that left are reported
 // instead of hanging, and mismatched calls, wrong sizes and waits past the timeout are fatal.
 #include <gtest/gtest.h>

@@ -13,7 +13,7 @@
 
 #include "runtime/trainer.h"
 #include "importer/onnx_importer.h"
-#include "tests/backend_check.h"
+#include "tests/backend/backend_check.h"
 #include "testing/recording_backend.h"
 #include "tests/model_util.h"
 #include "tests/test_util.h"
@@ -224,7 +224,7 @@ TEST(RecordedStepRefusals, DropoutAndTheCpu) {
   EXPECT_NE(r.err.find("train: error: --cuda-graph needs --device cuda"), std::string::npos) << r.err;
 }
 
-// On the backend under test (tests/backend_check.h: the CPU one, or the CUDA one in the
+// On the backend under test (tests/backend/backend_check.h: the CPU one, or the CUDA one in the
 // "gpu" copy of this suite): the same run with and without --cuda-graph, bit for bit. On the
 // GPU this runs real CUDA graphs (recordings() > 0) against the eager kernels; the CPU
 // backend cannot record, so there both runs are eager.

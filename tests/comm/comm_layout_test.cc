@@ -1,6 +1,6 @@
 // Tests without mpirun: where ranks sit in a P × D × T job, the refusals of layouts that do
 // not fit, and the group of one that a process started without mpirun talks to. The MPI
-// communicator has its own binary, run by mpiexec (tests/mpi/comm_mpi_main.cc).
+// communicator has its own binary, run by mpiexec (tests/comm/comm_mpi_main.cc).
 #include <gtest/gtest.h>
 
 #include <cstdlib>

@@ -1,7 +1,7 @@
 // The Communicator conformance suite (testing/comm_conformance.h) on the communicators that
 // run in one process: the group of one, the in-process group (ranks as threads,
 // testing/in_process_comm.h) at 1 to 4 ranks, and the staged communicator over it with the
-// CPU backend. MPI runs the same suite under mpiexec (tests/mpi/comm_mpi_main.cc), NCCL on
+// CPU backend. MPI runs the same suite under mpiexec (tests/comm/comm_mpi_main.cc), NCCL on
 // a GPU (tests/cuda/nccl_comm_test.cc).
 #include <gtest/gtest.h>
 

@@ -2,7 +2,7 @@
 // softmax, LayerNorm, BatchNorm, dropout, and agreement with the reference evaluator.
 // Written against the Backend interface only (buffers go through upload/download), so
 // they describe the contract a second backend must meet too. How gradients are checked,
-// and why the tolerances are what they are: tests/backend_check.h.
+// and why the tolerances are what they are: tests/backend/backend_check.h.
 #include "backend/backend.h"
 
 #include <gtest/gtest.h>
@@ -16,7 +16,7 @@
 #include <vector>
 
 #include "testing/reference_forward.h"
-#include "tests/backend_check.h"
+#include "tests/backend/backend_check.h"
 
 namespace pipeshard {
 namespace {

@@ -39,7 +39,7 @@
 #include "backend/backend.h"
 #include "program/program.h"
 #include "importer/onnx_importer.h"
-#include "tests/onnx_node_util.h"
+#include "tests/importer/onnx_node_util.h"
 
 namespace pipeshard {
 namespace {

@@ -1,7 +1,7 @@
 // Tests of the CPU backend's training kernels (backend/backend.h): losses, optimizer
 // steps, and results that do not depend on the number of threads. Written against the
 // Backend interface (plus the CPU backend's threading threshold, which the thread-count
-// test lowers); how gradients are checked: tests/backend_check.h.
+// test lowers); how gradients are checked: tests/backend/backend_check.h.
 #include "backend/backend.h"
 
 #include <gtest/gtest.h>
@@ -20,7 +20,7 @@
 #endif
 
 #include "backend/cpu/cpu_kernels.h"
-#include "tests/backend_check.h"
+#include "tests/backend/backend_check.h"
 
 namespace pipeshard {
 namespace {

@@ -13,7 +13,7 @@
 #include <string>
 #include <vector>
 
-#include "malformed_util.h"
+#include "tests/tools/malformed_util.h"
 
 namespace pipeshard::testing {
 namespace {

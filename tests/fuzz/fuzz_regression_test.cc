@@ -13,7 +13,7 @@
 #include <vector>
 
 #include "fuzz/fuzz_inputs.h"
-#include "test_util.h"
+#include "tests/test_util.h"
 
 namespace pipeshard::testing {
 namespace {

@@ -21,7 +21,7 @@
 
 #include "backend/backend.h"
 #include "backend/cpu/cpu_kernels.h"
-#include "tests/backend_check.h"
+#include "tests/backend/backend_check.h"
 
 namespace pipeshard {
 namespace {

@@ -6,8 +6,8 @@
 // per graph input and output in order. Node tests feed weights as graph inputs;
 // pipeshard wants one activation input and weights as initializers, so
 // prepare_node_model() moves the trailing inputs into initializers.
-#ifndef PIPESHARD_TESTS_ONNX_NODE_UTIL_H_
-#define PIPESHARD_TESTS_ONNX_NODE_UTIL_H_
+#ifndef PIPESHARD_TESTS_IMPORTER_ONNX_NODE_UTIL_H_
+#define PIPESHARD_TESTS_IMPORTER_ONNX_NODE_UTIL_H_
 
 #include <onnx/onnx_pb.h>
 
@@ -165,4 +165,4 @@ inline Result<std::shared_ptr<onnx::ModelProto>> prepare_node_model(const onnx::
 
 }  // namespace pipeshard::testing
 
-#endif  // PIPESHARD_TESTS_ONNX_NODE_UTIL_H_
+#endif  // PIPESHARD_TESTS_IMPORTER_ONNX_NODE_UTIL_H_

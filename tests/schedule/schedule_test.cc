@@ -12,7 +12,7 @@
 #include <string>
 #include <vector>
 
-#include "test_util.h"
+#include "tests/test_util.h"
 
 namespace pipeshard {
 namespace {

@@ -24,7 +24,7 @@
 #include <vector>
 
 #include "backend/backend.h"
-#include "tests/backend_check.h"
+#include "tests/backend/backend_check.h"
 
 namespace pipeshard {
 namespace {
