@@ -10,7 +10,9 @@ namespace {
 TEST(CudaDevice, QueryAnswersWithoutCrashing) {
   DeviceQuery q = query_devices();
   EXPECT_GE(q.devices, 0);
-  if (q.devices == 0) EXPECT_FALSE(q.message.empty()) << "a failed query must say why";
+  if (q.devices == 0) {
+    EXPECT_FALSE(q.message.empty()) << "a failed query must say why";
+  }
 }
 
 TEST(CudaDevice, AddsVectorsOnTheGpu) {
