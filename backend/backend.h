@@ -173,16 +173,14 @@ class Backend {
   // ---- softmax over the last dim: x, y [rows, width] ----
   virtual void softmax_forward(float* y, const float* x, int64_t rows, int64_t width, bool log) = 0;
   // dx += softmax' · dy, using the forward output y.
-  virtual void softmax_backward(float* dx, const float* dy, const float* y, int64_t rows, int64_t width,
-                                bool log) = 0;
+  virtual void softmax_backward(float* dx, const float* dy, const float* y, int64_t rows, int64_t width, bool log) = 0;
 
   // ---- LayerNorm over the last dim: x, y [rows, width]; w, b [width] or null ----
   // mean, rstd [rows] are saved for backward.
-  virtual void layernorm_forward(float* y, float* mean, float* rstd, const float* x, const float* w,
-                                 const float* b, int64_t rows, int64_t width, float eps) = 0;
-  virtual void layernorm_backward(float* dx, float* dw, float* db, const float* dy, const float* x,
-                                  const float* w, const float* mean, const float* rstd, int64_t rows,
-                                  int64_t width) = 0;
+  virtual void layernorm_forward(float* y, float* mean, float* rstd, const float* x, const float* w, const float* b,
+                                 int64_t rows, int64_t width, float eps) = 0;
+  virtual void layernorm_backward(float* dx, float* dw, float* db, const float* dy, const float* x, const float* w,
+                                  const float* mean, const float* rstd, int64_t rows, int64_t width) = 0;
 
   // ---- BatchNorm per channel: x, y [batch, channels, inner]; w, b, running_* [channels] ----
   // training: normalise with the batch's statistics (biased variance), save mean and
@@ -213,10 +211,9 @@ class Backend {
   // may be null); dy as y. mean, rstd [channels] are what forward saved (forward with the
   // same `reduce`, when backward has one). training: the gradient also flows through the
   // batch statistics.
-  virtual void batchnorm_backward(float* dx, float* dw, float* db, const float* dy, const float* x,
-                                  const float* w, const float* mean, const float* rstd, int64_t batch,
-                                  int64_t channels, int64_t inner, bool training,
-                                  const ChannelReducer* reduce = nullptr) = 0;
+  virtual void batchnorm_backward(float* dx, float* dw, float* db, const float* dy, const float* x, const float* w,
+                                  const float* mean, const float* rstd, int64_t batch, int64_t channels, int64_t inner,
+                                  bool training, const ChannelReducer* reduce = nullptr) = 0;
 
   // ---- Dropout: y[n] = x[n] * mask[n], mask[n] in {0, 1/(1-ratio)} drawn from (seed, offset) ----
   virtual void dropout_forward(float* y, float* mask, const float* x, int64_t n, float ratio, uint64_t seed,
@@ -228,8 +225,8 @@ class Backend {
   // logits [rows, classes], labels [rows] as float-encoded class indices.
   // Returns Σ losses / denominator and writes dlogits [rows, classes] = ∂loss/∂logits.
   // log_probs: the logits are already log-probabilities (model ends in LogSoftmax): NLL.
-  virtual double cross_entropy(float* dlogits, const float* logits, const float* labels, int64_t rows,
-                               int64_t classes, double denominator, bool log_probs) = 0;
+  virtual double cross_entropy(float* dlogits, const float* logits, const float* labels, int64_t rows, int64_t classes,
+                               double denominator, bool log_probs) = 0;
   // pred, target, dpred [n]; Σ (pred - target)^2 / denominator.
   virtual double mean_squared_error(float* dpred, const float* pred, const float* target, int64_t n,
                                     double denominator) = 0;

@@ -21,9 +21,8 @@ namespace pipeshard {
 struct PluginEntry {
   template <typename F>
   PluginEntry(const char* symbol, F** function)
-      : symbol(symbol), target(function), assign([](void* target, void* address) {
-          *static_cast<F**>(target) = reinterpret_cast<F*>(address);
-        }) {}
+      : symbol(symbol), target(function),
+        assign([](void* target, void* address) { *static_cast<F**>(target) = reinterpret_cast<F*>(address); }) {}
   const char* symbol;
   void* target;
   void (*assign)(void* target, void* address);

@@ -159,8 +159,8 @@ Status check_usable(const BackendKind& kind) {
 Result<std::unique_ptr<Backend>> make_backend(const std::string& name, const BackendOptions& options) {
   const BackendKind* kind = find_backend(name);
   if (kind == nullptr) {
-    return Status::error("no backend '" + name + "' in this build: " +
-                         backend_names_where([](const BackendKind&) { return true; }));
+    return Status::error("no backend '" + name +
+                         "' in this build: " + backend_names_where([](const BackendKind&) { return true; }));
   }
   if (!kind->computes_in(options.precision)) {  // before the plugin is opened
     return Status::error(std::string(kind->title) + " computes in " + precision_list(*kind) + " only, not " +

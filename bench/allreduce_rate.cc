@@ -102,20 +102,22 @@ int main(int argc, char** argv) {
   const int64_t max_bytes = argc > 2 ? std::atoll(argv[2]) : int64_t{64} << 20;
   const int repetitions = argc == 2 ? std::atoi(argv[1]) : argc > 3 ? std::atoi(argv[3]) : 10;
   if (min_bytes < 4 || min_bytes % 4 != 0 || max_bytes < min_bytes || max_bytes / 4 > INT32_MAX || repetitions < 1) {
-    std::fprintf(stderr, "usage: mpirun -np N bench_allreduce [min_bytes max_bytes] [repetitions]\n"
-                         "  (bytes: multiples of 4, min <= max < 8 GiB; default 4096 67108864 10)\n");
+    std::fprintf(stderr,
+                 "usage: mpirun -np N bench_allreduce [min_bytes max_bytes] [repetitions]\n"
+                 "  (bytes: multiples of 4, min <= max < 8 GiB; default 4096 67108864 10)\n");
     return 2;
   }
   std::unique_ptr<Communicator> comm = pipeshard::make_world_communicator();
   const int ranks = comm->size();
   const double bus_factor = 2.0 * (ranks - 1) / ranks;
   if (comm->rank() == 0) {
-    std::printf("all-reduce rate, %d ranks, float32 sum in place; time = median over %d repetitions of the slowest "
-                "rank's time for `iters` back-to-back calls / iters\n",
-                ranks, repetitions);
+    std::printf(
+        "all-reduce rate, %d ranks, float32 sum in place; time = median over %d repetitions of the slowest "
+        "rank's time for `iters` back-to-back calls / iters\n",
+        ranks, repetitions);
     std::printf("algbw = bytes / time (GB/s = 1e9 B/s); busbw = algbw * 2(n-1)/n = algbw * %.3f\n", bus_factor);
-    std::printf("%12s %10s %6s %-14s %12s %12s %12s %6s\n", "bytes", "floats", "iters", "way", "time_us",
-                "algbw_GB/s", "busbw_GB/s", "check");
+    std::printf("%12s %10s %6s %-14s %12s %12s %12s %6s\n", "bytes", "floats", "iters", "way", "time_us", "algbw_GB/s",
+                "busbw_GB/s", "check");
   }
   bool all_ok = true;
   for (int64_t bytes = min_bytes; bytes <= max_bytes; bytes *= 2) {

@@ -184,8 +184,10 @@ Json run_precision(const Inputs& in, const std::string& name) {
 }
 
 int usage(const char* why) {
-  std::fprintf(stderr, "bench_gemm_cuda: %s\nusage: bench_gemm_cuda [M N K] [--repeats R] "
-               "[--precisions fp32,tf32,bf16,fp16] [--device D]\n", why);
+  std::fprintf(stderr,
+               "bench_gemm_cuda: %s\nusage: bench_gemm_cuda [M N K] [--repeats R] "
+               "[--precisions fp32,tf32,bf16,fp16] [--device D]\n",
+               why);
   return 2;
 }
 
@@ -222,7 +224,11 @@ int run(int argc, char** argv) {
   }
   if (o.m <= 0 || o.n <= 0 || o.k <= 0 || o.repeats <= 0 || o.precisions.empty()) return usage("bad sizes");
 
-  Json out = {{"bench", "bench_gemm_cuda"}, {"m", o.m}, {"n", o.n}, {"k", o.k}, {"repeats", o.repeats},
+  Json out = {{"bench", "bench_gemm_cuda"},
+              {"m", o.m},
+              {"n", o.n},
+              {"k", o.k},
+              {"repeats", o.repeats},
               {"calls_per_timing", kCallsPerTiming},
               {"formula", "GFLOP/s = 2*M*N*K / median seconds of one Backend::linear_forward / 1e9"},
               {"op", "y[M,N] = x[M,K] * W^T + b, W [N,K] (kOutIn), through make_cuda_backend"}};

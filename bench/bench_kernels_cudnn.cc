@@ -67,7 +67,8 @@ std::vector<float> random_normal(size_t count, uint64_t seed) {
     z ^= z >> 31;
     return (static_cast<double>(z >> 11) + 0.5) / static_cast<double>(1ULL << 53);
   };
-  for (float& f : v) f = static_cast<float>(std::sqrt(-2.0 * std::log(uniform())) * std::cos(6.283185307179586 * uniform()));
+  for (float& f : v)
+    f = static_cast<float>(std::sqrt(-2.0 * std::log(uniform())) * std::cos(6.283185307179586 * uniform()));
   return v;
 }
 
@@ -122,8 +123,8 @@ struct Tensor4d {
 };
 
 // Fills a result row: times, the faster, and whether the results agree.
-Json row(const std::string& op, const std::string& shape, const std::string& variant, double ours_ms,
-         double cudnn_ms, double diff) {
+Json row(const std::string& op, const std::string& shape, const std::string& variant, double ours_ms, double cudnn_ms,
+         double diff) {
   return {{"op", op},
           {"shape", shape},
           {"cudnn_variant", variant},
@@ -138,7 +139,8 @@ Json row(const std::string& op, const std::string& shape, const std::string& var
 void softmax_case(Backend& be, cudnnHandle_t h, bool log, int64_t rows, int64_t width, Json& out) {
   const int64_t n = rows * width;
   DeviceBuffer x(be, n), dy(be, n), y1(be, n), y2(be, n), dx1(be, n), dx2(be, n);
-  const std::vector<float> hx = random_normal(static_cast<size_t>(n), 1), hdy = random_normal(static_cast<size_t>(n), 2);
+  const std::vector<float> hx = random_normal(static_cast<size_t>(n), 1),
+                           hdy = random_normal(static_cast<size_t>(n), 2);
   be.upload(x.data(), hx.data(), n);
   be.upload(dy.data(), hdy.data(), n);
   Tensor4d t(rows, width, 1);
@@ -146,13 +148,14 @@ void softmax_case(Backend& be, cudnnHandle_t h, bool log, int64_t rows, int64_t 
   const cudnnSoftmaxAlgorithm_t algo = log ? CUDNN_SOFTMAX_LOG : CUDNN_SOFTMAX_ACCURATE;
   auto ours_fwd = [&] { be.softmax_forward(y1.data(), x.data(), rows, width, log); };
   auto cudnn_fwd = [&] {
-    cudnn_ok(cudnnSoftmaxForward(h, algo, CUDNN_SOFTMAX_MODE_INSTANCE, &one, t.desc, x.data(), &zero, t.desc, y2.data()),
-             "cudnnSoftmaxForward");
+    cudnn_ok(
+        cudnnSoftmaxForward(h, algo, CUDNN_SOFTMAX_MODE_INSTANCE, &one, t.desc, x.data(), &zero, t.desc, y2.data()),
+        "cudnnSoftmaxForward");
   };
   auto ours_bwd = [&] { be.softmax_backward(dx1.data(), dy.data(), y1.data(), rows, width, log); };
   auto cudnn_bwd = [&] {
-    cudnn_ok(cudnnSoftmaxBackward(h, algo, CUDNN_SOFTMAX_MODE_INSTANCE, &one, t.desc, y2.data(), t.desc, dy.data(), &one,
-                                  t.desc, dx2.data()),
+    cudnn_ok(cudnnSoftmaxBackward(h, algo, CUDNN_SOFTMAX_MODE_INSTANCE, &one, t.desc, y2.data(), t.desc, dy.data(),
+                                  &one, t.desc, dx2.data()),
              "cudnnSoftmaxBackward");
   };
   ours_fwd();
@@ -174,7 +177,8 @@ void batchnorm_case(Backend& be, cudnnHandle_t h, int64_t batch, int64_t channel
   DeviceBuffer w(be, channels), b(be, channels), rm1(be, channels), rv1(be, channels), rm2(be, channels),
       rv2(be, channels), mean1(be, channels), rstd1(be, channels), mean2(be, channels), rstd2(be, channels),
       dw1(be, channels), db1(be, channels), dw2(be, channels), db2(be, channels);
-  const std::vector<float> hx = random_normal(static_cast<size_t>(n), 3), hdy = random_normal(static_cast<size_t>(n), 4);
+  const std::vector<float> hx = random_normal(static_cast<size_t>(n), 3),
+                           hdy = random_normal(static_cast<size_t>(n), 4);
   const std::vector<float> hw = random_normal(static_cast<size_t>(channels), 5),
                            hb = random_normal(static_cast<size_t>(channels), 6);
   be.upload(x.data(), hx.data(), n);
@@ -186,8 +190,8 @@ void batchnorm_case(Backend& be, cudnnHandle_t h, int64_t batch, int64_t channel
   const float one = 1.0f, zero = 0.0f;
   const std::string shape = std::to_string(batch) + "x" + std::to_string(channels) + "x" + std::to_string(inner);
   auto ours_fwd = [&] {
-    be.batchnorm_forward(y1.data(), mean1.data(), rstd1.data(), rm1.data(), rv1.data(), x.data(), w.data(), b.data(), batch,
-                         channels, inner, eps, momentum, true);
+    be.batchnorm_forward(y1.data(), mean1.data(), rstd1.data(), rm1.data(), rv1.data(), x.data(), w.data(), b.data(),
+                         batch, channels, inner, eps, momentum, true);
   };
   auto ours_bwd = [&] {
     be.batchnorm_backward(dx1.data(), dw1.data(), db1.data(), dy.data(), x.data(), w.data(), mean1.data(), rstd1.data(),
@@ -197,7 +201,8 @@ void batchnorm_case(Backend& be, cudnnHandle_t h, int64_t batch, int64_t channel
   ours_bwd();
   const double ours_fwd_ms = time_ms(ours_fwd), ours_bwd_ms = time_ms(ours_bwd);
   for (cudnnBatchNormMode_t mode : {CUDNN_BATCHNORM_SPATIAL, CUDNN_BATCHNORM_SPATIAL_PERSISTENT}) {
-    const std::string variant = mode == CUDNN_BATCHNORM_SPATIAL ? "CUDNN_BATCHNORM_SPATIAL" : "CUDNN_BATCHNORM_SPATIAL_PERSISTENT";
+    const std::string variant =
+        mode == CUDNN_BATCHNORM_SPATIAL ? "CUDNN_BATCHNORM_SPATIAL" : "CUDNN_BATCHNORM_SPATIAL_PERSISTENT";
     for (float* v : {dx1.data(), dw1.data(), db1.data(), dx2.data(), dw2.data(), db2.data(), rm1.data(), rm2.data()}) {
       be.fill(v, 0.0f, v == dx1.data() || v == dx2.data() ? n : channels);
     }
@@ -209,9 +214,9 @@ void batchnorm_case(Backend& be, cudnnHandle_t h, int64_t batch, int64_t channel
                "cudnnBatchNormalizationForwardTraining");
     };
     auto cudnn_bwd = [&] {
-      cudnn_ok(cudnnBatchNormalizationBackward(h, mode, &one, &one, &one, &one, t.desc, x.data(), t.desc, dy.data(), t.desc,
-                                               dx2.data(), per_channel.desc, w.data(), dw2.data(), db2.data(), eps,
-                                               mean2.data(), rstd2.data()),
+      cudnn_ok(cudnnBatchNormalizationBackward(h, mode, &one, &one, &one, &one, t.desc, x.data(), t.desc, dy.data(),
+                                               t.desc, dx2.data(), per_channel.desc, w.data(), dw2.data(), db2.data(),
+                                               eps, mean2.data(), rstd2.data()),
                "cudnnBatchNormalizationBackward");
     };
     cuda_ok(cudaDeviceSynchronize(), "batchnorm");
@@ -220,14 +225,13 @@ void batchnorm_case(Backend& be, cudnnHandle_t h, int64_t batch, int64_t channel
     cudnn_fwd();
     cudnn_bwd();
     cuda_ok(cudaDeviceSynchronize(), "batchnorm");
-    const double fwd_diff = std::max({difference(be, y1.data(), y2.data(), n),
-                                      difference(be, mean1.data(), mean2.data(), channels),
-                                      difference(be, rstd1.data(), rstd2.data(), channels),
-                                      difference(be, rm1.data(), rm2.data(), channels),
-                                      difference(be, rv1.data(), rv2.data(), channels)});
-    const double bwd_diff = std::max({difference(be, dx1.data(), dx2.data(), n),
-                                      difference(be, dw1.data(), dw2.data(), channels),
-                                      difference(be, db1.data(), db2.data(), channels)});
+    const double fwd_diff =
+        std::max({difference(be, y1.data(), y2.data(), n), difference(be, mean1.data(), mean2.data(), channels),
+                  difference(be, rstd1.data(), rstd2.data(), channels),
+                  difference(be, rm1.data(), rm2.data(), channels), difference(be, rv1.data(), rv2.data(), channels)});
+    const double bwd_diff =
+        std::max({difference(be, dx1.data(), dx2.data(), n), difference(be, dw1.data(), dw2.data(), channels),
+                  difference(be, db1.data(), db2.data(), channels)});
     out.push_back(row("batchnorm forward (training)", shape, variant, ours_fwd_ms, time_ms(cudnn_fwd), fwd_diff));
     out.push_back(row("batchnorm backward", shape, variant, ours_bwd_ms, time_ms(cudnn_bwd), bwd_diff));
   }
@@ -243,7 +247,8 @@ int run(int argc, char** argv) {
     } else if (a == "--quick") {
       quick = true;
     } else {
-      std::fprintf(stderr, "bench_kernels_cudnn: unknown argument '%s'\nusage: bench_kernels_cudnn [--device D] [--quick]\n",
+      std::fprintf(stderr,
+                   "bench_kernels_cudnn: unknown argument '%s'\nusage: bench_kernels_cudnn [--device D] [--quick]\n",
                    a.c_str());
       return 2;
     }

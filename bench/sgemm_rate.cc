@@ -29,7 +29,7 @@ namespace {
 struct Gemm {
   const char* name;
   CBLAS_TRANSPOSE ta, tb;
-  int m, n, k;            // C[m, n] = op(A)[m, k] · op(B)[k, n]
+  int m, n, k;  // C[m, n] = op(A)[m, k] · op(B)[k, n]
   const float* a;
   int lda;
   const float* b;

@@ -2,8 +2,8 @@
 #include <cstdint>
 #include <string>
 
-#include "common/status.h"
 #include "comm/comm.h"
+#include "common/status.h"
 
 namespace pipeshard {
 namespace {
@@ -15,11 +15,13 @@ std::string count_of(int64_t n, const std::string& one, const std::string& many)
 }  // namespace
 
 Result<ProcessLayout> ProcessLayout::for_rank(int world_rank, int world_size, int stages, int shards) {
-  if (stages < 1) return Status::error("the number of pipeline stages must be at least 1, got " + std::to_string(stages));
+  if (stages < 1)
+    return Status::error("the number of pipeline stages must be at least 1, got " + std::to_string(stages));
   if (shards < 1) {
     return Status::error("the number of tensor-parallel shards must be at least 1, got " + std::to_string(shards));
   }
-  if (world_size < 1) return Status::error("the number of processes must be at least 1, got " + std::to_string(world_size));
+  if (world_size < 1)
+    return Status::error("the number of processes must be at least 1, got " + std::to_string(world_size));
   if (world_rank < 0 || world_rank >= world_size) {
     return Status::error("rank " + std::to_string(world_rank) + " is outside a job of " +
                          count_of(world_size, "process", "processes"));
@@ -27,8 +29,8 @@ Result<ProcessLayout> ProcessLayout::for_rank(int world_rank, int world_size, in
   const int64_t per_replica = int64_t{stages} * shards;
   if (world_size % per_replica != 0) {
     return Status::error("mpirun started " + count_of(world_size, "process", "processes") +
-                         ", which do not divide into " + count_of(stages, "pipeline stage", "pipeline stages") +
-                         " × " + count_of(shards, "tensor-parallel shard", "tensor-parallel shards") +
+                         ", which do not divide into " + count_of(stages, "pipeline stage", "pipeline stages") + " × " +
+                         count_of(shards, "tensor-parallel shard", "tensor-parallel shards") +
                          "; the number of processes must be a multiple of " + std::to_string(per_replica));
   }
   ProcessLayout layout;
@@ -49,9 +51,9 @@ ProcessGroups make_process_groups(Communicator& world, const ProcessLayout& layo
                                                            " ranks for a world of " + std::to_string(world.size()));
   PIPESHARD_CHECK(p >= 0 && p < layout.stages && d >= 0 && d < D && t >= 0 && t < T,
                   "coordinates (" + std::to_string(p) + ", " + std::to_string(d) + ", " + std::to_string(t) + ")");
-  PIPESHARD_CHECK(layout.rank_of(p, d, t) == world.rank(),
-                  "the layout is rank " + std::to_string(layout.rank_of(p, d, t)) + "'s, not rank " +
-                      std::to_string(world.rank()) + "'s");
+  PIPESHARD_CHECK(layout.rank_of(p, d, t) == world.rank(), "the layout is rank " +
+                                                               std::to_string(layout.rank_of(p, d, t)) +
+                                                               "'s, not rank " + std::to_string(world.rank()) + "'s");
   // Color: the coordinates the group shares; key: the one that varies, so that the group's
   // rank is that coordinate. Every rank makes the three splits in the same order.
   ProcessGroups groups;

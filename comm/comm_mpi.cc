@@ -27,10 +27,10 @@
 #include <utility>
 #include <vector>
 
-#include "common/check.h"
 #include "comm/comm.h"
 #include "comm/comm_mpi.h"
 #include "comm/watchdog.h"
+#include "common/check.h"
 
 namespace pipeshard {
 namespace {
@@ -126,8 +126,8 @@ void check_received(const MPI_Status& status, int expected, int peer, int tag) {
   int received = 0;
   PIPESHARD_MPI_CALL(MPI_Get_count(&status, MPI_FLOAT, &received));
   PIPESHARD_CHECK(received == expected, "received " + std::to_string(received) + " floats from rank " +
-                                                std::to_string(peer) + " (tag " + std::to_string(tag) + ") where " +
-                                                std::to_string(expected) + " were expected");
+                                            std::to_string(peer) + " (tag " + std::to_string(tag) + ") where " +
+                                            std::to_string(expected) + " were expected");
 }
 
 // Operations in flight: one MPI_Request per piece; receives are checked as they complete.
@@ -139,8 +139,8 @@ class MpiRequest final : public Request {
   };
 
   // `operation` and `peers` name the wait for the watchdog (comm/watchdog.h).
-  MpiRequest(std::vector<MPI_Request> requests, std::vector<Receive> receives, float* average_data,
-             int64_t average_n, int average_size, const char* operation, const std::string* peers)
+  MpiRequest(std::vector<MPI_Request> requests, std::vector<Receive> receives, float* average_data, int64_t average_n,
+             int average_size, const char* operation, const std::string* peers)
       : requests_(std::move(requests)), receives_(std::move(receives)), average_data_(average_data),
         average_n_(average_n), average_size_(average_size), operation_(operation), peers_(peers) {}
   ~MpiRequest() override {
@@ -184,7 +184,7 @@ class MpiCommunicator final : public Communicator {
     PIPESHARD_MPI_CALL(MPI_Comm_rank(comm_, &rank_));
     PIPESHARD_MPI_CALL(MPI_Comm_size(comm_, &size_));
     PIPESHARD_CHECK(max_count_ >= size_ && max_count_ <= kMaxMpiCount,
-                        "per-call limit " + std::to_string(max_count_) + " for " + std::to_string(size_) + " ranks");
+                    "per-call limit " + std::to_string(max_count_) + " for " + std::to_string(size_) + " ranks");
     int* tag_ub = nullptr;
     int found = 0;
     PIPESHARD_MPI_CALL(MPI_Comm_get_attr(MPI_COMM_WORLD, MPI_TAG_UB, &tag_ub, &found));
@@ -239,7 +239,8 @@ class MpiCommunicator final : public Communicator {
   }
 
   std::vector<std::string> gather_text(const std::string& text, int root) override {
-    PIPESHARD_CHECK(text.size() <= static_cast<size_t>(kMaxMpiCount), "text of " + std::to_string(text.size()) + " bytes");
+    PIPESHARD_CHECK(text.size() <= static_cast<size_t>(kMaxMpiCount),
+                    "text of " + std::to_string(text.size()) + " bytes");
     const WatchdogWait watched("the gather with", &others_);
     int length = static_cast<int>(text.size());
     std::vector<int> lengths(rank_ == root ? size_ : 0), offsets(lengths.size());
@@ -251,8 +252,8 @@ class MpiCommunicator final : public Communicator {
     }
     PIPESHARD_CHECK(total <= kMaxMpiCount, "gathering " + std::to_string(total) + " bytes");
     std::string all(static_cast<size_t>(total), '\0');
-    PIPESHARD_MPI_CALL(MPI_Gatherv(text.data(), length, MPI_CHAR, all.data(), lengths.data(), offsets.data(), MPI_CHAR,
-                                   root, comm_));
+    PIPESHARD_MPI_CALL(
+        MPI_Gatherv(text.data(), length, MPI_CHAR, all.data(), lengths.data(), offsets.data(), MPI_CHAR, root, comm_));
     std::vector<std::string> out;
     for (size_t r = 0; r < lengths.size(); ++r) out.push_back(all.substr(offsets[r], lengths[r]));
     return out;
@@ -273,7 +274,8 @@ class MpiCommunicator final : public Communicator {
     if (n * size_ <= max_count_) {
       // In place when this rank's block already sits where it belongs.
       const void* source = send == recv + rank_ * n ? MPI_IN_PLACE : send;
-      PIPESHARD_MPI_CALL(MPI_Allgather(source, static_cast<int>(n), MPI_FLOAT, recv, static_cast<int>(n), MPI_FLOAT, comm_));
+      PIPESHARD_MPI_CALL(
+          MPI_Allgather(source, static_cast<int>(n), MPI_FLOAT, recv, static_cast<int>(n), MPI_FLOAT, comm_));
       return;
     }
     // Piece by piece through a staging buffer of size × piece floats.
@@ -308,7 +310,8 @@ class MpiCommunicator final : public Communicator {
 
   void broadcast(float* data, int64_t n, int root) override {
     check_buffer(data, n);
-    PIPESHARD_CHECK(root >= 0 && root < size_, "root " + std::to_string(root) + " of " + std::to_string(size_) + " ranks");
+    PIPESHARD_CHECK(root >= 0 && root < size_,
+                    "root " + std::to_string(root) + " of " + std::to_string(size_) + " ranks");
     const WatchdogWait watched("the broadcast with", &others_);
     for_each_piece(n, max_count_, [&](int64_t offset, int count) {
       PIPESHARD_MPI_CALL(MPI_Bcast(data + offset, count, MPI_FLOAT, root, comm_));
@@ -318,7 +321,8 @@ class MpiCommunicator final : public Communicator {
   void broadcast_bytes(void* bytes, int64_t n, int root) override {
     auto* data = static_cast<char*>(bytes);
     check_buffer(data, n);
-    PIPESHARD_CHECK(root >= 0 && root < size_, "root " + std::to_string(root) + " of " + std::to_string(size_) + " ranks");
+    PIPESHARD_CHECK(root >= 0 && root < size_,
+                    "root " + std::to_string(root) + " of " + std::to_string(size_) + " ranks");
     const WatchdogWait watched("the broadcast with", &others_);
     for_each_piece(n, max_count_, [&](int64_t offset, int count) {
       PIPESHARD_MPI_CALL(MPI_Bcast(data + offset, count, MPI_BYTE, root, comm_));
@@ -365,8 +369,8 @@ class MpiCommunicator final : public Communicator {
       requests.push_back(request);
       receives.push_back({count, peer, tag});
     });
-    return std::make_unique<MpiRequest>(std::move(requests), std::move(receives), nullptr, 0, size_,
-                                        "the receive from", &peer_names_[peer]);
+    return std::make_unique<MpiRequest>(std::move(requests), std::move(receives), nullptr, 0, size_, "the receive from",
+                                        &peer_names_[peer]);
   }
 
   void barrier() override {
@@ -392,13 +396,17 @@ class MpiCommunicator final : public Communicator {
   template <typename T>
   void check_buffer(const T* data, int64_t n) const {
     PIPESHARD_CHECK(n >= 0, "negative element count " + std::to_string(n));
-    PIPESHARD_CHECK(data != nullptr || n == 0,
-                        "null buffer for " + std::to_string(n) + (sizeof(T) == 8 ? " doubles" : sizeof(T) == 1 ? " bytes" : " floats"));
+    PIPESHARD_CHECK(data != nullptr || n == 0, "null buffer for " + std::to_string(n) +
+                                                   (sizeof(T) == 8   ? " doubles"
+                                                    : sizeof(T) == 1 ? " bytes"
+                                                                     : " floats"));
   }
   void check_transfer(const float* data, int64_t n, int peer, int tag) const {
     check_buffer(data, n);
-    PIPESHARD_CHECK(peer >= 0 && peer < size_, "peer " + std::to_string(peer) + " of " + std::to_string(size_) + " ranks");
-    PIPESHARD_CHECK(tag >= 0 && tag <= max_tag_, "tag " + std::to_string(tag) + " outside 0.." + std::to_string(max_tag_));
+    PIPESHARD_CHECK(peer >= 0 && peer < size_,
+                    "peer " + std::to_string(peer) + " of " + std::to_string(size_) + " ranks");
+    PIPESHARD_CHECK(tag >= 0 && tag <= max_tag_,
+                    "tag " + std::to_string(tag) + " outside 0.." + std::to_string(max_tag_));
   }
 
   // World ranks, for the watchdog's messages: peer_names_[r] = "rank W" for group rank r,

@@ -8,9 +8,9 @@
 #include <utility>
 #include <vector>
 
+#include "comm/comm.h"
 #include "common/check.h"
 #include "common/status.h"
-#include "comm/comm.h"
 
 namespace pipeshard {
 namespace {
@@ -23,8 +23,10 @@ class CompletedRequest final : public Request {
 template <typename T>
 void check_buffer(const T* data, int64_t n) {
   PIPESHARD_CHECK(n >= 0, "negative element count " + std::to_string(n));
-  PIPESHARD_CHECK(data != nullptr || n == 0,
-                  "null buffer for " + std::to_string(n) + (sizeof(T) == 8 ? " doubles" : sizeof(T) == 1 ? " bytes" : " floats"));
+  PIPESHARD_CHECK(data != nullptr || n == 0, "null buffer for " + std::to_string(n) +
+                                                 (sizeof(T) == 8   ? " doubles"
+                                                  : sizeof(T) == 1 ? " bytes"
+                                                                   : " floats"));
 }
 
 void copy_floats(const float* from, float* to, int64_t n) {
@@ -122,7 +124,8 @@ class PlaceholderCommunicator final : public Communicator {
 }  // namespace
 
 std::unique_ptr<Communicator> make_placeholder_communicator(int rank, int size, const std::string& who) {
-  PIPESHARD_CHECK(size >= 1 && rank >= 0 && rank < size, "rank " + std::to_string(rank) + " of a group of " + std::to_string(size));
+  PIPESHARD_CHECK(size >= 1 && rank >= 0 && rank < size,
+                  "rank " + std::to_string(rank) + " of a group of " + std::to_string(size));
   return std::make_unique<PlaceholderCommunicator>(rank, size, who);
 }
 

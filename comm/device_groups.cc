@@ -173,7 +173,7 @@ int device_of_this_process(const BackendKind& backend) {
 std::unique_ptr<Communicator> split_by_machine(Communicator& world) {
   char host[256] = {};
   ::gethostname(host, sizeof host - 1);
-  const uint64_t color = std::hash<std::string>{}(host) & 0x3fffffff;
+  const uint64_t color = std::hash<std::string>{}(host)&0x3fffffff;
   return world.split(static_cast<int>(color), world.rank());
 }
 

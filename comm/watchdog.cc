@@ -18,7 +18,8 @@ constexpr int kSlowPhaseFactor = 10;
 constexpr auto kPollInterval = std::chrono::milliseconds(200);
 
 int64_t now_ns() {
-  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch()).count();
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
+      .count();
 }
 
 // Written by the MPI thread, read by the watchdog thread. Never destroyed: the watchdog

@@ -35,7 +35,8 @@ Status write_synced(const std::string& path, const std::vector<std::string_view>
   size_t total = 0;
   for (std::string_view p : pieces) total += p.size();
   size_t first = total;  // bytes before the crash point
-  if (crash.where == CrashPoint::Where::kAfterBytes) first = std::min(first, static_cast<size_t>(std::max<int64_t>(crash.bytes, 0)));
+  if (crash.where == CrashPoint::Where::kAfterBytes)
+    first = std::min(first, static_cast<size_t>(std::max<int64_t>(crash.bytes, 0)));
   bool written = true;
   size_t done = 0;
   for (std::string_view p : pieces) {
@@ -79,7 +80,8 @@ Status write_atomically(const std::string& path, const std::vector<std::string_v
   const int dfd = ::open(dir.empty() ? "." : dir.c_str(), O_RDONLY | O_DIRECTORY);
   const bool synced = dfd >= 0 && ::fsync(dfd) == 0;
   if (dfd >= 0) ::close(dfd);
-  if (!synced) return Status::error("wrote '" + path + "' but cannot sync its folder: the new file may not survive a power cut");
+  if (!synced)
+    return Status::error("wrote '" + path + "' but cannot sync its folder: the new file may not survive a power cut");
   return Status::ok();
 }
 

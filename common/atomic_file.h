@@ -16,9 +16,9 @@ namespace pipeshard {
 struct CrashPoint {
   enum class Where {
     kNever,
-    kAfterBytes,     // after writing min(bytes, size) bytes of the temporary file, before its fsync
-    kBeforeRename,   // the temporary file complete and fsynced, not yet renamed
-    kAfterRename,    // renamed over the target, the folder not yet fsynced
+    kAfterBytes,    // after writing min(bytes, size) bytes of the temporary file, before its fsync
+    kBeforeRename,  // the temporary file complete and fsynced, not yet renamed
+    kAfterRename,   // renamed over the target, the folder not yet fsynced
   };
   Where where = Where::kNever;
   int64_t bytes = 0;  // kAfterBytes only

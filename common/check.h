@@ -73,11 +73,11 @@ inline std::string failed_check_text(const char* condition, const std::string& d
 
 // Ends the job with file:line when an invariant (not user input) is broken. The optional
 // detail (anything a std::string is made of) is built only when the check fails.
-#define PIPESHARD_CHECK(cond, ...)                                                                         \
-  do {                                                                                                     \
-    if (!(cond)) {                                                                                         \
+#define PIPESHARD_CHECK(cond, ...)                                                                             \
+  do {                                                                                                         \
+    if (!(cond)) {                                                                                             \
       ::pipeshard::fatal(__FILE__, __LINE__, ::pipeshard::failed_check_text(#cond, std::string{__VA_ARGS__})); \
-    }                                                                                                      \
+    }                                                                                                          \
   } while (0)
 
 // A call into a library that must succeed. Evaluates `call` once; when ok(result) is false,
@@ -86,12 +86,12 @@ inline std::string failed_check_text(const char* condition, const std::string& d
 // a macro's arguments are expanded before they reach this one (Open MPI's MPI_FLOAT would
 // otherwise show as the cast of a global). `ok` and `to_text` are anything callable on the
 // result (functions, lambdas); to_text gives something a std::string_view is made from.
-#define PIPESHARD_CHECKED_CALL_OR(kind, call, call_text, ok, to_text, on_failure) \
-  do {                                                                             \
-    const auto _pipeshard_result = (call);                                         \
-    if (!(ok)(_pipeshard_result)) {                                                \
+#define PIPESHARD_CHECKED_CALL_OR(kind, call, call_text, ok, to_text, on_failure)    \
+  do {                                                                               \
+    const auto _pipeshard_result = (call);                                           \
+    if (!(ok)(_pipeshard_result)) {                                                  \
       on_failure(kind, call_text, (to_text)(_pipeshard_result), __FILE__, __LINE__); \
-    }                                                                              \
+    }                                                                                \
   } while (0)
 
 // The usual failure: a fatal "pipeshard: KIND error at FILE:LINE in CALL: ERROR".

@@ -13,7 +13,8 @@ namespace {
 int64_t read_number(const std::string& path) {
   std::ifstream in(path);
   std::string token;
-  if (!(in >> token) || token.empty() || token.size() > 19 || token.find_first_not_of("0123456789") != std::string::npos) {
+  if (!(in >> token) || token.empty() || token.size() > 19 ||
+      token.find_first_not_of("0123456789") != std::string::npos) {
     return -1;
   }
   return std::stoll(token);

@@ -9,7 +9,7 @@
 namespace pipeshard {
 
 struct HostMemory {
-  int64_t available = -1;  // bytes: the smaller of what follows that is known; -1: unknown
+  int64_t available = -1;      // bytes: the smaller of what follows that is known; -1: unknown
   int64_t mem_available = -1;  // /proc/meminfo's MemAvailable
   int64_t cgroup_room = -1;    // the cgroup's limit less its usage (v2 memory.max, v1 limit_in_bytes); -1: no limit
   std::string cgroup_path;     // the cgroup the limit belongs to, for messages

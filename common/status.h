@@ -58,8 +58,8 @@ class [[nodiscard]] Status {
 template <typename T>
 class [[nodiscard]] Result {
  public:
-  Result(T value) : value_(std::move(value)) {}                 // NOLINT: implicit by design
-  Result(Status status) : value_(std::move(status)) {}          // NOLINT: must not be OK
+  Result(T value) : value_(std::move(value)) {}         // NOLINT: implicit by design
+  Result(Status status) : value_(std::move(status)) {}  // NOLINT: must not be OK
   bool is_ok() const { return std::holds_alternative<T>(value_); }
   explicit operator bool() const { return is_ok(); }
   const Status& status() const {
@@ -81,10 +81,10 @@ class [[nodiscard]] Result {
 }  // namespace pipeshard
 
 // Returns early from a function returning Status or Result<T> when `expr` fails.
-#define PIPESHARD_RETURN_IF_ERROR(expr)            \
-  do {                                             \
-    ::pipeshard::Status _st = (expr);              \
-    if (!_st.is_ok()) return _st;                  \
+#define PIPESHARD_RETURN_IF_ERROR(expr) \
+  do {                                  \
+    ::pipeshard::Status _st = (expr);   \
+    if (!_st.is_ok()) return _st;       \
   } while (0)
 
 #endif  // PIPESHARD_COMMON_STATUS_H_

@@ -58,17 +58,21 @@ Result<Dataset> make_dataset(const NpyArray& x, const NpyArray& y, const Graph& 
   d.features_per_sample = in.per_sample_elements();
   d.features = x.as_float();
   if (y.shape.empty() || y.shape[0] != d.samples) {
-    return Status::error(labels_path + ": has " + (y.shape.empty() ? std::string("no rows") : std::to_string(y.shape[0]) + " rows") +
+    return Status::error(labels_path + ": has " +
+                         (y.shape.empty() ? std::string("no rows") : std::to_string(y.shape[0]) + " rows") +
                          " but the features have " + std::to_string(d.samples));
   }
   const Shape& out = g.values[g.outputs[0]].shape;
   if (targets == Targets::kClassIndices) {
     if (y.type == NpyType::kFloat32) {
-      return Status::error(labels_path + ": cross-entropy needs integer class labels (int64 or int32), got float32 "
+      return Status::error(labels_path +
+                           ": cross-entropy needs integer class labels (int64 or int32), got float32 "
                            "(regression targets need the mean-squared-error loss)");
     }
-    if (y.shape.size() != 1) return Status::error(labels_path + ": class labels must have shape [N], got " + dims_text(y.shape));
-    if (out.rank() != 2) return Status::error("cross-entropy needs a model output of shape [batch, classes], got " + out.to_string());
+    if (y.shape.size() != 1)
+      return Status::error(labels_path + ": class labels must have shape [N], got " + dims_text(y.shape));
+    if (out.rank() != 2)
+      return Status::error("cross-entropy needs a model output of shape [batch, classes], got " + out.to_string());
     const int64_t classes = out.features();
     const std::vector<int64_t> labels = y.as_int64();
     d.targets.resize(labels.size());

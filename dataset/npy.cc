@@ -95,7 +95,9 @@ class HeaderParser {
     return Status::error("malformed header at byte " + std::to_string(pos_) + ": " + what);
   }
   void skip_space() {
-    while (pos_ < text_.size() && (text_[pos_] == ' ' || text_[pos_] == '\t' || text_[pos_] == '\n' || text_[pos_] == '\r')) ++pos_;
+    while (pos_ < text_.size() &&
+           (text_[pos_] == ' ' || text_[pos_] == '\t' || text_[pos_] == '\n' || text_[pos_] == '\r'))
+      ++pos_;
   }
   bool consume(char c) {
     skip_space();
@@ -162,7 +164,8 @@ Result<NpyType> type_of_descr(const std::string& descr) {
   if (descr == "<i8") return NpyType::kInt64;
   if (descr == "<i4") return NpyType::kInt32;
   if (!descr.empty() && descr[0] == '>') {
-    return Status::error("dtype '" + descr + "' is big-endian; only little-endian '<f4', '<i8', '<i4' are read "
+    return Status::error("dtype '" + descr +
+                         "' is big-endian; only little-endian '<f4', '<i8', '<i4' are read "
                          "(convert with arr.astype(arr.dtype.newbyteorder('<')))");
   }
   return Status::error("dtype '" + descr + "' is not supported (float32 '<f4', int64 '<i8' or int32 '<i4')");
@@ -209,12 +212,13 @@ Result<Layout> parse_layout(const unsigned char* prefix, int64_t prefix_size, in
   if (std::memcmp(prefix, kMagic, kMagicBytes) != 0) return Status::error("not a .npy file (bad magic)");
   const int major = prefix[6], minor = prefix[7];
   if (!((major == 1 || major == 2 || major == 3) && minor == 0)) {
-    return Status::error("unsupported .npy format version " + std::to_string(major) + "." +
-                         std::to_string(minor) + " (1.0, 2.0 and 3.0 are read)");
+    return Status::error("unsupported .npy format version " + std::to_string(major) + "." + std::to_string(minor) +
+                         " (1.0, 2.0 and 3.0 are read)");
   }
   const int length_bytes = major == 1 ? 2 : 4;
   const int64_t preamble_bytes = 8 + length_bytes;
-  if (file_size < preamble_bytes) return Status::error("too short for a version " + std::to_string(major) + ".0 header");
+  if (file_size < preamble_bytes)
+    return Status::error("too short for a version " + std::to_string(major) + ".0 header");
   const auto header_bytes = static_cast<int64_t>(little_endian(prefix + 8, length_bytes));
   if (header_bytes > kMaxHeaderBytes) {
     return Status::error("header length " + std::to_string(header_bytes) + " is implausible (corrupt file?)");
@@ -295,8 +299,7 @@ Result<NpyArray> parse_npy_unlabelled(std::string_view bytes, const std::string&
   return array;
 }
 
-Status write_npy_bytes(const std::string& path, const std::vector<int64_t>& shape, NpyType type,
-                       const void* data) {
+Status write_npy_bytes(const std::string& path, const std::vector<int64_t>& shape, NpyType type, const void* data) {
   if (shape.size() > static_cast<size_t>(kNpyMaxRank)) {
     return Status::error(path + ": cannot write a " + std::to_string(shape.size()) + "-d array (at most " +
                          std::to_string(kNpyMaxRank) + " dims)");
@@ -304,8 +307,8 @@ Status write_npy_bytes(const std::string& path, const std::vector<int64_t>& shap
   Result<int64_t> elements = checked_elements(shape, npy_type_size(type));
   if (!elements) return elements.status().with_context(path);
   const char* descr = type == NpyType::kFloat32 ? "<f4" : type == NpyType::kInt64 ? "<i8" : "<i4";
-  std::string header = std::string("{'descr': '") + descr + "', 'fortran_order': False, 'shape': " +
-                       shape_text(shape) + ", }";
+  std::string header =
+      std::string("{'descr': '") + descr + "', 'fortran_order': False, 'shape': " + shape_text(shape) + ", }";
   // Pad with spaces so that the data starts at a multiple of 64 bytes, as numpy does.
   const size_t preamble = 10;
   const size_t total = (preamble + header.size() + 1 + 63) / 64 * 64;
@@ -362,8 +365,10 @@ std::vector<float> NpyArray::as_float() const {
 }
 
 std::vector<int64_t> NpyArray::as_int64() const {
-  PIPESHARD_CHECK(type == NpyType::kInt64 || type == NpyType::kInt32, std::string("as_int64() on ") + npy_type_name(type) + " data");
-  PIPESHARD_CHECK(static_cast<int64_t>(bytes.size()) == elements() * npy_type_size(type), "byte count matches the shape");
+  PIPESHARD_CHECK(type == NpyType::kInt64 || type == NpyType::kInt32,
+                  std::string("as_int64() on ") + npy_type_name(type) + " data");
+  PIPESHARD_CHECK(static_cast<int64_t>(bytes.size()) == elements() * npy_type_size(type),
+                  "byte count matches the shape");
   std::vector<int64_t> out(static_cast<size_t>(elements()));
   if (type == NpyType::kInt64) {
     if (!out.empty()) std::memcpy(out.data(), bytes.data(), bytes.size());

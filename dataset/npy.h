@@ -43,10 +43,10 @@ inline constexpr int kNpyMaxRank = 32;
 
 // One array read from (or to be written to) a .npy file. Owns its bytes.
 struct NpyArray {
-  std::string path;              // the file it was read from, for messages; may be empty
+  std::string path;  // the file it was read from, for messages; may be empty
   NpyType type = NpyType::kFloat32;
-  std::vector<int64_t> shape;    // row-major (C order); empty for a 0-d scalar
-  std::vector<uint8_t> bytes;    // [elements() * npy_type_size(type)], little-endian
+  std::vector<int64_t> shape;  // row-major (C order); empty for a 0-d scalar
+  std::vector<uint8_t> bytes;  // [elements() * npy_type_size(type)], little-endian
 
   // Product of `shape` (1 for a scalar).
   int64_t elements() const;

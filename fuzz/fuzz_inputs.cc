@@ -7,19 +7,19 @@
 #include <utility>
 #include <vector>
 
-#include <nlohmann/json.hpp>
 #include <onnx/onnx_pb.h>
+#include <nlohmann/json.hpp>
 
-#include "common/crc32c.h"
 #include "backend/backend.h"
-#include "runtime/checkpoint_file.h"
 #include "comm/comm.h"
+#include "common/crc32c.h"
 #include "dataset/dataset.h"
 #include "dataset/npy.h"
-#include "runtime/trainer.h"
 #include "importer/onnx_importer.h"
 #include "partitioner/plan.h"
 #include "partitioner/stage_writer.h"
+#include "runtime/checkpoint_file.h"
+#include "runtime/trainer.h"
 
 namespace pipeshard::fuzz {
 namespace {
@@ -30,8 +30,8 @@ void plan_and_cut(const ImportedModel& model, const std::string& base_dir) {
     int stages, tensor_parallel;
     BalanceBy balance;
   };
-  for (const Layout& layout : {Layout{2, 1, BalanceBy::kParams}, Layout{1, 2, BalanceBy::kFlops},
-                               Layout{2, 2, BalanceBy::kMemory}}) {
+  for (const Layout& layout :
+       {Layout{2, 1, BalanceBy::kParams}, Layout{1, 2, BalanceBy::kFlops}, Layout{2, 2, BalanceBy::kMemory}}) {
     PartitionOptions options;
     options.stages = layout.stages;
     options.tensor_parallel = layout.tensor_parallel;

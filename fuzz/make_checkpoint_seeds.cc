@@ -24,8 +24,8 @@
 #include <nlohmann/json.hpp>
 
 #include "common/crc32c.h"
-#include "runtime/trainer.h"
 #include "fuzz/fuzz_inputs.h"
+#include "runtime/trainer.h"
 
 namespace pipeshard::fuzz {
 namespace {

@@ -55,9 +55,7 @@ struct ImportContext {
   // The name `name` stands for after following Identity aliases.
   std::string resolve(const std::string& name) const;
   bool is_constant(const std::string& name) const { return constants.count(resolve(name)) > 0; }
-  bool is_float_initializer(const std::string& name) const {
-    return float_data.count(resolve(name)) > 0;
-  }
+  bool is_float_initializer(const std::string& name) const { return float_data.count(resolve(name)) > 0; }
   // A one-element constant's value.
   std::optional<double> scalar(const std::string& name) const;
   // Nodes consuming `name` or any name aliased to the same value (Identity), sorted.
@@ -92,8 +90,7 @@ inline constexpr int64_t kMaxDecodedConstant = 4096;
 
 // Steps of import_onnx_model, in the order they run (each in its own .cc file).
 // onnx_file.cc: decodes initializers and Constant nodes into the context.
-Status load_constants(const onnx::ModelProto& model, const std::string& base_dir,
-                      ImportContext& ctx);
+Status load_constants(const onnx::ModelProto& model, const std::string& base_dir, ImportContext& ctx);
 // onnx_patterns.cc: turns ONNX nodes into Graph nodes.
 Status recognise_nodes(ImportContext& ctx);
 // shape_inference.cc: gives every value its shape and checks widths along the way.

@@ -32,13 +32,16 @@ Result<int64_t> checked_elements(const std::string& what, const TensorProto& t) 
 
 int element_size(int32_t data_type) {
   switch (data_type) {
-    case TensorProto::FLOAT: case TensorProto::INT32: return 4;
-    case TensorProto::DOUBLE: case TensorProto::INT64: return 8;
-    case TensorProto::BOOL: case TensorProto::UINT8: case TensorProto::INT8: return 1;
+    case TensorProto::FLOAT:
+    case TensorProto::INT32: return 4;
+    case TensorProto::DOUBLE:
+    case TensorProto::INT64: return 8;
+    case TensorProto::BOOL:
+    case TensorProto::UINT8:
+    case TensorProto::INT8: return 1;
     default: return 0;
   }
 }
-
 
 // Reads the bytes an external-data tensor points at into its raw_data, after making
 // sure the location stays inside the model's folder.
@@ -56,7 +59,8 @@ Status load_external_data(TensorProto& t, const std::string& base_dir, int64_t e
   }
   if (location.empty()) return Status::error("external data has no location");
   fs::path rel(location);
-  if (rel.is_absolute()) return Status::error("external data location '" + location + "' is absolute; only files beside the model are read");
+  if (rel.is_absolute())
+    return Status::error("external data location '" + location + "' is absolute; only files beside the model are read");
   for (const auto& part : rel) {
     if (part == "..") return Status::error("external data location '" + location + "' leaves the model's folder");
   }
@@ -66,13 +70,14 @@ Status load_external_data(TensorProto& t, const std::string& base_dir, int64_t e
   fs::path file = fs::canonical(base / rel, ec);
   if (ec) return Status::error("external data file '" + location + "' not found beside the model");
   auto [b, f] = std::mismatch(base.begin(), base.end(), file.begin(), file.end());
-  if (b != base.end()) return Status::error("external data location '" + location + "' resolves outside the model's folder (symlink?)");
+  if (b != base.end())
+    return Status::error("external data location '" + location + "' resolves outside the model's folder (symlink?)");
   if (!fs::is_regular_file(file)) return Status::error("external data '" + location + "' is not a regular file");
   const auto size = static_cast<int64_t>(fs::file_size(file, ec));
   if (length < 0) length = size - offset;
   if (offset < 0 || length < 0 || offset > size || length > size - offset) {
-    return Status::error("external data '" + location + "' is shorter than offset " +
-                         std::to_string(offset) + " + length " + std::to_string(length));
+    return Status::error("external data '" + location + "' is shorter than offset " + std::to_string(offset) +
+                         " + length " + std::to_string(length));
   }
   if (length != expected_bytes) {
     return Status::error("external data holds " + std::to_string(length) + " bytes, dims need " +
@@ -94,7 +99,9 @@ int64_t typed_field_size(const TensorProto& t) {
     case TensorProto::FLOAT: return t.float_data_size();
     case TensorProto::DOUBLE: return t.double_data_size();
     case TensorProto::INT64: return t.int64_data_size();
-    case TensorProto::INT32: case TensorProto::BOOL: case TensorProto::UINT8:
+    case TensorProto::INT32:
+    case TensorProto::BOOL:
+    case TensorProto::UINT8:
     case TensorProto::INT8: return t.int32_data_size();
     default: return 0;
   }
@@ -104,10 +111,26 @@ double typed_element(const TensorProto& t, int64_t i) {
   if (t.has_raw_data()) {
     const char* p = t.raw_data().data() + i * element_size(t.data_type());
     switch (t.data_type()) {
-      case TensorProto::FLOAT: { float v; std::memcpy(&v, p, 4); return v; }
-      case TensorProto::DOUBLE: { double v; std::memcpy(&v, p, 8); return v; }
-      case TensorProto::INT64: { int64_t v; std::memcpy(&v, p, 8); return static_cast<double>(v); }
-      case TensorProto::INT32: { int32_t v; std::memcpy(&v, p, 4); return v; }
+      case TensorProto::FLOAT: {
+        float v;
+        std::memcpy(&v, p, 4);
+        return v;
+      }
+      case TensorProto::DOUBLE: {
+        double v;
+        std::memcpy(&v, p, 8);
+        return v;
+      }
+      case TensorProto::INT64: {
+        int64_t v;
+        std::memcpy(&v, p, 8);
+        return static_cast<double>(v);
+      }
+      case TensorProto::INT32: {
+        int32_t v;
+        std::memcpy(&v, p, 4);
+        return v;
+      }
       case TensorProto::INT8: return static_cast<int8_t>(*p);
       default: return static_cast<uint8_t>(*p);  // BOOL, UINT8
     }
@@ -121,8 +144,8 @@ double typed_element(const TensorProto& t, int64_t i) {
 }
 
 // Checks a tensor's dtype and byte count, then decodes it into ctx.
-Status decode_tensor(TensorProto& t, const std::string& name, bool is_initializer,
-                     const std::string& base_dir, detail::ImportContext& ctx) {
+Status decode_tensor(TensorProto& t, const std::string& name, bool is_initializer, const std::string& base_dir,
+                     detail::ImportContext& ctx) {
   const std::string what = (is_initializer ? "initializer '" : "constant '") + name + "'";
   const int esize = element_size(t.data_type());
   if (esize == 0) {
@@ -134,10 +157,8 @@ Status decode_tensor(TensorProto& t, const std::string& name, bool is_initialize
   if (t.data_location() == TensorProto::EXTERNAL) {
     PIPESHARD_RETURN_IF_ERROR(load_external_data(t, base_dir, *n * esize).with_context(what));
   }
-  const int64_t stored = t.has_raw_data() ? static_cast<int64_t>(t.raw_data().size()) / esize
-                                          : typed_field_size(t);
-  if ((t.has_raw_data() && static_cast<int64_t>(t.raw_data().size()) != *n * esize) ||
-      stored != *n) {
+  const int64_t stored = t.has_raw_data() ? static_cast<int64_t>(t.raw_data().size()) / esize : typed_field_size(t);
+  if ((t.has_raw_data() && static_cast<int64_t>(t.raw_data().size()) != *n * esize) || stored != *n) {
     return Status::error(what + " holds " + std::to_string(stored) + " elements but its dims need " +
                          std::to_string(*n) + " (truncated file?)");
   }
@@ -186,8 +207,7 @@ std::string dtype_label(int32_t data_type) {
   return name;
 }
 
-Status load_constants(const onnx::ModelProto& model, const std::string& base_dir,
-                      ImportContext& ctx) {
+Status load_constants(const onnx::ModelProto& model, const std::string& base_dir, ImportContext& ctx) {
   // The source proto is ours (a shared copy the caller handed over): external data is
   // loaded into it so stage files can be written from it later.
   auto& graph = const_cast<onnx::GraphProto&>(model.graph());
@@ -205,8 +225,8 @@ Status load_constants(const onnx::ModelProto& model, const std::string& base_dir
     bool found = false;
     for (auto& attr : *node.mutable_attribute()) {
       if (attr.name() == "value" && attr.has_t()) {
-        PIPESHARD_RETURN_IF_ERROR(decode_tensor(*attr.mutable_t(), node.output(0), false, base_dir, ctx)
-                                      .with_context(ctx.describe(i)));
+        PIPESHARD_RETURN_IF_ERROR(
+            decode_tensor(*attr.mutable_t(), node.output(0), false, base_dir, ctx).with_context(ctx.describe(i)));
         found = true;
       } else if (attr.name() == "value_float" || attr.name() == "value_int") {
         ConstantTensor c;
@@ -234,8 +254,7 @@ Status load_constants(const onnx::ModelProto& model, const std::string& base_dir
 
 }  // namespace detail
 
-Result<ImportedModel> import_onnx_bytes(std::string_view bytes, const std::string& base_dir,
-                                        const std::string& label) {
+Result<ImportedModel> import_onnx_bytes(std::string_view bytes, const std::string& base_dir, const std::string& label) {
   if (bytes.empty()) return Status::error(label + ": file is empty, not an ONNX model");
   if (bytes.size() > static_cast<size_t>(std::numeric_limits<int>::max())) {
     return Status::error(label + ": file is larger than 2 GiB; store the weights as external data");

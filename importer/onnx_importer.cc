@@ -96,7 +96,8 @@ Result<int> ImportContext::param_id(const std::string& raw_name, bool trainable)
   if (data == float_data.end()) {
     auto c = constants.find(name);
     if (c != constants.end() && c->second.data_type == onnx::TensorProto::DOUBLE) {
-      return Status::error("initializer '" + name + "' is float64; pipeshard trains float32 models (call model.float() before exporting)");
+      return Status::error("initializer '" + name +
+                           "' is float64; pipeshard trains float32 models (call model.float() before exporting)");
     }
     return Status::error("'" + name + "' is not a float32 initializer");
   }
@@ -129,7 +130,8 @@ void ImportContext::finalize_nodes() {
     }
   }
   std::priority_queue<int, std::vector<int>, std::greater<int>> ready;
-  for (size_t n = 0; n < emitted.size(); ++n) if (pending[n] == 0) ready.push(static_cast<int>(n));
+  for (size_t n = 0; n < emitted.size(); ++n)
+    if (pending[n] == 0) ready.push(static_cast<int>(n));
   while (!ready.empty()) {
     const int n = ready.top();
     ready.pop();
@@ -137,7 +139,8 @@ void ImportContext::finalize_nodes() {
     for (int v : emitted[n].inputs) graph.values[v].consumers.push_back(id);
     for (int v : emitted[n].outputs) graph.values[v].producer = id;
     graph.nodes.push_back(std::move(emitted[n]));
-    for (int r : readers[n]) if (--pending[r] == 0) ready.push(r);
+    for (int r : readers[n])
+      if (--pending[r] == 0) ready.push(r);
   }
   PIPESHARD_CHECK(graph.nodes.size() == emitted.size(), "recognised nodes form a cycle");
   emitted.clear();
@@ -186,7 +189,8 @@ Status check_structure(ImportContext& ctx) {
     for (const auto& in : g.node(i).input()) {
       if (in.empty()) continue;  // an omitted optional input
       if (!defined.count(in) && !ctx.producer.count(in)) {
-        return ctx.node_error(i, "input '" + in + "' is not defined by any node, input or initializer (missing initializer?)");
+        return ctx.node_error(
+            i, "input '" + in + "' is not defined by any node, input or initializer (missing initializer?)");
       }
       ctx.consumers[in].push_back(i);
     }
@@ -205,12 +209,14 @@ Status check_structure(ImportContext& ctx) {
   }
   // A min-heap keeps the file's order wherever the file is already sorted.
   std::priority_queue<int, std::vector<int>, std::greater<int>> ready;
-  for (int i = 0; i < g.node_size(); ++i) if (pending[i] == 0) ready.push(i);
+  for (int i = 0; i < g.node_size(); ++i)
+    if (pending[i] == 0) ready.push(i);
   while (!ready.empty()) {
     int i = ready.top();
     ready.pop();
     ctx.topo_order.push_back(i);
-    for (int d : dependents[i]) if (--pending[d] == 0) ready.push(d);
+    for (int d : dependents[i])
+      if (--pending[d] == 0) ready.push(d);
   }
   if (static_cast<int>(ctx.topo_order.size()) != g.node_size()) {
     for (int i = 0; i < g.node_size(); ++i) {
@@ -246,7 +252,8 @@ Status import_inputs(ImportContext& ctx) {
     for (int d = 1; d < tt.shape().dim_size(); ++d) {
       const auto& dim = tt.shape().dim(d);
       if (!dim.has_dim_value() || dim.dim_value() <= 0) {
-        return Status::error(what + " dimension " + std::to_string(d) + " must be a fixed positive size (only the batch may be symbolic)");
+        return Status::error(what + " dimension " + std::to_string(d) +
+                             " must be a fixed positive size (only the batch may be symbolic)");
       }
       if (per_sample > kMaxTensorElements / dim.dim_value()) {
         return Status::error(what + " has dims needing more than 2^32 elements per sample");
@@ -264,8 +271,8 @@ Status import_inputs(ImportContext& ctx) {
 
 }  // namespace
 
-Result<ImportedModel> import_onnx_model(std::shared_ptr<onnx::ModelProto> model,
-                                        const std::string& base_dir, const std::string& label) {
+Result<ImportedModel> import_onnx_model(std::shared_ptr<onnx::ModelProto> model, const std::string& base_dir,
+                                        const std::string& label) {
   auto fail = [&](const Status& s) -> Result<ImportedModel> { return s.with_context(label); };
   if (!model->has_graph() || model->ir_version() <= 0) {
     return fail(Status::error("not an ONNX model (no graph or IR version)"));

@@ -47,13 +47,12 @@ Result<ImportedModel> import_onnx_file(const std::string& path);
 // Parses `bytes` (a whole .onnx file, borrowed for the call) as an ONNX ModelProto and
 // imports it; what protobuf refuses is refused as "not a valid ONNX file". `base_dir` is
 // where external data is looked up; `label` names the model in messages.
-Result<ImportedModel> import_onnx_bytes(std::string_view bytes, const std::string& base_dir,
-                                        const std::string& label);
+Result<ImportedModel> import_onnx_bytes(std::string_view bytes, const std::string& base_dir, const std::string& label);
 
 // Imports an already parsed model. `base_dir` is where external data is looked up.
 // `label` names the model in messages.
-Result<ImportedModel> import_onnx_model(std::shared_ptr<onnx::ModelProto> model,
-                                        const std::string& base_dir, const std::string& label);
+Result<ImportedModel> import_onnx_model(std::shared_ptr<onnx::ModelProto> model, const std::string& base_dir,
+                                        const std::string& label);
 
 }  // namespace pipeshard
 

@@ -31,7 +31,8 @@ bool is_op(const ImportContext& ctx, int i, const char* op) {
 }
 
 const onnx::AttributeProto* find_attr(const NodeProto& n, const char* name) {
-  for (const auto& a : n.attribute()) if (a.name() == name) return &a;
+  for (const auto& a : n.attribute())
+    if (a.name() == name) return &a;
   return nullptr;
 }
 int64_t attr_int(const NodeProto& n, const char* name, int64_t fallback) {
@@ -71,19 +72,18 @@ int producer_of(const ImportContext& ctx, const std::string& name) {
 // Elementwise regions.
 
 bool is_elementwise_op(const ImportContext& ctx, int i) {
-  static const std::set<std::string> kOps = {"Add", "Sub", "Mul", "Div", "Pow", "Erf",
-                                             "Tanh", "Sigmoid", "Sqrt", "Cast"};
+  static const std::set<std::string> kOps = {"Add", "Sub",  "Mul",     "Div",  "Pow",
+                                             "Erf", "Tanh", "Sigmoid", "Sqrt", "Cast"};
   return i >= 0 && is_default_domain(ctx.node(i)) && kOps.count(ctx.node(i).op_type()) > 0;
 }
 
 struct Region {
-  std::string x, y;       // the single activation input and the output
-  std::set<int> nodes;    // ONNX nodes computing y from x and scalar constants
+  std::string x, y;     // the single activation input and the output
+  std::set<int> nodes;  // ONNX nodes computing y from x and scalar constants
 };
 
 // Nodes between x and y, or nullopt when y depends on anything but x and scalars.
-std::optional<std::set<int>> region_between(const ImportContext& ctx, const std::string& x,
-                                            const std::string& y) {
+std::optional<std::set<int>> region_between(const ImportContext& ctx, const std::string& x, const std::string& y) {
   std::set<int> nodes;
   std::vector<std::string> stack = {y};
   std::set<std::string> seen;
@@ -103,15 +103,15 @@ std::optional<std::set<int>> region_between(const ImportContext& ctx, const std:
     for (const auto& out : ctx.node(n).output()) {
       if (ctx.resolve(out) == ctx.resolve(y)) continue;
       if (ctx.is_graph_output(out)) return std::nullopt;
-      for (int c : ctx.consumers_of(out)) if (!nodes.count(c)) return std::nullopt;
+      for (int c : ctx.consumers_of(out))
+        if (!nodes.count(c)) return std::nullopt;
     }
   }
   return nodes;
 }
 
 // Evaluates the region at x = t in double precision.
-std::optional<double> evaluate(const ImportContext& ctx, const std::string& x,
-                               const std::string& v_raw, double t) {
+std::optional<double> evaluate(const ImportContext& ctx, const std::string& x, const std::string& v_raw, double t) {
   const std::string v = ctx.resolve(v_raw);
   if (v == x) return t;
   if (auto s = ctx.scalar(v)) return *s;
@@ -174,8 +174,7 @@ std::vector<std::string> nearby_values(const ImportContext& ctx, int anchor, boo
 }
 
 // The largest closed region around `anchor` computing f, if any.
-std::optional<Region> match_function(const ImportContext& ctx, int anchor,
-                                     const std::function<double(double)>& f) {
+std::optional<Region> match_function(const ImportContext& ctx, int anchor, const std::function<double(double)>& f) {
   std::optional<Region> best;
   for (const auto& x : nearby_values(ctx, anchor, false, 6)) {
     for (const auto& y : nearby_values(ctx, anchor, true, 6)) {
@@ -189,9 +188,7 @@ std::optional<Region> match_function(const ImportContext& ctx, int anchor,
 }
 
 double gelu_exact(double t) { return 0.5 * t * (1.0 + std::erf(t / std::sqrt(2.0))); }
-double gelu_tanh(double t) {
-  return 0.5 * t * (1.0 + std::tanh(std::sqrt(2.0 / M_PI) * (t + 0.044715 * t * t * t)));
-}
+double gelu_tanh(double t) { return 0.5 * t * (1.0 + std::tanh(std::sqrt(2.0 / M_PI) * (t + 0.044715 * t * t * t))); }
 double silu(double t) { return t / (1.0 + std::exp(-t)); }
 
 void emit_activation(ImportContext& ctx, const Region& r, ActivationKind kind, int anchor) {
@@ -210,8 +207,8 @@ void emit_activation(ImportContext& ctx, const Region& r, ActivationKind kind, i
 
 // The initializer a weight input stands for, and whether a Transpose node sits between
 // (which flips the layout). Fills `extra` with the Transpose node.
-Result<std::pair<std::string, bool>> weight_source(const ImportContext& ctx, int at,
-                                                   const std::string& input, std::vector<int>& extra) {
+Result<std::pair<std::string, bool>> weight_source(const ImportContext& ctx, int at, const std::string& input,
+                                                   std::vector<int>& extra) {
   if (ctx.is_float_initializer(input)) return std::make_pair(ctx.resolve(input), false);
   if (auto c = ctx.constants.find(ctx.resolve(input)); c != ctx.constants.end()) {
     return ctx.node_error(at, "weight '" + ctx.resolve(input) + "' is " + dtype_label(c->second.data_type) +
@@ -226,13 +223,14 @@ Result<std::pair<std::string, bool>> weight_source(const ImportContext& ctx, int
     extra.push_back(p);
     return std::make_pair(ctx.resolve(ctx.node(p).input(0)), true);
   }
-  return ctx.node_error(at, "input '" + input + "' is not a weight initializer; pipeshard supports "
-                            "Linear layers (activation times a constant weight), not products of activations");
+  return ctx.node_error(at, "input '" + input +
+                                "' is not a weight initializer; pipeshard supports "
+                                "Linear layers (activation times a constant weight), not products of activations");
 }
 
-Status emit_linear(ImportContext& ctx, int at, const std::string& x, const std::string& w_input,
-                   bool transposed_in_op, const std::string& bias, std::vector<int> onnx_nodes,
-                   float alpha, float beta, const std::string& output) {
+Status emit_linear(ImportContext& ctx, int at, const std::string& x, const std::string& w_input, bool transposed_in_op,
+                   const std::string& bias, std::vector<int> onnx_nodes, float alpha, float beta,
+                   const std::string& output) {
   auto src = weight_source(ctx, at, w_input, onnx_nodes);
   if (!src) return src.status();
   const auto& [w_name, flipped] = *src;
@@ -405,9 +403,10 @@ Status recognise_single(ImportContext& ctx, int i) {
   }
   node.inputs = {ctx.value_id(ctx.resolve(n.input(0)))};
   node.outputs = {ctx.value_id(ctx.resolve(n.output(0)))};
-  static const std::map<std::string, ActivationKind> kActivations = {
-      {"Relu", ActivationKind::kRelu}, {"LeakyRelu", ActivationKind::kLeakyRelu},
-      {"Sigmoid", ActivationKind::kSigmoid}, {"Tanh", ActivationKind::kTanh}};
+  static const std::map<std::string, ActivationKind> kActivations = {{"Relu", ActivationKind::kRelu},
+                                                                     {"LeakyRelu", ActivationKind::kLeakyRelu},
+                                                                     {"Sigmoid", ActivationKind::kSigmoid},
+                                                                     {"Tanh", ActivationKind::kTanh}};
   const bool pipeshard_domain = n.domain() == "pipeshard";
   if (pipeshard_domain && (op == "AllReduce" || op == "AllGather")) {
     node.kind = op == "AllReduce" ? OpKind::kAllReduce : OpKind::kAllGather;
@@ -501,7 +500,8 @@ Status recognise_single(ImportContext& ctx, int i) {
       node.target.push_back(static_cast<int64_t>(v));
     }
     if (attr_int(n, "allowzero", 0) == 1) {
-      for (int64_t v : node.target) if (v == 0) return ctx.node_error(i, "allowzero=1 with a zero dimension is not supported");
+      for (int64_t v : node.target)
+        if (v == 0) return ctx.node_error(i, "allowzero=1 with a zero dimension is not supported");
     }
   } else if (op == "Add") {
     if (n.input_size() != 2 || ctx.is_constant(n.input(1))) {
@@ -510,9 +510,10 @@ Status recognise_single(ImportContext& ctx, int i) {
     node.kind = OpKind::kAdd;
     node.inputs.push_back(ctx.value_id(ctx.resolve(n.input(1))));
   } else {
-    return ctx.node_error(i, "unsupported operator; pipeshard imports MLP layers (Gemm, MatMul, Relu, LeakyRelu, "
-                             "Sigmoid, Tanh, GELU, SiLU, Softmax, LogSoftmax, LayerNorm, BatchNormalization, "
-                             "Dropout, Flatten, Reshape, Add, Identity, Constant)");
+    return ctx.node_error(i,
+                          "unsupported operator; pipeshard imports MLP layers (Gemm, MatMul, Relu, LeakyRelu, "
+                          "Sigmoid, Tanh, GELU, SiLU, Softmax, LogSoftmax, LayerNorm, BatchNormalization, "
+                          "Dropout, Flatten, Reshape, Add, Identity, Constant)");
   }
   ctx.emit(std::move(node));
   return Status::ok();
@@ -543,14 +544,16 @@ Status recognise_nodes(ImportContext& ctx) {
     if (ctx.consumed[i]) continue;
     std::optional<Region> r;
     if (is_op(ctx, i, "Erf")) {
-      if (!(r = match_function(ctx, i, gelu_exact))) return ctx.node_error(i, "Erf outside a GELU pattern is not supported");
+      if (!(r = match_function(ctx, i, gelu_exact)))
+        return ctx.node_error(i, "Erf outside a GELU pattern is not supported");
       emit_activation(ctx, *r, ActivationKind::kGelu, i);
     } else if (is_op(ctx, i, "Tanh") && (r = match_function(ctx, i, gelu_tanh))) {
       emit_activation(ctx, *r, ActivationKind::kGeluTanh, i);
     } else if (is_op(ctx, i, "Sigmoid") && (r = match_function(ctx, i, silu))) {
       emit_activation(ctx, *r, ActivationKind::kSilu, i);
     } else if (is_op(ctx, i, "ReduceMean")) {
-      if (!recognise_layernorm_pattern(ctx, i)) return ctx.node_error(i, "ReduceMean outside a LayerNorm pattern is not supported");
+      if (!recognise_layernorm_pattern(ctx, i))
+        return ctx.node_error(i, "ReduceMean outside a LayerNorm pattern is not supported");
     } else if (is_op(ctx, i, "Gemm")) {
       PIPESHARD_RETURN_IF_ERROR(recognise_gemm(ctx, i));
     } else if (is_op(ctx, i, "MatMul")) {

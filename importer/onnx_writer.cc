@@ -73,9 +73,8 @@ Result<ModelFiles> serialize_model(onnx::ModelProto& model, const std::string& p
       t.clear_raw_data();
       t.set_data_location(onnx::TensorProto::EXTERNAL);
       t.clear_external_data();
-      const std::pair<const char*, std::string> fields[] = {{"location", files.data_name},
-                                                            {"offset", std::to_string(offset)},
-                                                            {"length", std::to_string(size - offset)}};
+      const std::pair<const char*, std::string> fields[] = {
+          {"location", files.data_name}, {"offset", std::to_string(offset)}, {"length", std::to_string(size - offset)}};
       for (const auto& [key, value] : fields) {
         auto* kv = t.add_external_data();
         kv->set_key(key);
@@ -93,7 +92,8 @@ Result<ModelFiles> serialize_model(onnx::ModelProto& model, const std::string& p
 
 void remove_stale_data(const std::string& path, const ModelFiles& files) {
   std::error_code ec;
-  for (const std::string& name : files.stale) std::filesystem::remove(std::filesystem::path(path).parent_path() / name, ec);
+  for (const std::string& name : files.stale)
+    std::filesystem::remove(std::filesystem::path(path).parent_path() / name, ec);
 }
 
 Status write_trained_model(const ImportedModel& model, const Graph& trained, const std::string& path,

@@ -13,8 +13,8 @@
 #include <onnx/onnx_pb.h>
 
 #include "common/status.h"
-#include "ir/graph.h"
 #include "importer/onnx_importer.h"
+#include "ir/graph.h"
 
 namespace pipeshard {
 

@@ -25,7 +25,8 @@ Status check_declared(const ImportContext& ctx, const onnx::ValueInfoProto& vi) 
   if (it == ctx.value_ids.end() || !dims) return Status::ok();
   const Shape& s = ctx.graph.values[it->second].shape;
   if (dims->empty()) {
-    return Status::error("shape mismatch: '" + vi.name() + "' is declared as a scalar but the layers produce " + s.to_string());
+    return Status::error("shape mismatch: '" + vi.name() + "' is declared as a scalar but the layers produce " +
+                         s.to_string());
   }
   bool same = static_cast<int>(dims->size()) == s.rank();
   for (int k = 1; same && k < s.rank(); ++k) same = (*dims)[k] < 0 || (*dims)[k] == s.dims[k];

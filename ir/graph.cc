@@ -51,7 +51,9 @@ int64_t Graph::total_parameter_count() const {
   return n;
 }
 
-int64_t Graph::node_flops_per_sample(const Node& node) const { return op_info(node.kind).flops_per_sample(*this, node); }
+int64_t Graph::node_flops_per_sample(const Node& node) const {
+  return op_info(node.kind).flops_per_sample(*this, node);
+}
 
 std::vector<bool> fused_activations(const Graph& g) {
   std::vector<bool> fused(g.nodes.size(), false);

@@ -56,10 +56,9 @@ enum class OpKind {
 };
 
 enum class ActivationKind { kRelu, kLeakyRelu, kSigmoid, kTanh, kGelu, kGeluTanh, kSilu };
-inline constexpr ActivationKind kActivationKinds[] = {ActivationKind::kRelu, ActivationKind::kLeakyRelu,
-                                                     ActivationKind::kSigmoid, ActivationKind::kTanh,
-                                                     ActivationKind::kGelu, ActivationKind::kGeluTanh,
-                                                     ActivationKind::kSilu};
+inline constexpr ActivationKind kActivationKinds[] = {
+    ActivationKind::kRelu, ActivationKind::kLeakyRelu, ActivationKind::kSigmoid, ActivationKind::kTanh,
+    ActivationKind::kGelu, ActivationKind::kGeluTanh,  ActivationKind::kSilu};
 
 // How a Linear's weight is stored in the file.
 enum class WeightLayout {
@@ -78,14 +77,14 @@ struct Parameter {
 };
 
 struct Value {
-  std::string name;             // the ONNX value name
+  std::string name;  // the ONNX value name
   Shape shape;
-  int producer = -1;            // index into Graph::nodes; -1 for a graph input
-  std::vector<int> consumers;   // indices into Graph::nodes, ascending
+  int producer = -1;           // index into Graph::nodes; -1 for a graph input
+  std::vector<int> consumers;  // indices into Graph::nodes, ascending
 };
 
 struct Node {
-  std::string name;             // the ONNX node at which the concept was recognised
+  std::string name;  // the ONNX node at which the concept was recognised
   OpKind kind = OpKind::kLinear;
   std::vector<int> inputs;      // value ids; kAdd has two, every other kind one
   std::vector<int> outputs;     // value ids; exactly one
@@ -105,25 +104,25 @@ struct Node {
   float beta = 1.0f;   // Linear: scale of the bias
 
   ActivationKind activation = ActivationKind::kRelu;  // kActivation
-  int axis = -1;           // Softmax/LogSoftmax/LayerNorm, normalised to be non-negative;
-                           // Reshape: the Flatten axis, which must resolve to 1 (1 for Reshape)
-  float epsilon = 1e-5f;   // LayerNorm, BatchNorm
-  float momentum = 0.9f;   // BatchNorm, ONNX convention: running = running*m + batch*(1-m)
-  bool training = false;   // BatchNorm (batch statistics), Dropout (active)
-  float ratio = 0.0f;      // Dropout drop probability
+  int axis = -1;                                      // Softmax/LogSoftmax/LayerNorm, normalised to be non-negative;
+      // Reshape: the Flatten axis, which must resolve to 1 (1 for Reshape)
+  float epsilon = 1e-5f;        // LayerNorm, BatchNorm
+  float momentum = 0.9f;        // BatchNorm, ONNX convention: running = running*m + batch*(1-m)
+  bool training = false;        // BatchNorm (batch statistics), Dropout (active)
+  float ratio = 0.0f;           // Dropout drop probability
   std::vector<int64_t> target;  // Reshape: output dims after the batch dim
   int64_t shards = 1;           // AllReduce, AllGather: size of the tensor-parallel group
 };
 
 // An imported model. Nodes are stored in a topological order.
 struct Graph {
-  std::string name;                  // the ONNX graph name
-  int64_t opset = 0;                 // default-domain opset the file was exported with
+  std::string name;   // the ONNX graph name
+  int64_t opset = 0;  // default-domain opset the file was exported with
   std::vector<Value> values;
   std::vector<Node> nodes;
   std::vector<Parameter> params;
-  std::vector<int> inputs;           // value ids of the model inputs
-  std::vector<int> outputs;          // value ids of the model outputs
+  std::vector<int> inputs;   // value ids of the model inputs
+  std::vector<int> outputs;  // value ids of the model outputs
 
   // Parameters a node owns (weight, bias, running stats), in that order, skipping -1.
   std::vector<int> node_params(const Node& node) const;

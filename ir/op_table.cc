@@ -52,7 +52,8 @@ Result<Shape> softmax_shape(const Graph& g, Node& n) {
 // LayerNorm over the last axis only, scale and bias [features].
 Result<Shape> layernorm_shape(const Graph& g, Node& n) {
   const Shape& in = input_shape(g, n);
-  if (normalise_axis(n.axis, in.rank()) != in.rank() - 1) return fail(n, "only normalisation over the last axis is supported");
+  if (normalise_axis(n.axis, in.rank()) != in.rank() - 1)
+    return fail(n, "only normalisation over the last axis is supported");
   n.axis = in.rank() - 1;
   PIPESHARD_RETURN_IF_ERROR(expect_vector(g, n.weight, in.features(), n, "scale"));
   PIPESHARD_RETURN_IF_ERROR(expect_vector(g, n.bias, in.features(), n, "bias"));
@@ -73,7 +74,8 @@ Result<Shape> batchnorm_shape(const Graph& g, Node& n) {
 // dim 0 standing for the batch.
 Result<std::vector<int64_t>> reshape_target(const Node& n, const Shape& in) {
   const auto& spec = n.target;
-  if (spec.size() < 2) return Status::error(node_label(n) + ": the target shape must keep the batch and at least one feature dimension");
+  if (spec.size() < 2)
+    return Status::error(node_label(n) + ": the target shape must keep the batch and at least one feature dimension");
   if (!(spec[0] == -1 || spec[0] == 0 || spec[0] > 0)) {
     return Status::error(node_label(n) + ": the first target dimension must keep the batch");
   }
@@ -83,7 +85,8 @@ Result<std::vector<int64_t>> reshape_target(const Node& n, const Shape& in) {
   for (size_t k = 1; k < spec.size(); ++k) {
     int64_t d = spec[k];
     if (d == 0) {
-      if (static_cast<int>(k) >= in.rank()) return Status::error(node_label(n) + ": copies a dimension the input lacks");
+      if (static_cast<int>(k) >= in.rank())
+        return Status::error(node_label(n) + ": copies a dimension the input lacks");
       d = in.dims[k];
     }
     if (d == -1) {
@@ -92,7 +95,8 @@ Result<std::vector<int64_t>> reshape_target(const Node& n, const Shape& in) {
     } else if (d <= 0 || d > kMaxTensorElements) {
       return Status::error(node_label(n) + ": invalid target dimension " + std::to_string(d));
     } else {
-      if (known > kMaxTensorElements / d) return Status::error(node_label(n) + ": target shape needs more than 2^32 elements per sample");
+      if (known > kMaxTensorElements / d)
+        return Status::error(node_label(n) + ": target shape needs more than 2^32 elements per sample");
       known *= d;
     }
     out.push_back(d);
@@ -165,64 +169,149 @@ constexpr std::array<RoleUse, kParamRoles> kNoParams = {kNo, kNo, kNo, kNo};
 constexpr std::array<SavedBuffer, 2> kNothingSaved = {};
 
 constexpr OpInfo kOpTable[] = {
-    {.kind = OpKind::kLinear, .name = "Linear", .member_name = nullptr, .inputs = 1,
-     .infer_shape = linear_shape, .flops_per_sample = linear_flops,
+    {.kind = OpKind::kLinear,
+     .name = "Linear",
+     .member_name = nullptr,
+     .inputs = 1,
+     .infer_shape = linear_shape,
+     .flops_per_sample = linear_flops,
      .params = {kRequired, kOptional, kNo, kNo},
-     .output = OutputBuffer::kOwn, .backward_reads = BackwardReads::kInput, .saved = kNothingSaved,
-     .tensor_parallel = ShardUse::kSplitsWeight, .recompute = Recompute::kKept, .fusion = Fusion::kNone},
-    {.kind = OpKind::kActivation, .name = "Activation", .member_name = activation_member_name, .inputs = 1,
-     .infer_shape = same_shape, .flops_per_sample = output_elements,
+     .output = OutputBuffer::kOwn,
+     .backward_reads = BackwardReads::kInput,
+     .saved = kNothingSaved,
+     .tensor_parallel = ShardUse::kSplitsWeight,
+     .recompute = Recompute::kKept,
+     .fusion = Fusion::kNone},
+    {.kind = OpKind::kActivation,
+     .name = "Activation",
+     .member_name = activation_member_name,
+     .inputs = 1,
+     .infer_shape = same_shape,
+     .flops_per_sample = output_elements,
      .params = kNoParams,
-     .output = OutputBuffer::kOwn, .backward_reads = BackwardReads::kInputAndOutput, .saved = kNothingSaved,
-     .tensor_parallel = ShardUse::kElementwise, .recompute = Recompute::kFromInput, .fusion = Fusion::kLinearEpilogue},
-    {.kind = OpKind::kSoftmax, .name = "Softmax", .member_name = nullptr, .inputs = 1,
-     .infer_shape = softmax_shape, .flops_per_sample = output_elements,
+     .output = OutputBuffer::kOwn,
+     .backward_reads = BackwardReads::kInputAndOutput,
+     .saved = kNothingSaved,
+     .tensor_parallel = ShardUse::kElementwise,
+     .recompute = Recompute::kFromInput,
+     .fusion = Fusion::kLinearEpilogue},
+    {.kind = OpKind::kSoftmax,
+     .name = "Softmax",
+     .member_name = nullptr,
+     .inputs = 1,
+     .infer_shape = softmax_shape,
+     .flops_per_sample = output_elements,
      .params = kNoParams,
-     .output = OutputBuffer::kOwn, .backward_reads = BackwardReads::kOutput, .saved = kNothingSaved,
-     .tensor_parallel = ShardUse::kReplicated, .recompute = Recompute::kKept, .fusion = Fusion::kNone},
-    {.kind = OpKind::kLogSoftmax, .name = "LogSoftmax", .member_name = nullptr, .inputs = 1,
-     .infer_shape = softmax_shape, .flops_per_sample = output_elements,
+     .output = OutputBuffer::kOwn,
+     .backward_reads = BackwardReads::kOutput,
+     .saved = kNothingSaved,
+     .tensor_parallel = ShardUse::kReplicated,
+     .recompute = Recompute::kKept,
+     .fusion = Fusion::kNone},
+    {.kind = OpKind::kLogSoftmax,
+     .name = "LogSoftmax",
+     .member_name = nullptr,
+     .inputs = 1,
+     .infer_shape = softmax_shape,
+     .flops_per_sample = output_elements,
      .params = kNoParams,
-     .output = OutputBuffer::kOwn, .backward_reads = BackwardReads::kOutput, .saved = kNothingSaved,
-     .tensor_parallel = ShardUse::kReplicated, .recompute = Recompute::kKept, .fusion = Fusion::kNone},
-    {.kind = OpKind::kLayerNorm, .name = "LayerNorm", .member_name = nullptr, .inputs = 1,
-     .infer_shape = layernorm_shape, .flops_per_sample = output_elements,
+     .output = OutputBuffer::kOwn,
+     .backward_reads = BackwardReads::kOutput,
+     .saved = kNothingSaved,
+     .tensor_parallel = ShardUse::kReplicated,
+     .recompute = Recompute::kKept,
+     .fusion = Fusion::kNone},
+    {.kind = OpKind::kLayerNorm,
+     .name = "LayerNorm",
+     .member_name = nullptr,
+     .inputs = 1,
+     .infer_shape = layernorm_shape,
+     .flops_per_sample = output_elements,
      .params = {kOptional, kOptional, kNo, kNo},
-     .output = OutputBuffer::kOwn, .backward_reads = BackwardReads::kInput,
+     .output = OutputBuffer::kOwn,
+     .backward_reads = BackwardReads::kInput,
      .saved = {{{SavedScale::kPerInputRow, "mean"}, {SavedScale::kPerInputRow, "rstd"}}},
-     .tensor_parallel = ShardUse::kReplicated, .recompute = Recompute::kKept, .fusion = Fusion::kNone},
-    {.kind = OpKind::kBatchNorm, .name = "BatchNorm", .member_name = nullptr, .inputs = 1,
-     .infer_shape = batchnorm_shape, .flops_per_sample = output_elements,
+     .tensor_parallel = ShardUse::kReplicated,
+     .recompute = Recompute::kKept,
+     .fusion = Fusion::kNone},
+    {.kind = OpKind::kBatchNorm,
+     .name = "BatchNorm",
+     .member_name = nullptr,
+     .inputs = 1,
+     .infer_shape = batchnorm_shape,
+     .flops_per_sample = output_elements,
      .params = {kRequired, kRequired, kRequired, kRequired},
-     .output = OutputBuffer::kOwn, .backward_reads = BackwardReads::kInput,
+     .output = OutputBuffer::kOwn,
+     .backward_reads = BackwardReads::kInput,
      .saved = {{{SavedScale::kPerChannel, "mean"}, {SavedScale::kPerChannel, "rstd"}}},
-     .tensor_parallel = ShardUse::kReplicated, .recompute = Recompute::kKept, .fusion = Fusion::kNone},
-    {.kind = OpKind::kDropout, .name = "Dropout", .member_name = nullptr, .inputs = 1,
-     .infer_shape = same_shape, .flops_per_sample = output_elements,
+     .tensor_parallel = ShardUse::kReplicated,
+     .recompute = Recompute::kKept,
+     .fusion = Fusion::kNone},
+    {.kind = OpKind::kDropout,
+     .name = "Dropout",
+     .member_name = nullptr,
+     .inputs = 1,
+     .infer_shape = same_shape,
+     .flops_per_sample = output_elements,
      .params = kNoParams,
-     .output = OutputBuffer::kOwn, .backward_reads = BackwardReads::kNothing,
+     .output = OutputBuffer::kOwn,
+     .backward_reads = BackwardReads::kNothing,
      .saved = {{{SavedScale::kPerInputElement, "mask"}, {}}},
-     .tensor_parallel = ShardUse::kElementwise, .recompute = Recompute::kKept, .fusion = Fusion::kNone},
-    {.kind = OpKind::kReshape, .name = "Reshape", .member_name = nullptr, .inputs = 1,
-     .infer_shape = reshape_shape, .flops_per_sample = output_elements,
+     .tensor_parallel = ShardUse::kElementwise,
+     .recompute = Recompute::kKept,
+     .fusion = Fusion::kNone},
+    {.kind = OpKind::kReshape,
+     .name = "Reshape",
+     .member_name = nullptr,
+     .inputs = 1,
+     .infer_shape = reshape_shape,
+     .flops_per_sample = output_elements,
      .params = kNoParams,
-     .output = OutputBuffer::kAliasesInput, .backward_reads = BackwardReads::kNothing, .saved = kNothingSaved,
-     .tensor_parallel = ShardUse::kReplicated, .recompute = Recompute::kKept, .fusion = Fusion::kNone},
-    {.kind = OpKind::kAdd, .name = "Add", .member_name = nullptr, .inputs = 2,
-     .infer_shape = add_shape, .flops_per_sample = output_elements,
+     .output = OutputBuffer::kAliasesInput,
+     .backward_reads = BackwardReads::kNothing,
+     .saved = kNothingSaved,
+     .tensor_parallel = ShardUse::kReplicated,
+     .recompute = Recompute::kKept,
+     .fusion = Fusion::kNone},
+    {.kind = OpKind::kAdd,
+     .name = "Add",
+     .member_name = nullptr,
+     .inputs = 2,
+     .infer_shape = add_shape,
+     .flops_per_sample = output_elements,
      .params = kNoParams,
-     .output = OutputBuffer::kOwn, .backward_reads = BackwardReads::kNothing, .saved = kNothingSaved,
-     .tensor_parallel = ShardUse::kReplicated, .recompute = Recompute::kKept, .fusion = Fusion::kNone},
-    {.kind = OpKind::kAllReduce, .name = "AllReduce", .member_name = nullptr, .inputs = 1,
-     .infer_shape = same_shape, .flops_per_sample = output_elements,
+     .output = OutputBuffer::kOwn,
+     .backward_reads = BackwardReads::kNothing,
+     .saved = kNothingSaved,
+     .tensor_parallel = ShardUse::kReplicated,
+     .recompute = Recompute::kKept,
+     .fusion = Fusion::kNone},
+    {.kind = OpKind::kAllReduce,
+     .name = "AllReduce",
+     .member_name = nullptr,
+     .inputs = 1,
+     .infer_shape = same_shape,
+     .flops_per_sample = output_elements,
      .params = {kNo, kOptional, kNo, kNo},
-     .output = OutputBuffer::kInPlace, .backward_reads = BackwardReads::kNothing, .saved = kNothingSaved,
-     .tensor_parallel = ShardUse::kCombinesShards, .recompute = Recompute::kKept, .fusion = Fusion::kNone},
-    {.kind = OpKind::kAllGather, .name = "AllGather", .member_name = nullptr, .inputs = 1,
-     .infer_shape = allgather_shape, .flops_per_sample = output_elements,
+     .output = OutputBuffer::kInPlace,
+     .backward_reads = BackwardReads::kNothing,
+     .saved = kNothingSaved,
+     .tensor_parallel = ShardUse::kCombinesShards,
+     .recompute = Recompute::kKept,
+     .fusion = Fusion::kNone},
+    {.kind = OpKind::kAllGather,
+     .name = "AllGather",
+     .member_name = nullptr,
+     .inputs = 1,
+     .infer_shape = allgather_shape,
+     .flops_per_sample = output_elements,
      .params = kNoParams,
-     .output = OutputBuffer::kOwn, .backward_reads = BackwardReads::kNothing, .saved = kNothingSaved,
-     .tensor_parallel = ShardUse::kCombinesShards, .recompute = Recompute::kKept, .fusion = Fusion::kNone},
+     .output = OutputBuffer::kOwn,
+     .backward_reads = BackwardReads::kNothing,
+     .saved = kNothingSaved,
+     .tensor_parallel = ShardUse::kCombinesShards,
+     .recompute = Recompute::kKept,
+     .fusion = Fusion::kNone},
 };
 
 struct ActivationInfo {
@@ -231,9 +320,8 @@ struct ActivationInfo {
 };
 
 constexpr ActivationInfo kActivationTable[] = {
-    {ActivationKind::kRelu, "Relu"},         {ActivationKind::kLeakyRelu, "LeakyRelu"},
-    {ActivationKind::kSigmoid, "Sigmoid"},   {ActivationKind::kTanh, "Tanh"},
-    {ActivationKind::kGelu, "Gelu"},         {ActivationKind::kGeluTanh, "GeluTanh"},
+    {ActivationKind::kRelu, "Relu"}, {ActivationKind::kLeakyRelu, "LeakyRelu"}, {ActivationKind::kSigmoid, "Sigmoid"},
+    {ActivationKind::kTanh, "Tanh"}, {ActivationKind::kGelu, "Gelu"},           {ActivationKind::kGeluTanh, "GeluTanh"},
     {ActivationKind::kSilu, "Silu"},
 };
 
@@ -256,8 +344,7 @@ constexpr bool is_op_kind(OpKind kind) {
     case OpKind::kReshape:
     case OpKind::kAdd:
     case OpKind::kAllReduce:
-    case OpKind::kAllGather:
-      return true;
+    case OpKind::kAllGather: return true;
   }
   return false;
 }
@@ -270,8 +357,7 @@ constexpr bool is_activation_kind(ActivationKind kind) {
     case ActivationKind::kTanh:
     case ActivationKind::kGelu:
     case ActivationKind::kGeluTanh:
-    case ActivationKind::kSilu:
-      return true;
+    case ActivationKind::kSilu: return true;
   }
   return false;
 }
@@ -359,7 +445,8 @@ bool runs_on_feature_shard(OpKind kind) { return op_info(kind).tensor_parallel =
 
 std::span<const SavedBuffer> saved_buffers(OpKind kind) {
   const auto& saved = op_info(kind).saved;
-  const size_t used = std::count_if(saved.begin(), saved.end(), [](const SavedBuffer& b) { return b.scale != SavedScale::kNone; });
+  const size_t used =
+      std::count_if(saved.begin(), saved.end(), [](const SavedBuffer& b) { return b.scale != SavedScale::kNone; });
   return std::span<const SavedBuffer>(saved.data(), used);
 }
 

@@ -118,9 +118,9 @@ using MemberName = const char* (*)(const Node& node);
 
 struct OpInfo {
   OpKind kind;
-  const char* name;          // in messages, plan.json and tests: "Linear", "LayerNorm", ...
-  MemberName member_name;    // null, or: a family names each member (op_kind_name())
-  int inputs;                // activation inputs (Node::inputs): 2 for Add, 1 for the rest
+  const char* name;        // in messages, plan.json and tests: "Linear", "LayerNorm", ...
+  MemberName member_name;  // null, or: a family names each member (op_kind_name())
+  int inputs;              // activation inputs (Node::inputs): 2 for Add, 1 for the rest
   ShapeRule infer_shape;
   FlopsRule flops_per_sample;
   std::array<RoleUse, kParamRoles> params;  // [ParamRole]

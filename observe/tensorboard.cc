@@ -46,16 +46,15 @@ Result<std::unique_ptr<TensorBoardWriter>> TensorBoardWriter::create(const std::
   std::error_code ec;
   std::filesystem::create_directories(dir, ec);
   if (ec || !std::filesystem::is_directory(dir)) {
-    return Status::error("cannot create TensorBoard folder '" + dir + "': " +
-                         (ec ? ec.message() : std::string("a file of that name is in the way")));
+    return Status::error("cannot create TensorBoard folder '" + dir +
+                         "': " + (ec ? ec.message() : std::string("a file of that name is in the way")));
   }
   const double now = unix_seconds_now();
   char stamp[32];
   std::snprintf(stamp, sizeof(stamp), "%010lld", static_cast<long long>(now));
-  const std::string path =
-      (std::filesystem::path(dir) / ("events.out.tfevents." + std::string(stamp) + "." + hostname() + "." +
-                                     std::to_string(::getpid())))
-          .string();
+  const std::string path = (std::filesystem::path(dir) / ("events.out.tfevents." + std::string(stamp) + "." +
+                                                          hostname() + "." + std::to_string(::getpid())))
+                               .string();
   // O_EXCL: never append to, or truncate, another run's file.
   const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
   if (fd < 0) return Status::error("cannot create TensorBoard event file '" + path + "': " + std::strerror(errno));

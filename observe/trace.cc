@@ -26,25 +26,29 @@ void Tracer::add(const char* name, const char* category, double begin_us, int64_
 }
 
 std::string Tracer::events_json(int pid, const std::string& label, size_t max_bytes) const {
-  std::string out = nlohmann::json{{"name", "process_name"}, {"ph", "M"}, {"pid", pid}, {"args", {{"name", label}}}}.dump();
+  std::string out =
+      nlohmann::json{{"name", "process_name"}, {"ph", "M"}, {"pid", pid}, {"args", {{"name", label}}}}.dump();
   // ',' appended apart: "," + a temporary string trips GCC 12's -Wrestrict (a false alarm).
   out += ',';
-  out += nlohmann::json{{"name", "process_sort_index"}, {"ph", "M"}, {"pid", pid}, {"args", {{"sort_index", pid}}}}.dump();
+  out +=
+      nlohmann::json{{"name", "process_sort_index"}, {"ph", "M"}, {"pid", pid}, {"args", {{"sort_index", pid}}}}.dump();
   size_t left_out = dropped_;
   for (const Event& e : events_) {
     if (out.size() >= max_bytes) {
       ++left_out;
       continue;
     }
-    nlohmann::json j{{"name", e.name}, {"cat", e.category}, {"ph", "X"}, {"pid", pid}, {"tid", 0},
-                     {"ts", e.begin_us}, {"dur", e.duration_us}, {"args", {{"step", e.step}}}};
+    nlohmann::json j{
+        {"name", e.name},       {"cat", e.category},         {"ph", "X"}, {"pid", pid}, {"tid", 0}, {"ts", e.begin_us},
+        {"dur", e.duration_us}, {"args", {{"step", e.step}}}};
     if (e.micro_batch >= 0) j["args"]["micro_batch"] = e.micro_batch;
     out += ',';
     out += j.dump();
   }
   if (left_out > 0) {
     out += ',';
-    out += nlohmann::json{{"name", "events left out"}, {"ph", "M"}, {"pid", pid}, {"args", {{"events", left_out}}}}.dump();
+    out +=
+        nlohmann::json{{"name", "events left out"}, {"ph", "M"}, {"pid", pid}, {"args", {{"events", left_out}}}}.dump();
   }
   return out;
 }

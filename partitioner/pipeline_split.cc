@@ -23,12 +23,10 @@ Status check_sizes(const PipelineSplitProblem& problem) {
     return Status::error("too many layers to split: " + std::to_string(n));
   }
   if (problem.stages < 1) {
-    return Status::error("the number of pipeline stages must be at least 1, got " +
-                         std::to_string(problem.stages));
+    return Status::error("the number of pipeline stages must be at least 1, got " + std::to_string(problem.stages));
   }
   if (static_cast<size_t>(problem.stages) > n) {
-    return Status::error("cannot make " + std::to_string(problem.stages) +
-                         " non-empty stages from " + layers);
+    return Status::error("cannot make " + std::to_string(problem.stages) + " non-empty stages from " + layers);
   }
   if (!problem.unit_activation.empty() && problem.unit_activation.size() != n) {
     return Status::error("unit_activation has " + std::to_string(problem.unit_activation.size()) +
@@ -36,9 +34,8 @@ Status check_sizes(const PipelineSplitProblem& problem) {
   }
   const size_t p = static_cast<size_t>(problem.stages);
   if (!problem.stage_activation_factor.empty() && problem.stage_activation_factor.size() != p) {
-    return Status::error(
-        "stage_activation_factor has " + std::to_string(problem.stage_activation_factor.size()) +
-        " entries; expected 0 or one per stage (" + std::to_string(p) + " stages)");
+    return Status::error("stage_activation_factor has " + std::to_string(problem.stage_activation_factor.size()) +
+                         " entries; expected 0 or one per stage (" + std::to_string(p) + " stages)");
   }
   if (problem.cut_bytes.size() != n + 1) {
     return Status::error("cut_bytes has " + std::to_string(problem.cut_bytes.size()) +
@@ -51,8 +48,8 @@ Status check_sizes(const PipelineSplitProblem& problem) {
 Status check_non_negative(const char* name, const std::vector<int64_t>& values) {
   for (size_t i = 0; i < values.size(); ++i) {
     if (values[i] < 0) {
-      return Status::error(std::string(name) + "[" + std::to_string(i) + "] is " +
-                           std::to_string(values[i]) + "; costs and sizes must be non-negative");
+      return Status::error(std::string(name) + "[" + std::to_string(i) + "] is " + std::to_string(values[i]) +
+                           "; costs and sizes must be non-negative");
     }
   }
   return Status::ok();
@@ -72,8 +69,7 @@ Status check_fits_int64(const PipelineSplitProblem& problem) {
   const Int128 total_cut_bytes = wide_sum(problem.cut_bytes);
   int64_t max_factor = 0;
   for (int64_t f : problem.stage_activation_factor) max_factor = std::max(max_factor, f);
-  const bool fits = total_cost <= kInt64Max && total_activation <= kInt64Max &&
-                    total_cut_bytes <= kInt64Max &&
+  const bool fits = total_cost <= kInt64Max && total_activation <= kInt64Max && total_cut_bytes <= kInt64Max &&
                     (max_factor == 0 || total_activation <= (kInt64Max - total_cost) / max_factor);
   if (!fits) {
     return Status::error(
@@ -107,13 +103,10 @@ class StageCosts {
   int64_t largest_factor() const { return *std::max_element(factor_.begin(), factor_.end()); }
 
   // Cost of units [begin, end) as stage `stage`; validation guarantees no overflow.
-  int64_t cost(int stage, int begin, int end) const {
-    return cost_with_factor(factor_[stage], begin, end);
-  }
+  int64_t cost(int stage, int begin, int end) const { return cost_with_factor(factor_[stage], begin, end); }
   // The same with an explicit activation factor in [smallest_factor(), largest_factor()].
   int64_t cost_with_factor(int64_t factor, int begin, int end) const {
-    return cost_prefix_[end] - cost_prefix_[begin] +
-           factor * (activation_prefix_[end] - activation_prefix_[begin]);
+    return cost_prefix_[end] - cost_prefix_[begin] + factor * (activation_prefix_[end] - activation_prefix_[begin]);
   }
 
  private:
@@ -188,8 +181,7 @@ BottleneckBounds bottleneck_bounds(const StageCosts& costs) {
   const int64_t average_cheap = total_cheap / stages + (total_cheap % stages != 0);
   const int64_t average_dear = total_dear / stages + (total_dear % stages != 0);
   // average_dear + largest_unit_dear may exceed int64; total_dear is a bound on its own.
-  const int64_t high =
-      largest_unit_dear > total_dear - average_dear ? total_dear : average_dear + largest_unit_dear;
+  const int64_t high = largest_unit_dear > total_dear - average_dear ? total_dear : average_dear + largest_unit_dear;
   return {std::max(largest_unit_cheap, average_cheap), high};
 }
 
@@ -244,8 +236,8 @@ class MinWindow {
     indices_.pop_back();
     values_.pop_back();
   }
-  std::vector<int> indices_;       // increasing values from head_ to back, decreasing indices
-  std::vector<CutScore> values_;   // parallel to indices_
+  std::vector<int> indices_;      // increasing values from head_ to back, decreasing indices
+  std::vector<CutScore> values_;  // parallel to indices_
   size_t head_ = 0;
 };
 
@@ -351,8 +343,7 @@ Status validate_pipeline_split_problem(const PipelineSplitProblem& problem) {
   PIPESHARD_RETURN_IF_ERROR(check_sizes(problem));
   PIPESHARD_RETURN_IF_ERROR(check_non_negative("unit_cost", problem.unit_cost));
   PIPESHARD_RETURN_IF_ERROR(check_non_negative("unit_activation", problem.unit_activation));
-  PIPESHARD_RETURN_IF_ERROR(
-      check_non_negative("stage_activation_factor", problem.stage_activation_factor));
+  PIPESHARD_RETURN_IF_ERROR(check_non_negative("stage_activation_factor", problem.stage_activation_factor));
   PIPESHARD_RETURN_IF_ERROR(check_non_negative("cut_bytes", problem.cut_bytes));
   return check_fits_int64(problem);
 }
@@ -361,20 +352,18 @@ Result<PipelineSplit> split_pipeline(const PipelineSplitProblem& problem) {
   PIPESHARD_RETURN_IF_ERROR(validate_pipeline_split_problem(problem));
   const StageCosts costs(problem);
   const int64_t bottleneck = smallest_bottleneck(costs);
-  PipelineSplit split = describe_split(
-      costs, problem.cut_bytes, cheapest_cuts_within_budget(costs, problem, bottleneck));
+  PipelineSplit split =
+      describe_split(costs, problem.cut_bytes, cheapest_cuts_within_budget(costs, problem, bottleneck));
   PIPESHARD_CHECK(split.max_stage_cost == bottleneck);
   return split;
 }
 
 int64_t stage_cost(const PipelineSplitProblem& problem, int stage, int begin, int end) {
   const int n = static_cast<int>(problem.unit_cost.size());
-  PIPESHARD_CHECK(
-      0 <= begin && begin <= end && end <= n,
-      "units [" + std::to_string(begin) + ", " + std::to_string(end) + ") of " + std::to_string(n));
+  PIPESHARD_CHECK(0 <= begin && begin <= end && end <= n,
+                  "units [" + std::to_string(begin) + ", " + std::to_string(end) + ") of " + std::to_string(n));
   PIPESHARD_CHECK(0 <= stage && stage < problem.stages, "stage " + std::to_string(stage));
-  PIPESHARD_CHECK(problem.unit_activation.empty() ||
-                  problem.unit_activation.size() == static_cast<size_t>(n));
+  PIPESHARD_CHECK(problem.unit_activation.empty() || problem.unit_activation.size() == static_cast<size_t>(n));
   PIPESHARD_CHECK(problem.stage_activation_factor.empty() ||
                   problem.stage_activation_factor.size() == static_cast<size_t>(problem.stages));
   Int128 cost = 0;

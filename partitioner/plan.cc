@@ -133,11 +133,11 @@ int64_t memory_bytes(const Graph& g, const PartitionOptions& o, int k, const Sta
     return (b.empty() ? 0 : b[0]) + (b.size() < 2 ? 0 : b[1]);
   };
   const int64_t shared = two_largest(values) + two_largest(recomputed_values) + scratch;
-  return param_elements * kFloatBytes * (2 + o.optimizer_slots) + micro_batch_size(o) * (in_flight(o, k) * per_slot + shared);
+  return param_elements * kFloatBytes * (2 + o.optimizer_slots) +
+         micro_batch_size(o) * (in_flight(o, k) * per_slot + shared);
 }
 
-PipelineSplitProblem make_problem(const PartitionOptions& o, const LayerFigures& f,
-                                  std::vector<int64_t> cut_bytes) {
+PipelineSplitProblem make_problem(const PartitionOptions& o, const LayerFigures& f, std::vector<int64_t> cut_bytes) {
   PipelineSplitProblem p;
   p.stages = o.stages;
   p.cut_bytes = std::move(cut_bytes);
@@ -161,8 +161,8 @@ void fill_stage_values(const Graph& g, const std::vector<LiveRange>& live, Stage
     const Value& val = g.values[v];
     const bool made_here = val.producer >= 0 && in_stage.count(val.producer);
     const bool made_before = live[v].made < s.first_layer;
-    const bool read_here = std::any_of(val.consumers.begin(), val.consumers.end(),
-                                       [&](int c) { return in_stage.count(c) > 0; });
+    const bool read_here =
+        std::any_of(val.consumers.begin(), val.consumers.end(), [&](int c) { return in_stage.count(c) > 0; });
     if (made_before && read_here) s.inputs.push_back(spec(g, static_cast<int>(v)));
     if (made_here && live[v].last >= s.end_layer) s.outputs.push_back(spec(g, static_cast<int>(v)));
     if (made_before && live[v].last >= s.end_layer) s.carried.push_back(spec(g, static_cast<int>(v)));
@@ -170,7 +170,8 @@ void fill_stage_values(const Graph& g, const std::vector<LiveRange>& live, Stage
 }
 
 Status check_options(const PartitionOptions& o) {
-  if (o.stages < 1) return Status::invalid("stages", "a model needs at least 1 pipeline stage, not " + std::to_string(o.stages));
+  if (o.stages < 1)
+    return Status::invalid("stages", "a model needs at least 1 pipeline stage, not " + std::to_string(o.stages));
   if (o.tensor_parallel < 1) {
     return Status::invalid("tensor_parallel",
                            "a stage needs at least 1 tensor-parallel shard, not " + std::to_string(o.tensor_parallel));
@@ -181,7 +182,8 @@ Status check_options(const PartitionOptions& o) {
   }
   if (o.micro_batches < 0 || o.micro_batches > o.batch_size) {
     return Status::invalid("micro_batches", "micro-batches must be between 1 and the batch size, " +
-                                                std::to_string(o.batch_size) + ", not " + std::to_string(o.micro_batches));
+                                                std::to_string(o.batch_size) + ", not " +
+                                                std::to_string(o.micro_batches));
   }
   if (Status s = check_schedule_name(o.schedule); !s) return Status::invalid("schedule", s.message());
   return Status::ok();
@@ -189,7 +191,8 @@ Status check_options(const PartitionOptions& o) {
 
 }  // namespace
 
-int64_t node_kept_bytes(const Graph& g, const Node& n, const std::vector<bool>& recomputed, ShardRole role, int shards) {
+int64_t node_kept_bytes(const Graph& g, const Node& n, const std::vector<bool>& recomputed, ShardRole role,
+                        int shards) {
   const int y = n.outputs[0];
   const int64_t part = output_parts(role, shards);
   int64_t bytes = 0;
@@ -313,7 +316,10 @@ nlohmann::json specs_json(const std::vector<TensorSpec>& specs) {
   for (const auto& s : specs) {
     nlohmann::json shape = nlohmann::json::array();
     for (int64_t d : s.shape.dims) {
-      if (d == kBatch) shape.push_back("batch"); else shape.push_back(d);
+      if (d == kBatch)
+        shape.push_back("batch");
+      else
+        shape.push_back(d);
     }
     out.push_back({{"name", s.name}, {"shape", shape}, {"dtype", "float32"}});
   }

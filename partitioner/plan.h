@@ -27,11 +27,11 @@ enum class BalanceBy { kParams, kFlops, kMemory };
 
 // How a node runs under tensor parallelism.
 enum class ShardRole {
-  kReplicated,     // every tensor-parallel rank runs the whole node
-  kColumn,         // Linear split by output features; output stays sharded
-  kShardLocal,     // elementwise node between a column and a row Linear, on shards
-  kRow,            // Linear split by input features; all-reduce after it, then bias
-  kColumnGather,   // unpaired Linear split by output features, then all-gather
+  kReplicated,    // every tensor-parallel rank runs the whole node
+  kColumn,        // Linear split by output features; output stays sharded
+  kShardLocal,    // elementwise node between a column and a row Linear, on shards
+  kRow,           // Linear split by input features; all-reduce after it, then bias
+  kColumnGather,  // unpaired Linear split by output features, then all-gather
 };
 
 struct PartitionOptions {
@@ -39,10 +39,10 @@ struct PartitionOptions {
   int tensor_parallel = 1;
   BalanceBy balance = BalanceBy::kParams;
   // Assumptions of the memory estimate (and of --balance memory):
-  int64_t batch_size = 32;          // samples per step on one data-parallel replica
-  int micro_batches = 0;            // 0: as many as stages
-  std::string schedule = "1f1b";  // a registered pipeline schedule (schedule/registry.h)
-  int optimizer_slots = 2;          // float32 state per parameter (Adam: 2, SGD+momentum: 1)
+  int64_t batch_size = 32;            // samples per step on one data-parallel replica
+  int micro_batches = 0;              // 0: as many as stages
+  std::string schedule = "1f1b";      // a registered pipeline schedule (schedule/registry.h)
+  int optimizer_slots = 2;            // float32 state per parameter (Adam: 2, SGD+momentum: 1)
   bool recompute_activations = true;  // training recomputes recomputable_values() (train --keep-activations: false)
   // Fused activations the backend keeps anyway (program/program.h's kept_when_fused():
   // GeluTanh on a GPU below fp32); none on the CPU.
@@ -58,28 +58,28 @@ struct TensorSpec {
 
 struct StagePlan {
   int stage = 0;
-  std::vector<int> nodes;             // Graph node ids, in topological order
-  int first_layer = 0, end_layer = 0; // layers [first_layer, end_layer)
-  int64_t parameters = 0;             // trainable elements (a shared tensor once)
-  int64_t cost = 0;                   // what the balance minimised
-  int64_t flops_per_sample = 0;       // multiply-accumulates, forward
-  int64_t activation_bytes_out = 0;   // per sample, crossing the cut after this stage
-  int64_t memory_bytes = 0;           // estimate per rank: see PartitionOptions
-  std::vector<TensorSpec> inputs;     // values this stage's nodes read from earlier stages
-  std::vector<TensorSpec> outputs;    // values it produces that later stages or the loss need
-  std::vector<TensorSpec> carried;    // values passing through it to a later stage
-  std::vector<ShardRole> roles;       // [nodes]; all kReplicated when tensor_parallel == 1
-  std::vector<std::string> files;     // stage files, relative to the output folder
+  std::vector<int> nodes;              // Graph node ids, in topological order
+  int first_layer = 0, end_layer = 0;  // layers [first_layer, end_layer)
+  int64_t parameters = 0;              // trainable elements (a shared tensor once)
+  int64_t cost = 0;                    // what the balance minimised
+  int64_t flops_per_sample = 0;        // multiply-accumulates, forward
+  int64_t activation_bytes_out = 0;    // per sample, crossing the cut after this stage
+  int64_t memory_bytes = 0;            // estimate per rank: see PartitionOptions
+  std::vector<TensorSpec> inputs;      // values this stage's nodes read from earlier stages
+  std::vector<TensorSpec> outputs;     // values it produces that later stages or the loss need
+  std::vector<TensorSpec> carried;     // values passing through it to a later stage
+  std::vector<ShardRole> roles;        // [nodes]; all kReplicated when tensor_parallel == 1
+  std::vector<std::string> files;      // stage files, relative to the output folder
 };
 
 struct Plan {
-  std::string model;                  // the model path as given
+  std::string model;  // the model path as given
   PartitionOptions options;
   int64_t total_parameters = 0;
   int layers = 0;
   std::vector<StagePlan> stages;
-  double balance = 1.0;               // largest stage cost / mean stage cost
-  int64_t crossing_bytes = 0;         // per sample, summed over the cuts
+  double balance = 1.0;        // largest stage cost / mean stage cost
+  int64_t crossing_bytes = 0;  // per sample, summed over the cuts
 };
 
 // Layer index of every node ([nodes]); the number of layers is back() + 1.
@@ -100,8 +100,7 @@ int64_t node_kept_bytes(const Graph& graph, const Node& n, const std::vector<boo
 
 // Cuts `graph` as `options` asks. Errors: more stages than layers, a width that does
 // not divide by tensor_parallel (naming the layer), invalid options.
-Result<Plan> make_plan(const Graph& graph, const std::string& model_path,
-                       const PartitionOptions& options);
+Result<Plan> make_plan(const Graph& graph, const std::string& model_path, const PartitionOptions& options);
 
 nlohmann::json plan_to_json(const Plan& plan, const Graph& graph);
 // plan.json's text. Names that are not valid UTF-8 (corrupt files) get U+FFFD in place

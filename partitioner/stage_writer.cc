@@ -30,7 +30,10 @@ void set_value_info(onnx::ValueInfoProto* vi, const TensorSpec& s) {
   tt->set_elem_type(onnx::TensorProto::FLOAT);
   for (int64_t d : s.shape.dims) {
     auto* dim = tt->mutable_shape()->add_dim();
-    if (d == kBatch) dim->set_dim_param("batch"); else dim->set_dim_value(d);
+    if (d == kBatch)
+      dim->set_dim_param("batch");
+    else
+      dim->set_dim_value(d);
   }
 }
 
@@ -71,13 +74,15 @@ std::vector<onnx::NodeProto> sort_nodes(std::vector<onnx::NodeProto> nodes) {
     }
   }
   std::priority_queue<size_t, std::vector<size_t>, std::greater<size_t>> ready;
-  for (size_t i = 0; i < nodes.size(); ++i) if (pending[i] == 0) ready.push(i);
+  for (size_t i = 0; i < nodes.size(); ++i)
+    if (pending[i] == 0) ready.push(i);
   std::vector<onnx::NodeProto> out;
   while (!ready.empty()) {
     size_t i = ready.top();
     ready.pop();
     out.push_back(std::move(nodes[i]));
-    for (size_t r : readers[i]) if (--pending[r] == 0) ready.push(r);
+    for (size_t r : readers[i])
+      if (--pending[r] == 0) ready.push(r);
   }
   PIPESHARD_CHECK(out.size() == nodes.size(), "stage nodes form a cycle");
   return out;
@@ -86,8 +91,8 @@ std::vector<onnx::NodeProto> sort_nodes(std::vector<onnx::NodeProto> nodes) {
 // Collects a stage's ONNX nodes and initializers.
 class StageBuilder {
  public:
-  explicit StageBuilder(const ImportedModel& m) : g_(m.graph), src_(m.source->graph()),
-      owner_(onnx_owner(m.graph, src_.node_size())) {
+  explicit StageBuilder(const ImportedModel& m)
+      : g_(m.graph), src_(m.source->graph()), owner_(onnx_owner(m.graph, src_.node_size())) {
     for (int i = 0; i < src_.node_size(); ++i) {
       for (const auto& o : src_.node(i).output()) producer_[o] = i;
     }
@@ -237,8 +242,8 @@ Status emit_sharded_linear(const Graph& g, const Node& n, ShardRole role, int t,
 
 }  // namespace
 
-Result<std::shared_ptr<onnx::ModelProto>> build_stage_model(const ImportedModel& model, const Plan& plan,
-                                                            int stage, int tp_rank) {
+Result<std::shared_ptr<onnx::ModelProto>> build_stage_model(const ImportedModel& model, const Plan& plan, int stage,
+                                                            int tp_rank) {
   const StagePlan& s = plan.stages.at(stage);
   const Graph& g = model.graph;
   const int shards = plan.options.tensor_parallel;
@@ -261,9 +266,10 @@ Result<std::shared_ptr<onnx::ModelProto>> build_stage_model(const ImportedModel&
     imp->set_version(1);
   }
   out->set_producer_name("pipeshard");
-  out->set_doc_string("stage " + std::to_string(stage) + " of " + std::to_string(plan.stages.size()) + " cut from " +
-                      plan.model + (shards > 1 ? ", tensor-parallel rank " + std::to_string(tp_rank) + " of " +
-                                                     std::to_string(shards) : std::string()));
+  out->set_doc_string(
+      "stage " + std::to_string(stage) + " of " + std::to_string(plan.stages.size()) + " cut from " + plan.model +
+      (shards > 1 ? ", tensor-parallel rank " + std::to_string(tp_rank) + " of " + std::to_string(shards)
+                  : std::string()));
   auto* graph = out->mutable_graph();
   graph->set_name(src.graph().name() + "_stage" + std::to_string(stage) +
                   (shards > 1 ? "_tp" + std::to_string(tp_rank) : std::string()));
@@ -275,7 +281,7 @@ Result<std::shared_ptr<onnx::ModelProto>> build_stage_model(const ImportedModel&
 
 Status write_partition(const ImportedModel& model, const Plan& plan, const std::string& dir, int64_t inline_limit) {
   std::vector<std::pair<std::string, std::vector<std::string>>> files;  // path, its bytes in pieces
-  std::vector<std::pair<std::string, ModelFiles>> models;                // for their stale data
+  std::vector<std::pair<std::string, ModelFiles>> models;               // for their stale data
   for (const StagePlan& s : plan.stages) {
     for (size_t t = 0; t < s.files.size(); ++t) {
       auto m = build_stage_model(model, plan, s.stage, static_cast<int>(t));
@@ -284,12 +290,14 @@ Status write_partition(const ImportedModel& model, const Plan& plan, const std::
       Result<ModelFiles> bytes = serialize_model(**m, path, inline_limit);
       if (!bytes) return bytes.status().with_context(s.files[t]);
       m->reset();  // its weights now live in bytes->data
-      if (!bytes->data_name.empty()) files.emplace_back((fs::path(dir) / bytes->data_name).string(), std::move(bytes->data));
+      if (!bytes->data_name.empty())
+        files.emplace_back((fs::path(dir) / bytes->data_name).string(), std::move(bytes->data));
       files.emplace_back(path, std::vector<std::string>{std::move(bytes->model)});
       models.emplace_back(path, std::move(*bytes));
     }
   }
-  files.emplace_back((fs::path(dir) / "plan.json").string(), std::vector<std::string>{plan_json_text(plan, model.graph)});
+  files.emplace_back((fs::path(dir) / "plan.json").string(),
+                     std::vector<std::string>{plan_json_text(plan, model.graph)});
   // Nothing may be left half-written: first every file goes to a temporary beside its
   // target, then every target is checked, and only then is anything renamed.
   std::error_code ec;

@@ -23,8 +23,8 @@
 namespace pipeshard {
 
 // Builds the model of `stage` for tensor-parallel rank `tp_rank` (0 when unsharded).
-Result<std::shared_ptr<onnx::ModelProto>> build_stage_model(const ImportedModel& model, const Plan& plan,
-                                                            int stage, int tp_rank);
+Result<std::shared_ptr<onnx::ModelProto>> build_stage_model(const ImportedModel& model, const Plan& plan, int stage,
+                                                            int tp_rank);
 
 // Writes every stage file named in `plan` and plan.json into `dir`, creating it; a stage
 // too large for one protobuf message keeps its weights in `<stage file>.data` beside it

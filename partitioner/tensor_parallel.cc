@@ -49,7 +49,10 @@ Status assign_shard_roles(const Graph& g, const PartitionOptions& o, StagePlan& 
     for (int v = first.outputs[0];;) {
       int c = sole_local_consumer(v);
       if (c < 0) break;
-      if (g.nodes[c].kind == OpKind::kLinear) { partner = c; break; }
+      if (g.nodes[c].kind == OpKind::kLinear) {
+        partner = c;
+        break;
+      }
       if (!runs_on_feature_shard(g.nodes[c].kind)) break;
       chain.push_back(position[c]);
       v = g.nodes[c].outputs[0];
@@ -58,7 +61,10 @@ Status assign_shard_roles(const Graph& g, const PartitionOptions& o, StagePlan& 
     if (partner >= 0 && !assigned[position[partner]] && splittable(g.nodes[partner])) {
       PIPESHARD_RETURN_IF_ERROR(check_divides(first, first.out_features, "output features", t));
       s.roles[i] = ShardRole::kColumn;
-      for (size_t c : chain) { s.roles[c] = ShardRole::kShardLocal; assigned[c] = true; }
+      for (size_t c : chain) {
+        s.roles[c] = ShardRole::kShardLocal;
+        assigned[c] = true;
+      }
       const size_t p = position[partner];
       s.roles[p] = ShardRole::kRow;
       assigned[p] = true;
@@ -79,7 +85,8 @@ int64_t sharded_parameter_elements(const Graph& g, int t, const StagePlan& s) {
       if (!seen.insert(p).second) continue;
       const int64_t e = g.params[p].elements();
       const bool split_weight = p == n.weight && s.roles[i] != ShardRole::kReplicated;
-      const bool split_bias = p == n.bias && (s.roles[i] == ShardRole::kColumn || s.roles[i] == ShardRole::kColumnGather);
+      const bool split_bias =
+          p == n.bias && (s.roles[i] == ShardRole::kColumn || s.roles[i] == ShardRole::kColumnGather);
       total += (split_weight || split_bias) ? e / t : e;
     }
   }

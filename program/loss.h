@@ -6,8 +6,8 @@
 
 #include <cstdint>
 
-#include "program/program.h"
 #include "ir/graph.h"
+#include "program/program.h"
 
 namespace pipeshard {
 

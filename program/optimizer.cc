@@ -53,7 +53,8 @@ std::vector<std::vector<float>> Optimizer::state() const {
 
 void Optimizer::restore(int64_t steps, int64_t updates, const std::vector<std::vector<float>>& slots) {
   PIPESHARD_CHECK(slots.size() == state_.size(), "optimizer state slots");
-  PIPESHARD_CHECK(updates >= 0 && updates <= steps, "updates " + std::to_string(updates) + " of " + std::to_string(steps));
+  PIPESHARD_CHECK(updates >= 0 && updates <= steps,
+                  "updates " + std::to_string(updates) + " of " + std::to_string(steps));
   steps_ = steps;
   updates_ = updates;
   for (size_t s = 0; s < slots.size(); ++s) backend_.upload(state_[s].data(), slots[s].data(), n_);

@@ -16,8 +16,8 @@ enum class LrSchedule { kConstant, kWarmup, kCosine };
 struct OptimizerConfig {
   OptimizerKind kind = OptimizerKind::kSgd;
   float lr = 0.01f;
-  float momentum = 0.0f;  // SGD
-  bool nesterov = false;  // SGD
+  float momentum = 0.0f;                            // SGD
+  bool nesterov = false;                            // SGD
   float beta1 = 0.9f, beta2 = 0.999f, eps = 1e-8f;  // Adam, AdamW
   float weight_decay = 0.0f;
 };

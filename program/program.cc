@@ -7,7 +7,6 @@
 namespace pipeshard {
 namespace {
 
-
 int64_t per_sample(const Graph& g, int v) { return g.values[v].shape.per_sample_elements(); }
 
 // Rows a last-dim op sees per sample (1 for [batch, features], 4 for [batch, 4, features]).
@@ -97,9 +96,9 @@ float* Program::param_grad(int p) {
 }
 
 void Program::copy_parameters_from(const Program& from) {
-  PIPESHARD_CHECK(&from.graph_ == &graph_ && from.params_.size() == params_.size() &&
-                      from.buffers_.size() == buffers_.size(),
-                  "copy_parameters_from: a program of another graph");
+  PIPESHARD_CHECK(
+      &from.graph_ == &graph_ && from.params_.size() == params_.size() && from.buffers_.size() == buffers_.size(),
+      "copy_parameters_from: a program of another graph");
   backend_.copy(params_.data(), from.params_.data(), params_.size());
   backend_.copy(buffers_.data(), from.buffers_.data(), buffers_.size());
 }
@@ -202,10 +201,9 @@ void Program::forward_node(size_t i, int64_t batch, Mode mode, uint64_t seed, in
       const int64_t channels = graph_.values[x].shape.dims[1];
       // PyTorch's model.train(): batch statistics whatever mode the file was exported in.
       backend_.batchnorm_forward(val(y), saved_a_[i].data() + slot_ * channels, saved_b_[i].data() + slot_ * channels,
-                                 const_cast<float*>(param(n.running_mean)),
-                                 const_cast<float*>(param(n.running_var)), val(x), param(n.weight), param(n.bias),
-                                 batch, channels, count / (batch * channels), n.epsilon, n.momentum, train,
-                                 batchnorm_reducer_ ? &batchnorm_reducer_ : nullptr);
+                                 const_cast<float*>(param(n.running_mean)), const_cast<float*>(param(n.running_var)),
+                                 val(x), param(n.weight), param(n.bias), batch, channels, count / (batch * channels),
+                                 n.epsilon, n.momentum, train, batchnorm_reducer_ ? &batchnorm_reducer_ : nullptr);
       return;
     }
     case OpKind::kDropout:
@@ -228,7 +226,8 @@ void Program::forward_node(size_t i, int64_t batch, Mode mode, uint64_t seed, in
       const int64_t width = graph_.values[x].shape.features(), rows = count / width, t = tensor_->size();
       float* gathered = scratch_[i].data();  // [shards][rows, w]
       tensor_->all_gather(val(x), gathered, count);
-      for (int64_t s = 0; s < t; ++s) backend_.copy_rows(val(y) + s * width, t * width, gathered + s * count, width, rows, width, false);
+      for (int64_t s = 0; s < t; ++s)
+        backend_.copy_rows(val(y) + s * width, t * width, gathered + s * count, width, rows, width, false);
       return;
     }
   }
@@ -301,17 +300,16 @@ void Program::backward_node(size_t i, int64_t batch, Part part) {
     case OpKind::kLayerNorm: {
       const int64_t width = graph_.values[x].shape.features();
       const int64_t rows = count / width;
-      backend_.layernorm_backward(dx, param_grad(n.weight), param_grad(n.bias), dy,
-                                  val(x), param(n.weight), saved_a_[i].data() + slot_ * rows,
-                                  saved_b_[i].data() + slot_ * rows, rows, width);
+      backend_.layernorm_backward(dx, param_grad(n.weight), param_grad(n.bias), dy, val(x), param(n.weight),
+                                  saved_a_[i].data() + slot_ * rows, saved_b_[i].data() + slot_ * rows, rows, width);
       return;
     }
     case OpKind::kBatchNorm: {
       const int64_t channels = graph_.values[x].shape.dims[1];
-      backend_.batchnorm_backward(dx, param_grad(n.weight), param_grad(n.bias), dy,
-                                  val(x), param(n.weight), saved_a_[i].data() + slot_ * channels,
-                                  saved_b_[i].data() + slot_ * channels, batch, channels,
-                                  count / (batch * channels), true, batchnorm_reducer_ ? &batchnorm_reducer_ : nullptr);
+      backend_.batchnorm_backward(dx, param_grad(n.weight), param_grad(n.bias), dy, val(x), param(n.weight),
+                                  saved_a_[i].data() + slot_ * channels, saved_b_[i].data() + slot_ * channels, batch,
+                                  channels, count / (batch * channels), true,
+                                  batchnorm_reducer_ ? &batchnorm_reducer_ : nullptr);
       return;
     }
     case OpKind::kDropout:
@@ -394,13 +392,15 @@ void Program::zero_gradients() {
 }
 
 float* Program::value(int v) {
-  PIPESHARD_CHECK(!plan_.recomputed[v], "'" + graph_.values[v].name + "' is recomputed in backward, not kept from forward");
+  PIPESHARD_CHECK(!plan_.recomputed[v],
+                  "'" + graph_.values[v].name + "' is recomputed in backward, not kept from forward");
   return val(v);
 }
 
 float* Program::gradient(int v) {
-  PIPESHARD_CHECK(!plan_.shared_grad[v], "the gradient of '" + graph_.values[v].name +
-                                        "' lives only inside backward(); only model inputs' and outputs' are kept");
+  PIPESHARD_CHECK(!plan_.shared_grad[v],
+                  "the gradient of '" + graph_.values[v].name +
+                      "' lives only inside backward(); only model inputs' and outputs' are kept");
   return grad(v);
 }
 

@@ -166,15 +166,15 @@ class Program {
   const ProgramPlan plan_;
   int slot_ = 0;
   Communicator* tensor_ = nullptr;
-  std::vector<uint64_t> model_node_ids_;   // [graph nodes]
-  ChannelReducer batchnorm_reducer_;       // empty: per-process statistics
+  std::vector<uint64_t> model_node_ids_;  // [graph nodes]
+  ChannelReducer batchnorm_reducer_;      // empty: per-process statistics
   // The buffers the plan lists, and where each value's activation and gradient start.
   DeviceBuffer params_, grads_, buffers_;  // trainable, their gradients, running stats
   std::vector<DeviceBuffer> value_storage_, transient_storage_, grad_storage_;
   std::vector<DeviceBuffer> saved_a_, saved_b_;  // [graph nodes]: mean/rstd, mask
-  std::vector<DeviceBuffer> scratch_;      // [graph nodes]: AllGather's and partial dx's staging
-  std::vector<float*> value_, grad_;       // [graph values]; aliases point at their owner's
-  bool fresh_step_ = false;                // zero_gradients() ran and no backward since
+  std::vector<DeviceBuffer> scratch_;            // [graph nodes]: AllGather's and partial dx's staging
+  std::vector<float*> value_, grad_;             // [graph values]; aliases point at their owner's
+  bool fresh_step_ = false;                      // zero_gradients() ran and no backward since
 };
 
 }  // namespace pipeshard

@@ -8,10 +8,11 @@
 namespace pipeshard {
 namespace {
 
-bool is_model_output(const Graph& g, int v) { return std::find(g.outputs.begin(), g.outputs.end(), v) != g.outputs.end(); }
+bool is_model_output(const Graph& g, int v) {
+  return std::find(g.outputs.begin(), g.outputs.end(), v) != g.outputs.end();
+}
 
 int64_t per_sample(const Graph& g, int v) { return g.values[v].shape.per_sample_elements(); }
-
 
 // Interval colouring's choice for a value of `need` elements among the buffers (their
 // sizes) that `usable` allows: one that fits over one that does not; of two that fit, the
@@ -166,7 +167,7 @@ class Planner {
     p_.back_for_producer.assign(g_.values.size(), false);
     p_.transient_buffer.assign(g_.values.size(), -1);
     std::vector<std::vector<std::pair<int, int>>> spans;  // [buffer]: [first, last] steps in use
-    auto written_at = [&](int v) {  // the fused Linear's step, or the activation's own
+    auto written_at = [&](int v) {                        // the fused Linear's step, or the activation's own
       const int p = g_.values[v].producer;
       return p_.skip_forward[p] ? g_.values[g_.nodes[p].inputs[0]].producer : p;
     };
@@ -225,16 +226,17 @@ class Planner {
       const int x = n.inputs[0], y = n.outputs[0];
       if (n.kind == OpKind::kAllReduce || n.kind == OpKind::kAllGather) {
         if (tensor_shards < 1 || tensor_shards != n.shards) {
-          return Status::error(node_label(n) + " needs a tensor-parallel group of " +
-                               std::to_string(n.shards) + " ranks" +
-                               (tensor_shards >= 1 ? ", this one has " + std::to_string(tensor_shards) : std::string()));
+          return Status::error(
+              node_label(n) + " needs a tensor-parallel group of " + std::to_string(n.shards) + " ranks" +
+              (tensor_shards >= 1 ? ", this one has " + std::to_string(tensor_shards) : std::string()));
         }
         (n.kind == OpKind::kAllReduce ? partial : p_.sharded)[x] = true;
         if (n.kind == OpKind::kAllGather) p_.scratch_size[i] = n.shards * p_.max_batch * per_sample(g_, x);
         continue;
       }
       if (partial[y]) {
-        if (n.kind != OpKind::kLinear) return Status::error("node '" + n.name + "' feeds an AllReduce but is no Linear");
+        if (n.kind != OpKind::kLinear)
+          return Status::error("node '" + n.name + "' feeds an AllReduce but is no Linear");
         p_.sharded[x] = true;
       } else if (p_.sharded[y]) {
         if (n.kind == OpKind::kLinear) {
@@ -307,8 +309,7 @@ class Planner {
         order.push_back(static_cast<int>(v));
       }
     }
-    std::stable_sort(order.begin(), order.end(),
-                     [&](int a, int b) { return p_.first_writer[a] > p_.first_writer[b]; });
+    std::stable_sort(order.begin(), order.end(), [&](int a, int b) { return p_.first_writer[a] > p_.first_writer[b]; });
     std::vector<int> shared_of(nv, -1);
     for (int v : order) {
       const int64_t need = p_.max_batch * per_sample(g_, v);
@@ -370,8 +371,8 @@ class Planner {
       const auto& readers = g_.values[v].consumers;
       const bool output = is_model_output(g_, static_cast<int>(v));
       const bool owner = p_.owner[v] == static_cast<int>(v);
-      p_.overwritten[v] = owner && readers.size() == 1 && g_.nodes[readers[0]].kind == OpKind::kLinear &&
-                          p_.needs_grad[v] && !output;
+      p_.overwritten[v] =
+          owner && readers.size() == 1 && g_.nodes[readers[0]].kind == OpKind::kLinear && p_.needs_grad[v] && !output;
       // Cleared before each backward: value gradients something adds into. Not values
       // nobody back-propagates into, model outputs (the loss writes them), values whose
       // only reader is a Linear (it overwrites their gradient), nor aliased Reshape
@@ -405,8 +406,8 @@ Result<ProgramPlan> plan_program(const Graph& graph, int64_t max_batch, const Pr
   if (max_batch < 1) return Status::error("the batch size must be at least 1");
   if (options.slots < 1) return Status::error("a program needs at least one micro-batch slot");
   if (!options.input_needs_grad.empty() && options.input_needs_grad.size() != graph.inputs.size()) {
-    return Status::error("input_needs_grad has " + std::to_string(options.input_needs_grad.size()) +
-                         " entries for " + std::to_string(graph.inputs.size()) + " inputs");
+    return Status::error("input_needs_grad has " + std::to_string(options.input_needs_grad.size()) + " entries for " +
+                         std::to_string(graph.inputs.size()) + " inputs");
   }
   return Planner(graph, max_batch, options).run(tensor_shards, kept_when_fused);
 }

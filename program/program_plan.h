@@ -79,14 +79,14 @@ struct ProgramPlan {
   std::vector<int64_t> value_slot_stride;  // [values]: elements per slot; 0 for a recomputed value
   std::vector<int> value_buffer;           // [values]: index into value_buffer_sizes (own buffers), or -1
   std::vector<int64_t> value_buffer_sizes;
-  std::vector<bool> recomputed;                // [values]: recomputed in backward, not kept from forward
-  std::vector<int> transient_buffer;           // [values]: a recomputed value's shared one-slot buffer, or -1
+  std::vector<bool> recomputed;       // [values]: recomputed in backward, not kept from forward
+  std::vector<int> transient_buffer;  // [values]: a recomputed value's shared one-slot buffer, or -1
   std::vector<int64_t> transient_sizes;
   std::vector<std::vector<int>> recompute_before;  // [nodes]: values that node's backward recomputes first
-  std::vector<bool> back_for_producer;         // [values]: recomputed again by its producer's backward
-  std::vector<int> fused_activation;           // [nodes]: Linear -> its activation node, or -1
-  std::vector<bool> skip_forward;              // [nodes]: an activation fused into its Linear
-  std::vector<bool> needs_grad;                // [values]: some trainable parameter or input needing one is upstream
+  std::vector<bool> back_for_producer;             // [values]: recomputed again by its producer's backward
+  std::vector<int> fused_activation;               // [nodes]: Linear -> its activation node, or -1
+  std::vector<bool> skip_forward;                  // [nodes]: an activation fused into its Linear
+  std::vector<bool> needs_grad;  // [values]: some trainable parameter or input needing one is upstream
   std::vector<int64_t> saved_a_size, saved_b_size;  // [nodes]: mean/rstd, mask (elements, all slots)
 
   // ---- tensor parallelism ----
@@ -95,17 +95,17 @@ struct ProgramPlan {
   std::vector<int64_t> scratch_size;     // [nodes]: AllGather's and partial dx's staging (elements)
 
   // ---- gradients of values ----
-  std::vector<int> grad_buffer;            // [values]: index into grad_buffer_sizes, or -1 (aliases: their owner's)
+  std::vector<int> grad_buffer;  // [values]: index into grad_buffer_sizes, or -1 (aliases: their owner's)
   std::vector<int64_t> grad_buffer_sizes;
-  std::vector<int64_t> grad_slot_stride;   // [values]: elements per slot; 0 when shared
-  std::vector<bool> shared_grad;           // [values]: lives in a shared buffer, only inside one backward
-  std::vector<int> first_writer;           // [values]: the node whose backward writes v's gradient first
+  std::vector<int64_t> grad_slot_stride;      // [values]: elements per slot; 0 when shared
+  std::vector<bool> shared_grad;              // [values]: lives in a shared buffer, only inside one backward
+  std::vector<int> first_writer;              // [values]: the node whose backward writes v's gradient first
   std::vector<std::vector<int>> zero_before;  // [nodes]: shared gradients zeroed before that node's backward
-  std::vector<int> cleared_values;         // own value gradients zeroed after each kTrain forward
-  std::vector<bool> overwritten;           // [values]: read only by one Linear, which writes dx
+  std::vector<int> cleared_values;            // own value gradients zeroed after each kTrain forward
+  std::vector<bool> overwritten;              // [values]: read only by one Linear, which writes dx
 
   // ---- parameter gradients ----
-  std::vector<bool> owns_param_grads;      // [nodes]: a Linear that alone uses its weight and bias
+  std::vector<bool> owns_param_grads;                      // [nodes]: a Linear that alone uses its weight and bias
   std::vector<std::pair<int64_t, int64_t>> zeroed_ranges;  // [offset, end) of the other parameter gradients
   std::vector<bool> deferred_weight_grad;  // [nodes]: W computes its parameter gradients (split backward)
 

@@ -78,7 +78,8 @@ Status parse_header(const nlohmann::json& header, int format, Checkpoint& out, s
                        (format == 1 || (t.contains("crc32c") && t["crc32c"].is_number_unsigned() &&
                                         t["crc32c"].get<uint64_t>() <= UINT32_MAX));
     if (!typed) {
-      return corrupt_header("tensor " + std::to_string(out.tensors.size()) + " lacks a field or has one of the wrong type");
+      return corrupt_header("tensor " + std::to_string(out.tensors.size()) +
+                            " lacks a field or has one of the wrong type");
     }
     out.tensors.push_back({t["name"].get<std::string>(), t["role"].get<std::string>(), {}});
     listed.push_back({t["elements"].get<uint64_t>(), format == 1 ? 0 : t["crc32c"].get<uint32_t>()});
@@ -115,17 +116,20 @@ std::string encode_checkpoint(const Checkpoint& checkpoint) {
 }
 
 Result<Checkpoint> decode_checkpoint(std::string_view bytes) {
-  if (bytes.size() < kMagicSize) return Status::error("truncated checkpoint header: the file has " + std::to_string(bytes.size()) + " bytes");
+  if (bytes.size() < kMagicSize)
+    return Status::error("truncated checkpoint header: the file has " + std::to_string(bytes.size()) + " bytes");
   const std::string_view magic = bytes.substr(0, kMagicSize);
   const int format = magic == kMagic2 ? 2 : magic == kMagic1 ? 1 : 0;
-  if (format == 0) return Status::error("not a pipeshard checkpoint (its header does not begin with " + std::string(kMagic2) + ")");
-  if (bytes.size() < kPrefixSize) return Status::error("truncated checkpoint header: the file has " + std::to_string(bytes.size()) + " bytes");
+  if (format == 0)
+    return Status::error("not a pipeshard checkpoint (its header does not begin with " + std::string(kMagic2) + ")");
+  if (bytes.size() < kPrefixSize)
+    return Status::error("truncated checkpoint header: the file has " + std::to_string(bytes.size()) + " bytes");
   const uint64_t length = read_raw<uint64_t>(bytes, kMagicSize);
   const size_t crc_size = format == 2 ? kHeaderCrcSize : 0;
   const size_t after_prefix = bytes.size() - kPrefixSize;
   if (length > after_prefix || crc_size > after_prefix - length) {
-    return Status::error("truncated checkpoint header, or a corrupt one: its length field says " + std::to_string(length) +
-                         " bytes, and " + std::to_string(after_prefix) + " follow");
+    return Status::error("truncated checkpoint header, or a corrupt one: its length field says " +
+                         std::to_string(length) + " bytes, and " + std::to_string(after_prefix) + " follow");
   }
   const size_t header_end = kPrefixSize + static_cast<size_t>(length);
   if (format == 2 && crc32c(bytes.substr(0, header_end)) != read_raw<uint32_t>(bytes, header_end)) {
@@ -150,7 +154,8 @@ Result<Checkpoint> decode_checkpoint(std::string_view bytes) {
                            std::to_string(bytes.size() - at) + " remain");
     }
     const std::string_view data = bytes.substr(at, static_cast<size_t>(elements) * sizeof(float));
-    if (format == 2 && crc32c(data) != listed[i].crc) return Status::error("corrupt checkpoint: " + what + " fails its CRC-32C check");
+    if (format == 2 && crc32c(data) != listed[i].crc)
+      return Status::error("corrupt checkpoint: " + what + " fails its CRC-32C check");
     // An empty vector's data() may be null, and memcpy from or to null is undefined even
     // for 0 bytes: a header may list a tensor of 0 elements.
     t.data.resize(static_cast<size_t>(elements));

@@ -35,9 +35,9 @@ struct CheckpointTensor {
 };
 
 struct Checkpoint {
-  int64_t step = 0;        // optimizer steps taken
-  int64_t updates = 0;     // of those, the steps that updated the weights (not skipped)
-  std::string optimizer;   // "sgd", "adam" or "adamw"
+  int64_t step = 0;       // optimizer steps taken
+  int64_t updates = 0;    // of those, the steps that updated the weights (not skipped)
+  std::string optimizer;  // "sgd", "adam" or "adamw"
   // Loss scaling's state (runtime/trainer.h, LossScaling): the next step's scale, 0 when
   // the run had none, and the updates since the dynamic scale last changed.
   double loss_scale = 0;

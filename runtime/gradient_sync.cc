@@ -42,8 +42,7 @@ void GradientSync::node_done(size_t node) {
   for (size_t i = 0; i < buckets_.size(); ++i) {
     const Bucket& b = buckets_[i];
     if (b.ready_after == node && b.ready_after != buckets_.back().ready_after && !launched_[i]) {
-      in_flight_.push_back(
-          replicas_.all_reduce_async(program_.gradients() + b.begin, b.end - b.begin, ReduceOp::kSum));
+      in_flight_.push_back(replicas_.all_reduce_async(program_.gradients() + b.begin, b.end - b.begin, ReduceOp::kSum));
       launched_[i] = true;
     }
   }

@@ -55,9 +55,9 @@ RankModel RankModel::whole(const Graph& graph, const ProcessLayout& layout) {
 struct RankModel::Cut {
   const Graph& g;
   const Plan& plan;
-  const std::string& label;        // "model.onnx (stage 1, shard 0)", for messages
-  std::vector<int> stage_of;       // [whole-model nodes]
-  std::vector<bool> needs_grad;    // [whole-model values]: a trainable parameter is upstream
+  const std::string& label;      // "model.onnx (stage 1, shard 0)", for messages
+  std::vector<int> stage_of;     // [whole-model nodes]
+  std::vector<bool> needs_grad;  // [whole-model values]: a trainable parameter is upstream
 };
 
 Result<RankModel> RankModel::create(const ImportedModel& model, const ProcessLayout& layout, PartitionOptions options) {

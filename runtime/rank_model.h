@@ -20,20 +20,20 @@
 #include <string>
 #include <vector>
 
-#include "common/status.h"
 #include "comm/comm.h"
-#include "ir/graph.h"
+#include "common/status.h"
 #include "importer/onnx_importer.h"
+#include "ir/graph.h"
 #include "partitioner/plan.h"
 
 namespace pipeshard {
 
 // A value that crosses a pipeline cut.
 struct LinkValue {
-  std::string name;          // the value's name in the whole model
-  int64_t per_sample = 0;    // float32 elements per sample
-  bool needs_grad = false;   // its gradient travels back over the cut
-  int local = -1;            // value id in the rank's Graph; -1 when the stage only carries it
+  std::string name;         // the value's name in the whole model
+  int64_t per_sample = 0;   // float32 elements per sample
+  bool needs_grad = false;  // its gradient travels back over the cut
+  int local = -1;           // value id in the rank's Graph; -1 when the stage only carries it
 };
 
 class RankModel {
@@ -74,8 +74,8 @@ class RankModel {
   // state); on rank 0, whole[p] receives whole-model parameter p when some stage holds
   // it (elsewhere and for parameters no node uses: empty). Shards are joined inside
   // each tensor group, then stage s's first replica and shard sends it to rank 0.
-  void gather(const std::vector<std::vector<float>>& local, std::vector<std::vector<float>>& whole,
-              Communicator& world, Communicator* tensor, bool trainable_only) const;
+  void gather(const std::vector<std::vector<float>>& local, std::vector<std::vector<float>>& whole, Communicator& world,
+              Communicator* tensor, bool trainable_only) const;
 
  private:
   struct Cut;

@@ -38,7 +38,10 @@ std::vector<int> slots_of_micro_batches(const std::vector<Action>& list, int mic
     if (slot_of[k] < 0) {
       const auto free = std::find(busy.begin(), busy.end(), false);
       slot_of[k] = static_cast<int>(free - busy.begin());
-      if (free == busy.end()) busy.push_back(true); else *free = true;
+      if (free == busy.end())
+        busy.push_back(true);
+      else
+        *free = true;
       *slots_used = std::max(*slots_used, static_cast<int>(std::count(busy.begin(), busy.end(), true)));
     }
     if (last_use[k] == static_cast<int>(i)) busy[slot_of[k]] = false;
@@ -123,7 +126,8 @@ Status StageRunner::check_links() {
     if (got != expected) {
       return Status::error("stage " + std::to_string(stage_ - 1) + " sends " + std::to_string(got.size() / 2) +
                            " values across its cut, which do not match the " + std::to_string(expected.size() / 2) +
-                           " stage " + std::to_string(stage_) + " expects: did every rank get the same model and flags?");
+                           " stage " + std::to_string(stage_) +
+                           " expects: did every rank get the same model and flags?");
     }
   }
   if (sent) sent->wait();
@@ -247,9 +251,7 @@ void StageRunner::backward(size_t index, const Action& a, const MicroStep& ms) {
       program_.backward_input(micro_);
       add_carried_gradients();
       return;
-    case ActionKind::kBackwardWeight:
-      program_.backward_weight(micro_, node_done);
-      return;
+    case ActionKind::kBackwardWeight: program_.backward_weight(micro_, node_done); return;
     default: PIPESHARD_CHECK(false, "not a backward pass: " + action_name(a));
   }
 }

@@ -32,8 +32,8 @@
 #include "comm/comm.h"
 #include "common/status.h"
 #include "observe/trace.h"
-#include "runtime/gradient_sync.h"
 #include "program/program.h"
+#include "runtime/gradient_sync.h"
 #include "runtime/rank_model.h"
 #include "schedule/schedule.h"
 
@@ -43,13 +43,13 @@ class StageRunner {
  public:
   // One replica batch through the schedule: a micro-step of gradient accumulation.
   struct MicroStep {
-    int64_t step = 0;          // the 1-based optimizer step (trace, watchdog, fault points)
-    int64_t index = 0;         // the micro-step within the step: recordings differ between them
-    bool last = true;          // the step's last micro-step: its backwards complete the gradients
-    uint64_t seed = 0;         // Dropout masks of this batch
-    int64_t first_sample = 0;  // where this replica's slice starts in the global batch
+    int64_t step = 0;                 // the 1-based optimizer step (trace, watchdog, fault points)
+    int64_t index = 0;                // the micro-step within the step: recordings differ between them
+    bool last = true;                 // the step's last micro-step: its backwards complete the gradients
+    uint64_t seed = 0;                // Dropout masks of this batch
+    int64_t first_sample = 0;         // where this replica's slice starts in the global batch
     const float* features = nullptr;  // the first stage's input: [micro-batches × rows, features] in host memory
-    bool replay = false;       // --cuda-graph: forward and backward run from recordings
+    bool replay = false;              // --cuda-graph: forward and backward run from recordings
   };
   // Last stage, after F(k): the loss of micro-batch k (its share of the global mean),
   // with the output gradient written (and scaled) for backward.
@@ -59,9 +59,8 @@ class StageRunner {
   // backend's memory between stages (null: one stage); `sync` reduces gradients over the
   // replicas (null: one replica). All must outlive the runner. `schedule` must pass
   // check_pipeline_schedule(); the runner runs stage `rank.layout().stage`'s list.
-  StageRunner(const RankModel& rank, Program& program, Backend& backend, Communicator* pipeline,
-              GradientSync* sync, const PipelineSchedule& schedule, int64_t micro_rows,
-              int64_t features_per_sample, Tracer& tracer);
+  StageRunner(const RankModel& rank, Program& program, Backend& backend, Communicator* pipeline, GradientSync* sync,
+              const PipelineSchedule& schedule, int64_t micro_rows, int64_t features_per_sample, Tracer& tracer);
 
   // Micro-batch slots the stage's program needs for `schedule`: the most micro-batches
   // the runner keeps alive at once (schedule/schedule.h's max_in_flight_of_chunk()).
@@ -111,8 +110,8 @@ class StageRunner {
   const int64_t micro_, features_per_sample_;
   Tracer& tracer_;
   bool first_chunk_ = true, last_chunk_ = true;  // of the model: it reads the data, it computes the loss
-  std::vector<int> slot_of_;             // [micro-batches]
-  int last_gradient_action_ = -1;        // index of the action that completes the step's gradients
+  std::vector<int> slot_of_;                     // [micro-batches]
+  int last_gradient_action_ = -1;                // index of the action that completes the step's gradients
   std::map<std::string, Carried> carried_;
   std::vector<std::vector<std::unique_ptr<Request>>> sends_;  // [slots]: sends reading the slot
   // --cuda-graph's recordings, by (action kind, micro-step, micro-batch); a null one: the

@@ -36,8 +36,7 @@ Status check_batchnorm(const TrainConfig& config, const ProcessLayout& layout, c
 
 }  // namespace
 
-Status check_train_config(const TrainConfig& config, const ProcessLayout& layout, const Graph& graph,
-                          int64_t samples) {
+Status check_train_config(const TrainConfig& config, const ProcessLayout& layout, const Graph& graph, int64_t samples) {
   const int64_t d = layout.replicas, m = config.micro_batches;
   if (config.batch_size < 1 || config.batch_size > kMaxBatchSize) {
     return Status::invalid("batch_size", "the batch size must be between 1 and " + std::to_string(kMaxBatchSize) +
@@ -66,14 +65,14 @@ Status check_train_config(const TrainConfig& config, const ProcessLayout& layout
   }
   const int64_t local_batch = config.batch_size / d;
   if (local_batch % m != 0) {
-    return Status::invalid("micro_batches",
-                           std::to_string(m) + " micro-batches do not divide the " + samples_text(local_batch) +
-                               " each replica gets per step (a batch of " + std::to_string(config.batch_size) +
-                               (d > 1 ? " over " + std::to_string(d) + " replicas)" : ")"));
+    return Status::invalid("micro_batches", std::to_string(m) + " micro-batches do not divide the " +
+                                                samples_text(local_batch) + " each replica gets per step (a batch of " +
+                                                std::to_string(config.batch_size) +
+                                                (d > 1 ? " over " + std::to_string(d) + " replicas)" : ")"));
   }
   if (config.grad_accum < 1) {
-    return Status::invalid("grad_accum", "a step must accumulate at least one batch, not " +
-                                             std::to_string(config.grad_accum));
+    return Status::invalid("grad_accum",
+                           "a step must accumulate at least one batch, not " + std::to_string(config.grad_accum));
   }
   if (samples < config.batch_size) {
     return Status::invalid("batch_size", "the data has " + samples_text(samples) + ", fewer than one batch of " +

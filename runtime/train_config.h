@@ -9,13 +9,13 @@
 #include <string>
 
 #include "comm/comm.h"
-#include "dataset/dataset.h"
 #include "common/status.h"
+#include "dataset/dataset.h"
 #include "ir/graph.h"
 #include "partitioner/plan.h"
 #include "program/loss.h"
-#include "runtime/loss_scaler.h"
 #include "program/optimizer.h"
+#include "runtime/loss_scaler.h"
 
 namespace pipeshard {
 
@@ -29,17 +29,17 @@ struct TrainConfig {
   OptimizerConfig optimizer;
   LrSchedule schedule = LrSchedule::kConstant;
   int64_t warmup_steps = 0;
-  int64_t batch_size = 32;     // samples per micro-step
-  int64_t grad_accum = 1;      // micro-steps per optimizer step: one step sees batch_size * grad_accum samples
-  int64_t total_steps = 1;     // optimizer steps of the whole run (the cosine schedule's length)
+  int64_t batch_size = 32;  // samples per micro-step
+  int64_t grad_accum = 1;   // micro-steps per optimizer step: one step sees batch_size * grad_accum samples
+  int64_t total_steps = 1;  // optimizer steps of the whole run (the cosine schedule's length)
   bool shuffle = true;
   uint64_t seed = 0;
-  double clip_grad_norm = 0;   // 0: off
-  int64_t bucket_bytes = 25 << 20;  // data parallel: gradients are all-reduced in buckets this big
-  int micro_batches = 1;       // pipeline micro-batches per replica batch (M)
-  std::string pipeline_schedule = "1f1b";  // a registered schedule (schedule/registry.h)
-  BalanceBy balance = BalanceBy::kParams;  // how stages are cut
-  bool sync_batchnorm = false;  // BatchNorm statistics over all replicas, not each replica's slice
+  double clip_grad_norm = 0;                  // 0: off
+  int64_t bucket_bytes = 25 << 20;            // data parallel: gradients are all-reduced in buckets this big
+  int micro_batches = 1;                      // pipeline micro-batches per replica batch (M)
+  std::string pipeline_schedule = "1f1b";     // a registered schedule (schedule/registry.h)
+  BalanceBy balance = BalanceBy::kParams;     // how stages are cut
+  bool sync_batchnorm = false;                // BatchNorm statistics over all replicas, not each replica's slice
   NonFinite on_nonfinite = NonFinite::kStop;  // a step whose loss or gradients are not finite
   LossScaling loss_scaling;
   // Record each forward and backward the first step runs, and from the second step on
@@ -65,8 +65,7 @@ inline Targets targets_of(LossKind loss) {
 // a recorded step only where it can be, BatchNorm statistics over enough values. Errors
 // are Status::invalid, naming the TrainConfig field they are about; Trainer::create runs
 // the same check.
-Status check_train_config(const TrainConfig& config, const ProcessLayout& layout, const Graph& graph,
-                          int64_t samples);
+Status check_train_config(const TrainConfig& config, const ProcessLayout& layout, const Graph& graph, int64_t samples);
 
 // Samples of each micro-batch on one replica: batch_size / replicas / micro_batches, for a
 // config check_train_config() accepted.

@@ -46,8 +46,8 @@ PartitionOptions partition_options(const TrainConfig& config, int64_t local_batc
 
 }  // namespace
 
-std::vector<int64_t> Trainer::memory_per_stage(const Graph& graph, const TrainConfig& config, const ProcessLayout& layout,
-                                               const Backend& backend) {
+std::vector<int64_t> Trainer::memory_per_stage(const Graph& graph, const TrainConfig& config,
+                                               const ProcessLayout& layout, const Backend& backend) {
   const int64_t d = layout.replicas, m = config.micro_batches;
   // A batch that does not divide is create()'s to refuse, with its own message.
   if (config.batch_size % d != 0 || m < 1 || (config.batch_size / d) % m != 0) return {};
@@ -122,7 +122,9 @@ Status Trainer::build(const TrainConfig& config, Communicator* device_replicas, 
     options.split_backward = options.split_backward || a.kind == ActionKind::kBackwardInput;
   }
   if (config.sync_batchnorm && device_replicas) {
-    options.batchnorm_reducer = [device_replicas](double* data, int64_t n) { device_replicas->all_reduce_sum(data, n); };
+    options.batchnorm_reducer = [device_replicas](double* data, int64_t n) {
+      device_replicas->all_reduce_sum(data, n);
+    };
   }
   // One micro-batch per slot: what the memory estimate counts, and what micro-batches are
   // for. Evaluation, in whole batches, has a program of its own (evaluate()).
@@ -263,8 +265,8 @@ std::string Trainer::first_non_finite_gradient() {
       break;
     }
   }
-  const std::vector<std::string> all = world_ && world_->size() > 1 ? world_->gather_text(found, 0)
-                                                                    : std::vector<std::string>{found};
+  const std::vector<std::string> all =
+      world_ && world_->size() > 1 ? world_->gather_text(found, 0) : std::vector<std::string>{found};
   std::string first;
   for (const std::string& f : all) {
     if (!f.empty() && (first.empty() || f.substr(0, kKeyWidth) > first.substr(0, kKeyWidth))) first = f;

@@ -25,11 +25,11 @@
 #include "dataset/dataset.h"
 #include "importer/onnx_importer.h"
 #include "observe/trace.h"
+#include "program/optimizer.h"
+#include "program/program.h"
 #include "runtime/checkpoint_file.h"
 #include "runtime/gradient_sync.h"
 #include "runtime/loss_scaler.h"
-#include "program/optimizer.h"
-#include "program/program.h"
 #include "runtime/rank_model.h"
 #include "runtime/stage_runner.h"
 #include "runtime/train_config.h"
@@ -53,10 +53,10 @@ struct Parallel {
 };
 
 struct StepResult {
-  int64_t step = 0;   // 1-based optimizer step
-  int64_t epoch = 0;  // 1-based epoch of the step's first batch
-  double loss = 0;    // mean over the step's samples, from its forward pass (before the update)
-  double lr = 0;      // the learning rate the step used
+  int64_t step = 0;      // 1-based optimizer step
+  int64_t epoch = 0;     // 1-based epoch of the step's first batch
+  double loss = 0;       // mean over the step's samples, from its forward pass (before the update)
+  double lr = 0;         // the learning rate the step used
   double grad_norm = 0;  // global L2 norm of the gradient before clipping (0 when clipping is off)
   // The loss was inf or NaN, or (NonFinite::kSkip) a gradient on any rank: the step left
   // the weights and the optimizer state alone. The same on every rank.
@@ -117,9 +117,7 @@ class Trainer {
     Program::Memory program;
     int64_t optimizer = 0, peak = 0;
   };
-  Memory memory() const {
-    return Memory{program_->memory(), optimizer_->state_bytes(), backend_.memory_use().peak};
-  }
+  Memory memory() const { return Memory{program_->memory(), optimizer_->state_bytes(), backend_.memory_use().peak}; }
   // The loss scale the next step will use (1 when scaling is off).
   double loss_scale() const { return scaler_.scale(); }
   int64_t batches_per_epoch() const { return order_.batches_per_epoch(); }
@@ -198,19 +196,19 @@ class Trainer {
   TrainConfig config_;
   RankModel rank_;
   Communicator* world_ = nullptr;
-  Communicator* replicas_ = nullptr;   // data-parallel group (null: one replica)
-  Communicator* tensor_ = nullptr;     // tensor-parallel group (null: one shard)
-  Communicator* pipeline_ = nullptr;   // the stages (null: one stage)
+  Communicator* replicas_ = nullptr;  // data-parallel group (null: one replica)
+  Communicator* tensor_ = nullptr;    // tensor-parallel group (null: one shard)
+  Communicator* pipeline_ = nullptr;  // the stages (null: one stage)
   bool log_probs_ = false;
-  bool warmed_up_ = false;             // this process has run a step (eagerly)
+  bool warmed_up_ = false;  // this process has run a step (eagerly)
   LossScaler scaler_;
   BatchOrder order_;
-  int64_t local_batch_ = 0;            // samples of each micro-step on this replica
-  int64_t micro_ = 0;                  // samples of each pipeline micro-batch
+  int64_t local_batch_ = 0;  // samples of each micro-step on this replica
+  int64_t micro_ = 0;        // samples of each pipeline micro-batch
   PipelineSchedule schedule_;
   std::unique_ptr<Program> program_;
   std::unique_ptr<Optimizer> optimizer_;
-  std::unique_ptr<GradientSync> sync_;   // with replicas
+  std::unique_ptr<GradientSync> sync_;  // with replicas
   Tracer tracer_;
   std::unique_ptr<StageRunner> runner_;
   DeviceBuffer targets_;              // [local_batch * targets_per_sample]

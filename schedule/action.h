@@ -48,8 +48,8 @@ struct ActionKindInfo {
   const char* prefix;      // "F", "sA", ... as names and grids print it
   const char* trace_name;  // "forward", "send activation", ... as the trace shows it
   ActionRole role;
-  bool input_gradient;     // computes the chunk's input gradient (B, I)
-  bool weight_gradient;    // adds into parameter gradients (B, W)
+  bool input_gradient;   // computes the chunk's input gradient (B, I)
+  bool weight_gradient;  // adds into parameter gradients (B, W)
 };
 
 // The row of `kind`; every kind has exactly one (a test checks the table).

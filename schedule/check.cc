@@ -24,8 +24,8 @@ class StructureCheck {
                            std::to_string(sc_.stages) + " and " + std::to_string(sc_.micro_batches) + ")");
     }
     if (static_cast<int>(sc_.actions.size()) != sc_.stages) {
-      return Status::error("the schedule has action lists for " + std::to_string(sc_.actions.size()) +
-                           " stages, not " + std::to_string(sc_.stages));
+      return Status::error("the schedule has action lists for " + std::to_string(sc_.actions.size()) + " stages, not " +
+                           std::to_string(sc_.stages));
     }
     PIPESHARD_RETURN_IF_ERROR(check_placement());
     std::vector<std::pair<int, int>> reducing, silent;  // (stage, chunk j) with an R, and without
@@ -47,10 +47,9 @@ class StructureCheck {
     }
     if (!reducing.empty() && !silent.empty()) {
       s_ = silent[0].first;
-      return Status::error("stage " + std::to_string(s_) + ": no " +
-                           name({ActionKind::kReduceGradients, -1, silent[0].second}) +
-                           " after the last gradient pass, which other " + (chunks_named_ ? "chunks" : "stages") +
-                           " have");
+      return Status::error(
+          "stage " + std::to_string(s_) + ": no " + name({ActionKind::kReduceGradients, -1, silent[0].second}) +
+          " after the last gradient pass, which other " + (chunks_named_ ? "chunks" : "stages") + " have");
     }
     for (int from = 0; from < sc_.stages; ++from) {
       for (int to = 0; to < sc_.stages; ++to) {
@@ -80,8 +79,8 @@ class StructureCheck {
       if (sc_.stage_chunks[s].empty()) return Status::error("stage " + std::to_string(s) + " holds no chunk");
       for (int c : sc_.stage_chunks[s]) {
         if (c < 0 || c >= sc_.chunks() || seen[c]++ > 0) {
-          return Status::error("stage " + std::to_string(s) + " holds chunk " + std::to_string(c) +
-                               ": chunks 0.." + std::to_string(sc_.chunks() - 1) + " go on one stage each");
+          return Status::error("stage " + std::to_string(s) + " holds chunk " + std::to_string(c) + ": chunks 0.." +
+                               std::to_string(sc_.chunks() - 1) + " go on one stage each");
         }
       }
     }
@@ -134,7 +133,8 @@ class StructureCheck {
 
   Status at_most_once(const Positions& at, int c, ActionKind kind, int k) const {
     const auto& where = find(at, c, kind, k);
-    if (where.size() > 1) return Status::error(name(kind, k, c) + " appears " + std::to_string(where.size()) + " times");
+    if (where.size() > 1)
+      return Status::error(name(kind, k, c) + " appears " + std::to_string(where.size()) + " times");
     return Status::ok();
   }
 
@@ -145,8 +145,8 @@ class StructureCheck {
   }
 
   Status check_computes(const Positions& at, int c, int k) const {
-    for (ActionKind kind : {ActionKind::kForward, ActionKind::kBackward, ActionKind::kBackwardInput,
-                            ActionKind::kBackwardWeight}) {
+    for (ActionKind kind :
+         {ActionKind::kForward, ActionKind::kBackward, ActionKind::kBackwardInput, ActionKind::kBackwardWeight}) {
       PIPESHARD_RETURN_IF_ERROR(at_most_once(at, c, kind, k));
     }
     const auto& f = find(at, c, ActionKind::kForward, k);
@@ -165,7 +165,8 @@ class StructureCheck {
                            name(ActionKind::kBackwardInput, k, c));
     }
     if (i.empty() && !w.empty()) {
-      return Status::error(name(ActionKind::kBackwardWeight, k, c) + " without " + name(ActionKind::kBackwardInput, k, c));
+      return Status::error(name(ActionKind::kBackwardWeight, k, c) + " without " +
+                           name(ActionKind::kBackwardInput, k, c));
     }
     const Action back = backward_of(at, c, k);
     if (find(at, c, back.kind, k)[0] < f[0]) {
@@ -258,8 +259,8 @@ class StructureCheck {
       const int c = sc_.chunk_of(to, a.chunk);
       if (a.kind == recv && stage_of(c - step) == from) received.emplace_back(c, a);
     }
-    const std::string link = std::string(activations ? "activations" : "gradients") + " stage " +
-                             std::to_string(from) + " -> stage " + std::to_string(to);
+    const std::string link = std::string(activations ? "activations" : "gradients") + " stage " + std::to_string(from) +
+                             " -> stage " + std::to_string(to);
     for (size_t i = 0; i < std::min(sent.size(), received.size()); ++i) {
       const auto& [sent_chunk, s] = sent[i];
       const auto& [received_chunk, r] = received[i];

@@ -52,9 +52,7 @@ void append_lowered(std::vector<Action>& out, const Action& a, const PipelineSch
       out.push_back(a);
       if (previous_elsewhere) out.push_back({ActionKind::kSendGradient, a.micro_batch, a.chunk});
       return;
-    default:
-      out.push_back(a);
-      return;
+    default: out.push_back(a); return;
   }
 }
 
@@ -71,8 +69,8 @@ PipelineSchedule lower_schedule(std::string name, int stages, int micro_batches,
   sc.micro_batches = micro_batches;
   sc.stage_chunks.assign(stages, {});
   for (int c = 0; c < static_cast<int>(chunk_stage.size()); ++c) {
-    PIPESHARD_CHECK(chunk_stage[c] >= 0 && chunk_stage[c] < stages, "chunk " + std::to_string(c) + " on stage " +
-                                                                         std::to_string(chunk_stage[c]));
+    PIPESHARD_CHECK(chunk_stage[c] >= 0 && chunk_stage[c] < stages,
+                    "chunk " + std::to_string(c) + " on stage " + std::to_string(chunk_stage[c]));
     sc.stage_chunks[chunk_stage[c]].push_back(c);
   }
   sc.actions.resize(stages);

@@ -48,9 +48,9 @@ std::list<ScheduleInfo>& table() {
   static std::list<ScheduleInfo> rows = {
       {"gpipe", "GPipe", "all forwards, then all backwards; M micro-batches alive on every stage", 1, nullptr, gpipe,
        [](int, int m, int) { return m; }, fill_and_drain, "(P-1)/(M+P-1)"},
-      {"1f1b", "1F1B",
-       "one forward, one backward (PipeDream-flush); stage s keeps at most P - s micro-batches alive", 1, nullptr,
-       one_f_one_b, [](int p, int m, int s) { return std::min(p - s, m); }, fill_and_drain, "(P-1)/(M+P-1)"},
+      {"1f1b", "1F1B", "one forward, one backward (PipeDream-flush); stage s keeps at most P - s micro-batches alive",
+       1, nullptr, one_f_one_b, [](int p, int m, int s) { return std::min(p - s, m); }, fill_and_drain,
+       "(P-1)/(M+P-1)"},
   };
   return rows;
 }
@@ -82,8 +82,7 @@ Status check_schedule_name(std::string_view name) {
 }
 
 ScheduleRegistration::ScheduleRegistration(ScheduleInfo info) : name_(info.name) {
-  PIPESHARD_CHECK(!name_.empty() && find_schedule(name_) == nullptr,
-                  "schedule '" + name_ + "' is registered already");
+  PIPESHARD_CHECK(!name_.empty() && find_schedule(name_) == nullptr, "schedule '" + name_ + "' is registered already");
   PIPESHARD_CHECK(info.build && info.in_flight && info.bubble && info.chunks_per_stage >= 1,
                   "schedule '" + name_ + "' lacks a builder, an in-flight count or a bubble formula");
   table().push_back(std::move(info));

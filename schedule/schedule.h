@@ -118,12 +118,10 @@ Status check_pipeline_schedule(const PipelineSchedule& schedule, SendMode mode =
 //   0     F0      .
 //   1     sA0     rA0
 //   ...
-std::string format_pipeline_schedule(const PipelineSchedule& schedule,
-                                     SendMode mode = SendMode::kBuffered);
+std::string format_pipeline_schedule(const PipelineSchedule& schedule, SendMode mode = SendMode::kBuffered);
 
 // Steps the simulation under `mode` takes to finish every stage, or the deadlock.
-Result<int> pipeline_schedule_steps(const PipelineSchedule& schedule,
-                                    SendMode mode = SendMode::kBuffered);
+Result<int> pipeline_schedule_steps(const PipelineSchedule& schedule, SendMode mode = SendMode::kBuffered);
 
 // Most micro-batches on `stage` whose forward has run and whose backward (B, or W after
 // I) has not, at any point of its action list, summed over its chunks: the activations it

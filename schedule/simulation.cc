@@ -106,7 +106,8 @@ class Simulator {
         waits.push_back("stage " + std::to_string(s) + " waits at " + action_label(sc_, s, *a));
       }
     }
-    std::string message = std::string("deadlock (") + send_mode_name(mode_) + ") at step " + std::to_string(step) + ": ";
+    std::string message =
+        std::string("deadlock (") + send_mode_name(mode_) + ") at step " + std::to_string(step) + ": ";
     for (size_t i = 0; i < waits.size(); ++i) {
       if (i > 0) message += i + 1 == waits.size() ? " while " : ", ";
       message += waits[i];
@@ -116,8 +117,8 @@ class Simulator {
 
   const PipelineSchedule& sc_;
   SendMode mode_;
-  std::vector<size_t> next_;             // [stages] index of the next action to run
-  std::map<Message, int> in_transit_;    // sends issued and not yet received
+  std::vector<size_t> next_;           // [stages] index of the next action to run
+  std::map<Message, int> in_transit_;  // sends issued and not yet received
 };
 
 std::string pad(const std::string& text, size_t width) {

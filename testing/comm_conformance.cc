@@ -54,7 +54,8 @@ class Buffer {
       : memory_(memory), n_(static_cast<int64_t>(values.size())), data_(memory.allocate(std::max<int64_t>(n_, 1))) {
     write(values);
   }
-  Buffer(CommMemory& memory, int64_t n, float fill) : Buffer(memory, std::vector<float>(static_cast<size_t>(n), fill)) {}
+  Buffer(CommMemory& memory, int64_t n, float fill)
+      : Buffer(memory, std::vector<float>(static_cast<size_t>(n), fill)) {}
   ~Buffer() { memory_.deallocate(data_); }
   Buffer(const Buffer&) = delete;
   Buffer& operator=(const Buffer&) = delete;
@@ -126,9 +127,7 @@ std::vector<int> world_ranks_of(const CommUnderTest& t, Communicator& group) {
   return std::vector<int>(ranks.begin(), ranks.end());
 }
 
-bool no_transfers(const CommUnderTest& t) {
-  return t.world.size() == 1 && t.self_transfers == SelfTransfers::kRefused;
-}
+bool no_transfers(const CommUnderTest& t) { return t.world.size() == 1 && t.self_transfers == SelfTransfers::kRefused; }
 
 int64_t steady_nanoseconds() {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
@@ -152,17 +151,20 @@ void all_reduce_sums_and_averages_in_float(const CommUnderTest& t) {
   const int64_t n = 13;
   Buffer data(t.memory, values(n, [&](int64_t i) { return static_cast<float>(rank * 10 + i); }));
   c.all_reduce(data.data(), n, ReduceOp::kSum);
-  expect_values(data.read(), [&](int64_t i) { return 5.0f * size * (size - 1) + size * i; }, "sum");
+  expect_values(
+      data.read(), [&](int64_t i) { return 5.0f * size * (size - 1) + size * i; }, "sum");
 
   // rank + 1 + i·size averages to (size + 1) / 2 + i·size, exactly.
   data.write(values(n, [&](int64_t i) { return static_cast<float>(rank + 1 + i * size); }));
   c.all_reduce(data.data(), n, ReduceOp::kAverage);
-  expect_values(data.read(), [&](int64_t i) { return 0.5f * (size + 1) + size * i; }, "average");
+  expect_values(
+      data.read(), [&](int64_t i) { return 0.5f * (size + 1) + size * i; }, "average");
 
   // The average is the float sum divided by size() in float: 1 / size, rounded once.
   data.write(values(n, [&](int64_t) { return rank == 0 ? 1.0f : 0.0f; }));
   c.all_reduce(data.data(), n, ReduceOp::kAverage);
-  expect_values(data.read(), [&](int64_t) { return 1.0f / static_cast<float>(size); }, "average of one 1");
+  expect_values(
+      data.read(), [&](int64_t) { return 1.0f / static_cast<float>(size); }, "average of one 1");
 
   c.all_reduce(nullptr, 0, ReduceOp::kSum);
 }
@@ -181,12 +183,15 @@ void async_all_reduces_complete_in_any_order(const CommUnderTest& t) {
   second->wait();  // in the other order than they started
   first->wait();
   first->wait();  // a second wait returns at once
-  expect_values(a.read(), [&](int64_t) { return 0.5f * size * (size + 1); }, "first");
-  expect_values(b.read(), [&](int64_t) { return static_cast<float>(size - 1); }, "second");  // mean of 0, 2, 4, …
+  expect_values(
+      a.read(), [&](int64_t) { return 0.5f * size * (size + 1); }, "first");
+  expect_values(
+      b.read(), [&](int64_t) { return static_cast<float>(size - 1); }, "second");  // mean of 0, 2, 4, …
 
   Buffer dropped_data(t.memory, n, 1.0f);
   { std::unique_ptr<Request> dropped = c.all_reduce_async(dropped_data.data(), n, ReduceOp::kSum); }
-  expect_values(dropped_data.read(), [&](int64_t) { return static_cast<float>(size); }, "destroyed unwaited");
+  expect_values(
+      dropped_data.read(), [&](int64_t) { return static_cast<float>(size); }, "destroyed unwaited");
   c.all_reduce_async(nullptr, 0, ReduceOp::kSum)->wait();
 }
 
@@ -239,12 +244,14 @@ void all_gather_concatenates_in_rank_order(const CommUnderTest& t) {
   Buffer send(t.memory, values(n, [&](int64_t j) { return value(rank, j); }));
   Buffer recv(t.memory, size * n, -1.0f);
   c.all_gather(send.data(), recv.data(), n);
-  expect_values(recv.read(), [&](int64_t i) { return value(static_cast<int>(i / n), i % n); }, "all_gather");
+  expect_values(
+      recv.read(), [&](int64_t i) { return value(static_cast<int>(i / n), i % n); }, "all_gather");
 
   // In place: this rank's block already where it belongs.
   Buffer in_place(t.memory, values(size * n, [&](int64_t i) { return i / n == rank ? value(rank, i % n) : -1.0f; }));
   c.all_gather(in_place.data() + rank * n, in_place.data(), n);
-  expect_values(in_place.read(), [&](int64_t i) { return value(static_cast<int>(i / n), i % n); }, "in place");
+  expect_values(
+      in_place.read(), [&](int64_t i) { return value(static_cast<int>(i / n), i % n); }, "in place");
 }
 
 void reduce_scatter_gives_each_rank_its_block(const CommUnderTest& t) {
@@ -255,18 +262,22 @@ void reduce_scatter_gives_each_rank_its_block(const CommUnderTest& t) {
   Buffer recv(t.memory, n, -1.0f);
   c.reduce_scatter(send.data(), recv.data(), n, ReduceOp::kSum);
   const float rank_sum = 0.5f * size * (size - 1);
-  expect_values(recv.read(), [&](int64_t j) { return rank_sum + size * (rank * 1000.0f + j); }, "sum");
+  expect_values(
+      recv.read(), [&](int64_t j) { return rank_sum + size * (rank * 1000.0f + j); }, "sum");
   c.reduce_scatter(send.data(), recv.data(), n, ReduceOp::kAverage);
-  expect_values(recv.read(), [&](int64_t j) { return 0.5f * (size - 1) + rank * 1000.0f + j; }, "average");
+  expect_values(
+      recv.read(), [&](int64_t j) { return 0.5f * (size - 1) + rank * 1000.0f + j; }, "average");
 }
 
 void broadcast_from_every_root(const CommUnderTest& t) {
   Communicator& c = t.world;
   const int64_t n = 11;
   for (int root = 0; root < c.size(); ++root) {
-    Buffer data(t.memory, values(n, [&](int64_t j) { return c.rank() == root ? static_cast<float>(root * 7 + j) : -1.0f; }));
+    Buffer data(t.memory,
+                values(n, [&](int64_t j) { return c.rank() == root ? static_cast<float>(root * 7 + j) : -1.0f; }));
     c.broadcast(data.data(), n, root);
-    expect_values(data.read(), [&](int64_t j) { return static_cast<float>(root * 7 + j); }, "root " + std::to_string(root));
+    expect_values(
+        data.read(), [&](int64_t j) { return static_cast<float>(root * 7 + j); }, "root " + std::to_string(root));
   }
 }
 
@@ -339,7 +350,8 @@ void transfers_match_in_issue_order(const CommUnderTest& t) {
   }
   for (auto& s : sends) s->wait();
   for (int k = 0; k < kMessages; ++k) {
-    expect_values(in[k]->read(), [&](int64_t j) { return value(left, k, j); }, "message " + std::to_string(k));
+    expect_values(
+        in[k]->read(), [&](int64_t j) { return value(left, k, j); }, "message " + std::to_string(k));
   }
 }
 
@@ -359,8 +371,10 @@ void tags_tell_transfers_apart(const CommUnderTest& t) {
   c.recv(got1.data(), n, left, 1);
   s1->wait();
   s2->wait();
-  expect_values(got1.read(), [&](int64_t) { return static_cast<float>(left); }, "tag 1");
-  expect_values(got2.read(), [&](int64_t) { return static_cast<float>(left + 1000); }, "tag 2");
+  expect_values(
+      got1.read(), [&](int64_t) { return static_cast<float>(left); }, "tag 1");
+  expect_values(
+      got2.read(), [&](int64_t) { return static_cast<float>(left + 1000); }, "tag 2");
 }
 
 // Blocking transfers: a token goes round the ring, each rank adding its rank.
@@ -374,11 +388,13 @@ void blocking_transfers_around_a_ring(const CommUnderTest& t) {
   if (rank == 0) {
     c.send(token.data(), n, right, 100);
     c.recv(token.data(), n, left, 100 + size - 1);
-    expect_values(token.read(), [&](int64_t j) { return j + 0.5f * size * (size - 1); }, "back at rank 0");
+    expect_values(
+        token.read(), [&](int64_t j) { return j + 0.5f * size * (size - 1); }, "back at rank 0");
   } else {
     c.recv(token.data(), n, left, 100 + rank - 1);
     std::vector<float> got = token.read();
-    expect_values(got, [&](int64_t j) { return j + 0.5f * rank * (rank - 1); }, "at rank " + std::to_string(rank));
+    expect_values(
+        got, [&](int64_t j) { return j + 0.5f * rank * (rank - 1); }, "at rank " + std::to_string(rank));
     for (float& x : got) x += static_cast<float>(rank);
     token.write(got);
     c.send(token.data(), n, right, 100 + rank);
@@ -403,7 +419,8 @@ void async_exchange_with_every_rank(const CommUnderTest& t) {
   for (size_t i = 0; i < requests.size(); i += 2) requests[i]->wait();
   requests.clear();
   for (int peer = 0; peer < size; ++peer) {
-    expect_values(from[peer]->read(), [&](int64_t j) { return value(peer, rank, j); }, "from rank " + std::to_string(peer));
+    expect_values(
+        from[peer]->read(), [&](int64_t j) { return value(peer, rank, j); }, "from rank " + std::to_string(peer));
   }
 }
 
@@ -442,7 +459,8 @@ void large_buffers(const CommUnderTest& t) {
   std::unique_ptr<Request> received = c.recv_async(in.data(), n, left, 9);
   received->wait();
   sent->wait();
-  expect_values(in.read(), [&](int64_t i) { return static_cast<float>(left * 8192 + i % 8192); }, "from the left");
+  expect_values(
+      in.read(), [&](int64_t i) { return static_cast<float>(left * 8192 + i % 8192); }, "from the left");
 }
 
 // ---- Groups -------------------------------------------------------------------------------
@@ -463,7 +481,8 @@ void split_groups_by_color_ordered_by_key(const CommUnderTest& t) {
   }
   Buffer ones(t.memory, 4, 1.0f);
   parity->all_reduce(ones.data(), 4, ReduceOp::kSum);
-  expect_values(ones.read(), [&](int64_t) { return static_cast<float>(expected.size()); }, "sum over the group");
+  expect_values(
+      ones.read(), [&](int64_t) { return static_cast<float>(expected.size()); }, "sum over the group");
 
   // Equal keys keep the parent's order; a split group splits again, into groups of one.
   std::unique_ptr<Communicator> all = c.split(0, 0);
@@ -513,8 +532,10 @@ void groups_work_side_by_side(const CommUnderTest& t) {
   for (int r = rank % 2; r < size; r += 2) same_parity_sum += static_cast<float>(r);
   EXPECT_EQ(parity->all_reduce_sum(1.0), static_cast<double>(parity->size()));
   pending->wait();
-  expect_values(group_data.read(), [&](int64_t) { return same_parity_sum; }, "group");
-  expect_values(world_data.read(), [&](int64_t) { return static_cast<float>(size); }, "world");
+  expect_values(
+      group_data.read(), [&](int64_t) { return same_parity_sum; }, "group");
+  expect_values(
+      world_data.read(), [&](int64_t) { return static_cast<float>(size); }, "world");
 }
 
 class ConformanceTest : public ::testing::Test {

@@ -53,17 +53,12 @@ struct KindFacts {
 
 const KindFacts& facts(CollectiveKind kind) {
   static const KindFacts table[] = {
-      {"all_reduce", "floats", true, false},
-      {"all_reduce_async", "floats", true, false},
+      {"all_reduce", "floats", true, false},       {"all_reduce_async", "floats", true, false},
       {"all_reduce_sum", "doubles", false, false},  // of one value
-      {"all_reduce_sum", "doubles", false, false},
-      {"gather_text", nullptr, false, true},
-      {"all_gather", "floats", false, false},
-      {"reduce_scatter", "floats", true, false},
-      {"broadcast", "floats", false, true},
-      {"broadcast_bytes", "bytes", false, true},
-      {"barrier", nullptr, false, false},
-      {"split", nullptr, false, false},
+      {"all_reduce_sum", "doubles", false, false}, {"gather_text", nullptr, false, true},
+      {"all_gather", "floats", false, false},      {"reduce_scatter", "floats", true, false},
+      {"broadcast", "floats", false, true},        {"broadcast_bytes", "bytes", false, true},
+      {"barrier", nullptr, false, false},          {"split", nullptr, false, false},
   };
   return table[static_cast<int>(kind)];
 }
@@ -195,8 +190,8 @@ class Group {
       c.posted.resize(static_cast<size_t>(size()), false);
     }
     PIPESHARD_CHECK(c.call == call, "in-process communicator: collective #" + std::to_string(seq) + " of " + name() +
-                                        ": rank " + std::to_string(rank) + " calls " + call.describe() + " where rank " +
-                                        std::to_string(c.first_rank) + " called " + c.call.describe());
+                                        ": rank " + std::to_string(rank) + " calls " + call.describe() +
+                                        " where rank " + std::to_string(c.first_rank) + " called " + c.call.describe());
     c.inputs[static_cast<size_t>(rank)] = std::move(input);
     c.posted[static_cast<size_t>(rank)] = true;
     if (++c.posted_count == size()) {
@@ -255,8 +250,8 @@ class Group {
     const std::vector<float> message = std::move(it->second);
     channel.messages.erase(it);
     PIPESHARD_CHECK(static_cast<int64_t>(message.size()) == n,
-                    "received " + std::to_string(message.size()) + " floats from rank " + std::to_string(peer) + " (tag " +
-                        std::to_string(tag) + ") where " + std::to_string(n) + " were expected");
+                    "received " + std::to_string(message.size()) + " floats from rank " + std::to_string(peer) +
+                        " (tag " + std::to_string(tag) + ") where " + std::to_string(n) + " were expected");
     if (n > 0) std::memcpy(data, message.data(), sizeof(float) * static_cast<size_t>(n));
     return true;
   }
@@ -275,26 +270,17 @@ class Group {
         c.floats = reduce_floats(c.inputs, c.call.op);
         break;
       case CollectiveKind::kDoubleSum:
-      case CollectiveKind::kDoubleArraySum:
-        c.doubles = sum_in_rank_order(c.inputs, &Contribution::doubles);
-        break;
+      case CollectiveKind::kDoubleArraySum: c.doubles = sum_in_rank_order(c.inputs, &Contribution::doubles); break;
       case CollectiveKind::kGatherText:
         for (const Contribution& in : c.inputs) c.texts.push_back(in.bytes);
         break;
       case CollectiveKind::kAllGather:
         for (const Contribution& in : c.inputs) c.floats.insert(c.floats.end(), in.floats.begin(), in.floats.end());
         break;
-      case CollectiveKind::kBroadcast:
-        c.floats = c.inputs[static_cast<size_t>(c.call.root)].floats;
-        break;
-      case CollectiveKind::kBroadcastBytes:
-        c.bytes = c.inputs[static_cast<size_t>(c.call.root)].bytes;
-        break;
-      case CollectiveKind::kBarrier:
-        break;
-      case CollectiveKind::kSplit:
-        split(c);
-        break;
+      case CollectiveKind::kBroadcast: c.floats = c.inputs[static_cast<size_t>(c.call.root)].floats; break;
+      case CollectiveKind::kBroadcastBytes: c.bytes = c.inputs[static_cast<size_t>(c.call.root)].bytes; break;
+      case CollectiveKind::kBarrier: break;
+      case CollectiveKind::kSplit: split(c); break;
     }
     c.complete = true;
   }
@@ -316,9 +302,9 @@ class Group {
   }
 
   std::shared_ptr<Job> job_;
-  std::vector<int> world_ranks_;                 // [rank in this group]
+  std::vector<int> world_ranks_;  // [rank in this group]
   std::string name_;
-  std::map<int64_t, Collective> collectives_;    // by sequence number, until every rank collected
+  std::map<int64_t, Collective> collectives_;  // by sequence number, until every rank collected
   std::map<ChannelKey, Channel> channels_;
 };
 
@@ -418,7 +404,8 @@ class InProcessCommunicator final : public Communicator {
     // In place is send == recv + rank·n; any other overlap is an error in MPI.
     PIPESHARD_CHECK(n == 0 || send == recv + rank_ * n || send + n <= recv || recv + total <= send,
                     "all_gather's send buffer overlaps its receive buffer other than at this rank's block");
-    const int64_t seq = post({CollectiveKind::kAllGather, n, 0, ReduceOp::kSum}, Contribution::of_floats(copy_of(send, n)));
+    const int64_t seq =
+        post({CollectiveKind::kAllGather, n, 0, ReduceOp::kSum}, Contribution::of_floats(copy_of(send, n)));
     collect(seq, WaitMode::kThrow, [&](const Collective& c) { copy_out(c.floats, 0, recv, total); });
   }
   void reduce_scatter(const float* send, float* recv, int64_t n, ReduceOp op) override {
@@ -444,9 +431,9 @@ class InProcessCommunicator final : public Communicator {
     auto* data = static_cast<char*>(bytes);
     check_buffer(data, n);
     check_root(root);
-    const int64_t seq = post({CollectiveKind::kBroadcastBytes, n, root, ReduceOp::kSum},
-                             Contribution::of_bytes(rank_ == root && n > 0 ? std::string(data, static_cast<size_t>(n))
-                                                                           : std::string()));
+    const int64_t seq = post(
+        {CollectiveKind::kBroadcastBytes, n, root, ReduceOp::kSum},
+        Contribution::of_bytes(rank_ == root && n > 0 ? std::string(data, static_cast<size_t>(n)) : std::string()));
     collect(seq, WaitMode::kThrow, [&](const Collective& c) {
       if (rank_ != root && n > 0) std::memcpy(data, c.bytes.data(), static_cast<size_t>(n));
     });
@@ -468,9 +455,10 @@ class InProcessCommunicator final : public Communicator {
   std::unique_ptr<Request> recv_async(float* data, int64_t n, int peer, int tag) override {
     check_transfer(data, n, peer, tag);
     const int64_t ticket = group_->post_receive(rank_, peer, tag);
-    return std::make_unique<InProcessRequest>([group = group_, rank = rank_, peer, tag, ticket, data, n](WaitMode mode) {
-      return group->receive(rank, peer, tag, ticket, data, n, mode);
-    });
+    return std::make_unique<InProcessRequest>(
+        [group = group_, rank = rank_, peer, tag, ticket, data, n](WaitMode mode) {
+          return group->receive(rank, peer, tag, ticket, data, n, mode);
+        });
   }
   void barrier() override {
     const int64_t seq = post({CollectiveKind::kBarrier, 0, 0, ReduceOp::kSum}, {});
@@ -502,13 +490,15 @@ class InProcessCommunicator final : public Communicator {
     group_->collect(rank_, seq, mode, take);
   }
   void check_root(int root) const {
-    PIPESHARD_CHECK(root >= 0 && root < size(), "root " + std::to_string(root) + " of " + std::to_string(size()) + " ranks");
+    PIPESHARD_CHECK(root >= 0 && root < size(),
+                    "root " + std::to_string(root) + " of " + std::to_string(size()) + " ranks");
   }
   void check_transfer(const float* data, int64_t n, int peer, int tag) const {
     check_buffer(data, n);
-    PIPESHARD_CHECK(peer >= 0 && peer < size(), "peer " + std::to_string(peer) + " of " + std::to_string(size()) + " ranks");
-    PIPESHARD_CHECK(tag >= 0 && tag <= kMaxTag, "tag " + std::to_string(tag) + " outside 0.." + std::to_string(kMaxTag) +
-                                                    ", the range every MPI provides");
+    PIPESHARD_CHECK(peer >= 0 && peer < size(),
+                    "peer " + std::to_string(peer) + " of " + std::to_string(size()) + " ranks");
+    PIPESHARD_CHECK(tag >= 0 && tag <= kMaxTag, "tag " + std::to_string(tag) + " outside 0.." +
+                                                    std::to_string(kMaxTag) + ", the range every MPI provides");
   }
 
   std::shared_ptr<Group> group_;

@@ -72,8 +72,7 @@ std::vector<std::unique_ptr<Communicator>> make_in_process_group(int size, const
 // one that is not an InProcessJobError (the cause) before those that are (the ranks
 // stopped by it), the lowest rank first; a job that failed without any body throwing
 // throws InProcessJobError.
-void run_ranks(int size, const std::function<void(Communicator& world)>& body,
-               const InProcessOptions& options = {});
+void run_ranks(int size, const std::function<void(Communicator& world)>& body, const InProcessOptions& options = {});
 
 // The groups of this rank in the layout of `stages` pipeline stages × `shards`
 // tensor-parallel shards (replicas: the rest) over `world`: ProcessLayout::for_rank, then

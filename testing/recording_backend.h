@@ -15,8 +15,8 @@
 #include <utility>
 #include <vector>
 
-#include "common/status.h"
 #include "backend/backend.h"
+#include "common/status.h"
 
 namespace pipeshard::testing {
 
@@ -32,8 +32,8 @@ class RecordingBackend final : public Backend {
   std::vector<ActivationKind> inexact_epilogues;
 
   int synchronizations = 0;  // synchronize() calls
-  int recordings = 0;  // record() calls
-  int replays = 0;     // replay() calls, over all recordings
+  int recordings = 0;        // record() calls
+  int replays = 0;           // replay() calls, over all recordings
   int64_t recorded_calls = 0;
 
   std::unique_ptr<RecordedWork> record(const std::function<void()>& work) override {
@@ -62,7 +62,8 @@ class RecordingBackend final : public Backend {
     inner_.synchronize();
   }
   bool epilogue_recomputes_exactly(const Activation& a) const override {
-    const bool inexact = std::find(inexact_epilogues.begin(), inexact_epilogues.end(), a.kind) != inexact_epilogues.end();
+    const bool inexact =
+        std::find(inexact_epilogues.begin(), inexact_epilogues.end(), a.kind) != inexact_epilogues.end();
     return !inexact && inner_.epilogue_recomputes_exactly(a);
   }
   void upload(float* dst, const float* host, int64_t n) override {
@@ -146,8 +147,8 @@ class RecordingBackend final : public Backend {
                          float momentum, bool training, const ChannelReducer* reduce) override {
     PIPESHARD_CHECK(!recording_ || reduce == nullptr, "a BatchNorm reducer (host communication) in a recording");
     run([=, this] {
-      inner_.batchnorm_forward(y, mean, rstd, running_mean, running_var, x, w, b, batch, channels, inner, eps,
-                               momentum, training, reduce);
+      inner_.batchnorm_forward(y, mean, rstd, running_mean, running_var, x, w, b, batch, channels, inner, eps, momentum,
+                               training, reduce);
     });
   }
   void batchnorm_backward(float* dx, float* dw, float* db, const float* dy, const float* x, const float* w,

@@ -154,8 +154,7 @@ HostTensor forward_node(const Graph& g, const Node& n, const std::vector<const H
   return x;
 }
 
-Result<std::map<std::string, HostTensor>> run_forward(const Graph& g,
-                                                      const std::map<std::string, HostTensor>& inputs) {
+Result<std::map<std::string, HostTensor>> run_forward(const Graph& g, const std::map<std::string, HostTensor>& inputs) {
   std::vector<HostTensor> values(g.values.size());
   std::vector<bool> have(g.values.size(), false);
   for (int v : g.inputs) {
@@ -165,7 +164,8 @@ Result<std::map<std::string, HostTensor>> run_forward(const Graph& g,
     const auto& got = it->second.dims;
     bool ok = got.size() == want.size() && product(got) == static_cast<int64_t>(it->second.data.size());
     for (size_t k = 1; ok && k < want.size(); ++k) ok = got[k] == want[k];
-    if (!ok) return Status::error("input '" + g.values[v].name + "' does not have shape " + g.values[v].shape.to_string());
+    if (!ok)
+      return Status::error("input '" + g.values[v].name + "' does not have shape " + g.values[v].shape.to_string());
     values[v] = it->second;
     have[v] = true;
   }

@@ -48,9 +48,9 @@ class ScratchDir {
 };
 
 struct CommandResult {
-  int exit_code = -1;   // the process's exit status, or -1 if it did not exit normally
-  std::string out;      // stdout
-  std::string err;      // stderr
+  int exit_code = -1;  // the process's exit status, or -1 if it did not exit normally
+  std::string out;     // stdout
+  std::string err;     // stderr
 };
 
 inline std::string read_text(const std::string& path) {

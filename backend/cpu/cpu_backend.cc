@@ -14,9 +14,9 @@
 #include <mutex>
 #include <unordered_map>
 
-#include "common/status.h"
 #include "backend/backend.h"
 #include "backend/cpu/cpu_kernels.h"
+#include "common/status.h"
 
 namespace pipeshard {
 namespace cpu {
@@ -64,7 +64,8 @@ struct GeluTanhOp {  // 0.5x(1 + tanh(√(2/π)(x + 0.044715x³)))
     const float inner = kBeta * (x + kKappa * (x_sq * x));
     const float tanh_inner = std::tanh(inner);
     const float left_derivative = 0.5f * (1.0f + tanh_inner);
-    const float right_derivative = 0.5f * x * (1.0f - tanh_inner * tanh_inner) * (kBeta * (1.0f + 3.0f * kKappa * x_sq));
+    const float right_derivative =
+        0.5f * x * (1.0f - tanh_inner * tanh_inner) * (kBeta * (1.0f + 3.0f * kKappa * x_sq));
     return dy * (left_derivative + right_derivative);
   }
 };
@@ -110,8 +111,7 @@ void activation_forward(float* y, const float* x, int64_t n, const Activation& a
   });
 }
 
-void activation_backward(float* dx, const float* dy, const float* x, const float* y, int64_t n,
-                         const Activation& a) {
+void activation_backward(float* dx, const float* dy, const float* x, const float* y, int64_t n, const Activation& a) {
   with_activation(a, [&](auto op) {
     parallel_ranges(n, n * activation_cost(a.kind), [&](int64_t begin, int64_t end) {
       if (y != nullptr) {
@@ -302,11 +302,11 @@ class CpuBackend final : public Backend {
     }
     if (dw != nullptr && s.in > 0) {
       if (out_in) {  // dw[out, in] += alpha · dyᵀ · x
-        sgemm(CblasTrans, CblasNoTrans, blas_int(s.out), blas_int(s.in), blas_int(s.rows), s.alpha, dy,
-              blas_int(s.out), x, blas_int(s.in), param_beta, dw, blas_int(s.in));
+        sgemm(CblasTrans, CblasNoTrans, blas_int(s.out), blas_int(s.in), blas_int(s.rows), s.alpha, dy, blas_int(s.out),
+              x, blas_int(s.in), param_beta, dw, blas_int(s.in));
       } else {  // dw[in, out] += alpha · xᵀ · dy
-        sgemm(CblasTrans, CblasNoTrans, blas_int(s.in), blas_int(s.out), blas_int(s.rows), s.alpha, x,
-              blas_int(s.in), dy, blas_int(s.out), param_beta, dw, blas_int(s.out));
+        sgemm(CblasTrans, CblasNoTrans, blas_int(s.in), blas_int(s.out), blas_int(s.rows), s.alpha, x, blas_int(s.in),
+              dy, blas_int(s.out), param_beta, dw, blas_int(s.out));
       }
     }
     if (db != nullptr) bias_backward(db, dy, s.beta, s.rows, s.out);
@@ -330,8 +330,7 @@ class CpuBackend final : public Backend {
   void softmax_forward(float* y, const float* x, int64_t rows, int64_t width, bool log) override {
     cpu::softmax_forward(y, x, rows, width, log);
   }
-  void softmax_backward(float* dx, const float* dy, const float* y, int64_t rows, int64_t width,
-                        bool log) override {
+  void softmax_backward(float* dx, const float* dy, const float* y, int64_t rows, int64_t width, bool log) override {
     cpu::softmax_backward(dx, dy, y, rows, width, log);
   }
   void layernorm_forward(float* y, float* mean, float* rstd, const float* x, const float* w, const float* b,
@@ -342,12 +341,11 @@ class CpuBackend final : public Backend {
                           const float* mean, const float* rstd, int64_t rows, int64_t width) override {
     cpu::layernorm_backward(dx, dw, db, dy, x, w, mean, rstd, rows, width);
   }
-  void batchnorm_forward(float* y, float* mean, float* rstd, float* running_mean, float* running_var,
-                         const float* x, const float* w, const float* b, int64_t batch, int64_t channels,
-                         int64_t inner, float eps, float momentum, bool training,
-                         const ChannelReducer* reduce) override {
-    cpu::batchnorm_forward(y, mean, rstd, running_mean, running_var, x, w, b, batch, channels, inner, eps,
-                           momentum, training, reduce);
+  void batchnorm_forward(float* y, float* mean, float* rstd, float* running_mean, float* running_var, const float* x,
+                         const float* w, const float* b, int64_t batch, int64_t channels, int64_t inner, float eps,
+                         float momentum, bool training, const ChannelReducer* reduce) override {
+    cpu::batchnorm_forward(y, mean, rstd, running_mean, running_var, x, w, b, batch, channels, inner, eps, momentum,
+                           training, reduce);
   }
   void batchnorm_backward(float* dx, float* dw, float* db, const float* dy, const float* x, const float* w,
                           const float* mean, const float* rstd, int64_t batch, int64_t channels, int64_t inner,
@@ -383,9 +381,8 @@ class CpuBackend final : public Backend {
 
  private:
   static void check_shape(const LinearShape& s) {
-    PIPESHARD_CHECK(s.rows >= 0 && s.in >= 0 && s.out >= 0,
-                    "linear shape rows=" + std::to_string(s.rows) + " in=" + std::to_string(s.in) +
-                        " out=" + std::to_string(s.out));
+    PIPESHARD_CHECK(s.rows >= 0 && s.in >= 0 && s.out >= 0, "linear shape rows=" + std::to_string(s.rows) + " in=" +
+                                                                std::to_string(s.in) + " out=" + std::to_string(s.out));
   }
   // C[m, n] = alpha · op(A)[m, k] · op(B)[k, n] + beta · C, row-major, on OpenBLAS's
   // threads only when the GEMM is big enough to pay for them (kBlasThreadMinMacs).
@@ -415,7 +412,7 @@ class CpuBackend final : public Backend {
     });
   }
 
-  mutable std::mutex sizes_mutex_;  // allocate() may be called from any thread
+  mutable std::mutex sizes_mutex_;            // allocate() may be called from any thread
   std::unordered_map<void*, int64_t> sizes_;  // bytes of each live buffer
   MemoryUse memory_;
 };

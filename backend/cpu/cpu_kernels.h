@@ -34,7 +34,7 @@ inline float exp_nonpositive(float x) {
   // weights) made fn NaN, whose conversion to int is undefined behaviour: the clamp turns
   // it into -127, whose 2^n is 0, and the result stays NaN through e.
   const int n = static_cast<int>(std::min(std::max(-127.0f, fn), 0.0f));
-  float r = x - fn * 0.693359375f;                   // ln2 in two parts, exact products
+  float r = x - fn * 0.693359375f;  // ln2 in two parts, exact products
   r = r + fn * 2.12194440e-4f;
   const float z = r * r;
   float p = 1.9875691500e-4f;
@@ -119,8 +119,7 @@ double deterministic_sum(int64_t n, int64_t work_per_item, Chunk&& chunk) {
 
 // ---- elementwise (cpu_backend.cc) ----
 void activation_forward(float* y, const float* x, int64_t n, const Activation& a);
-void activation_backward(float* dx, const float* dy, const float* x, const float* y, int64_t n,
-                         const Activation& a);
+void activation_backward(float* dx, const float* dy, const float* x, const float* y, int64_t n, const Activation& a);
 // y[rows, width] = act(y + beta * b) in place, b [width] or null, act optional; pre
 // [rows, width] (or null) receives the values before the activation.
 void bias_activation_rows(float* y, float* pre, const float* b, float beta, int64_t rows, int64_t width,
@@ -129,20 +128,19 @@ void bias_activation_rows(float* y, float* pre, const float* b, float beta, int6
 // ---- softmax, LayerNorm, BatchNorm (cpu_normalization.cc) ----
 void softmax_forward(float* y, const float* x, int64_t rows, int64_t width, bool log);
 void softmax_backward(float* dx, const float* dy, const float* y, int64_t rows, int64_t width, bool log);
-void layernorm_forward(float* y, float* mean, float* rstd, const float* x, const float* w, const float* b,
-                       int64_t rows, int64_t width, float eps);
+void layernorm_forward(float* y, float* mean, float* rstd, const float* x, const float* w, const float* b, int64_t rows,
+                       int64_t width, float eps);
 void layernorm_backward(float* dx, float* dw, float* db, const float* dy, const float* x, const float* w,
                         const float* mean, const float* rstd, int64_t rows, int64_t width);
-void batchnorm_forward(float* y, float* mean, float* rstd, float* running_mean, float* running_var,
-                       const float* x, const float* w, const float* b, int64_t batch, int64_t channels,
-                       int64_t inner, float eps, float momentum, bool training, const ChannelReducer* reduce);
+void batchnorm_forward(float* y, float* mean, float* rstd, float* running_mean, float* running_var, const float* x,
+                       const float* w, const float* b, int64_t batch, int64_t channels, int64_t inner, float eps,
+                       float momentum, bool training, const ChannelReducer* reduce);
 void batchnorm_backward(float* dx, float* dw, float* db, const float* dy, const float* x, const float* w,
                         const float* mean, const float* rstd, int64_t batch, int64_t channels, int64_t inner,
                         bool training, const ChannelReducer* reduce);
 
 // ---- dropout, losses, optimizers (cpu_training.cc) ----
-void dropout_forward(float* y, float* mask, const float* x, int64_t n, float ratio, uint64_t seed,
-                     uint64_t offset);
+void dropout_forward(float* y, float* mask, const float* x, int64_t n, float ratio, uint64_t seed, uint64_t offset);
 double cross_entropy(float* dlogits, const float* logits, const float* labels, int64_t rows, int64_t classes,
                      double denominator, bool log_probs);
 double mean_squared_error(float* dpred, const float* pred, const float* target, int64_t n, double denominator);

@@ -10,8 +10,8 @@
 #include <string>
 #include <vector>
 
-#include "common/status.h"
 #include "backend/cpu/cpu_kernels.h"
+#include "common/status.h"
 
 namespace pipeshard::cpu {
 namespace {
@@ -90,8 +90,8 @@ void softmax_backward(float* dx, const float* dy, const float* y, int64_t rows, 
 
 // ---- LayerNorm (backward as llm.c's layernorm_backward) ----
 
-void layernorm_forward(float* y, float* mean, float* rstd, const float* x, const float* w, const float* b,
-                       int64_t rows, int64_t width, float eps) {
+void layernorm_forward(float* y, float* mean, float* rstd, const float* x, const float* w, const float* b, int64_t rows,
+                       int64_t width, float eps) {
   check_rows(rows, width);
   parallel_ranges(rows, rows * width * 4, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
@@ -210,9 +210,9 @@ void channel_blocks(const BatchNormDims& d, int64_t cost, Body&& body) {
 }
 
 void check_batchnorm(const BatchNormDims& d) {
-  PIPESHARD_CHECK(d.batch > 0 && d.channels > 0 && d.inner > 0,
-                  "batchnorm shape [" + std::to_string(d.batch) + ", " + std::to_string(d.channels) + ", " +
-                      std::to_string(d.inner) + "]");
+  PIPESHARD_CHECK(d.batch > 0 && d.channels > 0 && d.inner > 0, "batchnorm shape [" + std::to_string(d.batch) + ", " +
+                                                                    std::to_string(d.channels) + ", " +
+                                                                    std::to_string(d.inner) + "]");
 }
 
 // The count of values per channel over all processes, as the reducer summed it.
@@ -243,28 +243,25 @@ void add_squared_deviations(const BatchNormDims& d, int64_t c0, int64_t c1, cons
 
 // rstd from the biased variance sq / count, and the running statistics (each may be null)
 // moved towards mean and the unbiased variance sq / (count − 1).
-void finish_training_statistics(int64_t c0, int64_t c1, const double* mean, const double* sq, double count,
-                                float eps, float momentum, float* running_mean, float* running_var,
-                                double* rstd) {
+void finish_training_statistics(int64_t c0, int64_t c1, const double* mean, const double* sq, double count, float eps,
+                                float momentum, float* running_mean, float* running_var, double* rstd) {
   for (int64_t c = c0; c < c1; ++c) {
     const double var = sq[c - c0] / count;
     rstd[c - c0] = 1.0 / std::sqrt(var + static_cast<double>(eps));
     if (running_mean != nullptr) {
-      running_mean[c] = static_cast<float>(momentum * static_cast<double>(running_mean[c]) +
-                                           (1.0 - momentum) * mean[c - c0]);
+      running_mean[c] =
+          static_cast<float>(momentum * static_cast<double>(running_mean[c]) + (1.0 - momentum) * mean[c - c0]);
     }
     if (running_var != nullptr) {
       const double unbiased = sq[c - c0] / (count - 1.0);
-      running_var[c] = static_cast<float>(momentum * static_cast<double>(running_var[c]) +
-                                          (1.0 - momentum) * unbiased);
+      running_var[c] = static_cast<float>(momentum * static_cast<double>(running_var[c]) + (1.0 - momentum) * unbiased);
     }
   }
 }
 
 // y = (x − mean)·rstd·w + b; the statistics in float saved into mean, rstd [channels] when given.
 void normalise_channels(const BatchNormDims& d, int64_t c0, int64_t c1, float* y, const float* x, const float* w,
-                        const float* b, const double* block_mean, const double* block_rstd, float* mean,
-                        float* rstd) {
+                        const float* b, const double* block_mean, const double* block_rstd, float* mean, float* rstd) {
   float m[kChannelBlock], scale[kChannelBlock], shift[kChannelBlock];
   for (int64_t c = c0; c < c1; ++c) {
     m[c - c0] = static_cast<float>(block_mean[c - c0]);
@@ -284,9 +281,9 @@ void normalise_channels(const BatchNormDims& d, int64_t c0, int64_t c1, float* y
 
 // Training over the batches of every process `reduce` sums over: Σx and the count, then
 // Σ(x − global mean)², each pass over all channels followed by one reduction.
-void batchnorm_forward_synchronized(const BatchNormDims& d, float* y, float* mean, float* rstd,
-                                    float* running_mean, float* running_var, const float* x, const float* w,
-                                    const float* b, float eps, float momentum, const ChannelReducer& reduce) {
+void batchnorm_forward_synchronized(const BatchNormDims& d, float* y, float* mean, float* rstd, float* running_mean,
+                                    float* running_var, const float* x, const float* w, const float* b, float eps,
+                                    float momentum, const ChannelReducer& reduce) {
   const int64_t channels = d.channels;
   std::vector<double> sum(channels + 1, 0.0);  // Σx per channel, then the count
   channel_blocks(d, 1, [&](int64_t c0, int64_t c1) {
@@ -387,9 +384,9 @@ void batchnorm_backward_synchronized(const BatchNormDims& d, float* dx, float* d
 // In inference mode mean and rstd, when given, receive running_mean and
 // 1/√(running_var + eps): backward has no eps, so in both modes it reads the statistics
 // that forward normalised with from these two buffers.
-void batchnorm_forward(float* y, float* mean, float* rstd, float* running_mean, float* running_var,
-                       const float* x, const float* w, const float* b, int64_t batch, int64_t channels,
-                       int64_t inner, float eps, float momentum, bool training, const ChannelReducer* reduce) {
+void batchnorm_forward(float* y, float* mean, float* rstd, float* running_mean, float* running_var, const float* x,
+                       const float* w, const float* b, int64_t batch, int64_t channels, int64_t inner, float eps,
+                       float momentum, bool training, const ChannelReducer* reduce) {
   const BatchNormDims d{batch, channels, inner};
   check_batchnorm(d);
   if (!training) {
@@ -417,8 +414,8 @@ void batchnorm_forward(float* y, float* mean, float* rstd, float* running_mean, 
     channel_sums(d, c0, c1, sum, [&](int64_t i) { return static_cast<double>(x[i]); });
     for (int64_t c = c0; c < c1; ++c) block_mean[c - c0] = sum[c - c0] / static_cast<double>(n);
     add_squared_deviations(d, c0, c1, x, block_mean, sq);
-    finish_training_statistics(c0, c1, block_mean, sq, static_cast<double>(n), eps, momentum, running_mean,
-                               running_var, block_rstd);
+    finish_training_statistics(c0, c1, block_mean, sq, static_cast<double>(n), eps, momentum, running_mean, running_var,
+                               block_rstd);
     normalise_channels(d, c0, c1, y, x, w, b, block_mean, block_rstd, mean, rstd);
   });
 }

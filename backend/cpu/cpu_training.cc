@@ -9,9 +9,9 @@
 #include <cmath>
 #include <type_traits>
 
-#include "common/status.h"
 #include "backend/cpu/cpu_kernels.h"
 #include "backend/math/elementwise_math.cuh"
+#include "common/status.h"
 
 namespace pipeshard::cpu {
 
@@ -21,8 +21,7 @@ namespace pipeshard::cpu {
 // a counter-based generator: element i's draw depends on (seed, offset + i) only, so a
 // tensor drawn in pieces or by any number of threads gets the same mask. The formulas are
 // the ones the CUDA kernels run (backend/math/elementwise_math.cuh, host and device).
-void dropout_forward(float* y, float* mask, const float* x, int64_t n, float ratio, uint64_t seed,
-                     uint64_t offset) {
+void dropout_forward(float* y, float* mask, const float* x, int64_t n, float ratio, uint64_t seed, uint64_t offset) {
   PIPESHARD_CHECK(ratio >= 0.0f && ratio <= 1.0f, "dropout ratio " + std::to_string(ratio));
   const uint64_t key = cuda::math::dropout_key(seed);
   // torch: noise.bernoulli_(1 - p).div_(1 - p); p = 1 drops everything.

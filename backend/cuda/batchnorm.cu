@@ -23,10 +23,10 @@
 #include <string>
 #include <type_traits>
 
-#include "common/status.h"
 #include "backend/cuda/cuda_check.h"
 #include "backend/cuda/launchers.h"
 #include "backend/math/norm_math.cuh"
+#include "common/status.h"
 
 namespace pipeshard::cuda {
 namespace {
@@ -200,17 +200,16 @@ __global__ void __launch_bounds__(kChannelThreads)
   const double count = static_cast<double>(s.count());
   const double m = channel_sum(t, s, x, shared) / count;
   const double squared_deviations = channel_squared_deviations(t, s, x, m, shared);
-  const double r = finish_training_statistics(t, running_mean, running_var, m, squared_deviations, count, eps,
-                                              momentum);
+  const double r =
+      finish_training_statistics(t, running_mean, running_var, m, squared_deviations, count, eps, momentum);
   normalise_channel(t, s, y, x, w, b, m, r, mean, rstd);
 }
 
 // Inference: the running statistics, saved into mean and 1/√(running_var + eps) into rstd.
 template <ChannelMapping M>
 __global__ void __launch_bounds__(kChannelThreads)
-    batchnorm_inference_kernel(float* y, float* mean, float* rstd, const float* running_mean,
-                               const float* running_var, const float* x, const float* w, const float* b,
-                               BatchNormShape s, float eps) {
+    batchnorm_inference_kernel(float* y, float* mean, float* rstd, const float* running_mean, const float* running_var,
+                               const float* x, const float* w, const float* b, BatchNormShape s, float eps) {
   const ChannelThread<M> t(s.channels);
   if (!t.active) return;
   const double m = running_mean[t.channel];
@@ -232,8 +231,8 @@ __global__ void __launch_bounds__(kChannelThreads)
 // Synchronized pass 2: squared_deviations [channels] = Σ(x − mean)² about the global mean sums/count.
 template <ChannelMapping M>
 __global__ void __launch_bounds__(kChannelThreads)
-    batchnorm_squared_deviations_kernel(double* squared_deviations, const double* sums, double count,
-                                        const float* x, BatchNormShape s) {
+    batchnorm_squared_deviations_kernel(double* squared_deviations, const double* sums, double count, const float* x,
+                                        BatchNormShape s) {
   __shared__ ChannelShared shared;
   const ChannelThread<M> t(s.channels);
   const double m = t.active ? sums[t.channel] / count : 0.0;
@@ -245,14 +244,13 @@ __global__ void __launch_bounds__(kChannelThreads)
 template <ChannelMapping M>
 __global__ void __launch_bounds__(kChannelThreads)
     batchnorm_normalise_kernel(float* y, float* mean, float* rstd, float* running_mean, float* running_var,
-                               const float* x, const float* w, const float* b, BatchNormShape s,
-                               const double* sums, const double* squared_deviations, double count, float eps,
-                               float momentum) {
+                               const float* x, const float* w, const float* b, BatchNormShape s, const double* sums,
+                               const double* squared_deviations, double count, float eps, float momentum) {
   const ChannelThread<M> t(s.channels);
   if (!t.active) return;
   const double m = sums[t.channel] / count;
-  const double r = finish_training_statistics(t, running_mean, running_var, m, squared_deviations[t.channel], count,
-                                              eps, momentum);
+  const double r =
+      finish_training_statistics(t, running_mean, running_var, m, squared_deviations[t.channel], count, eps, momentum);
   normalise_channel(t, s, y, x, w, b, m, r, mean, rstd);
 }
 
@@ -317,9 +315,9 @@ void with_mapping(const BatchNormShape& s, Launch&& launch) {
 const dim3 kChannelBlock(kTileChannels, kSlices);
 
 void check_batchnorm(const BatchNormShape& s) {
-  PIPESHARD_CHECK(s.batch > 0 && s.channels > 0 && s.inner > 0,
-                  "batchnorm shape [" + std::to_string(s.batch) + ", " + std::to_string(s.channels) + ", " +
-                      std::to_string(s.inner) + "]");
+  PIPESHARD_CHECK(s.batch > 0 && s.channels > 0 && s.inner > 0, "batchnorm shape [" + std::to_string(s.batch) + ", " +
+                                                                    std::to_string(s.channels) + ", " +
+                                                                    std::to_string(s.inner) + "]");
 }
 
 // reduce(data, n) once the kernels that wrote data have finished. The reducer must be
@@ -341,10 +339,10 @@ double checked_global_count(const double* device_count, const BatchNormShape& s,
   return global;
 }
 
-void batchnorm_forward_synchronized(const BatchNormShape& s, float* y, float* mean, float* rstd,
-                                    float* running_mean, float* running_var, const float* x, const float* w,
-                                    const float* b, float eps, float momentum, const ChannelReducer& reduce,
-                                    ReducerScratch& scratch, cudaStream_t stream) {
+void batchnorm_forward_synchronized(const BatchNormShape& s, float* y, float* mean, float* rstd, float* running_mean,
+                                    float* running_var, const float* x, const float* w, const float* b, float eps,
+                                    float momentum, const ChannelReducer& reduce, ReducerScratch& scratch,
+                                    cudaStream_t stream) {
   const int64_t channels = s.channels;
   double* sums = scratch.get(2 * channels + 1, stream);  // [channels + 1]: Σx, then the count
   double* squared_deviations = sums + channels + 1;      // [channels]
@@ -356,8 +354,8 @@ void batchnorm_forward_synchronized(const BatchNormShape& s, float* y, float* me
   const double count = checked_global_count(sums + channels, s, stream);
   PIPESHARD_CHECK(count > 1, "training BatchNorm needs more than one value per channel over all processes");
   with_mapping(s, [&](auto mapping, dim3 grid) {
-    batchnorm_squared_deviations_kernel<decltype(mapping)::value><<<grid, kChannelBlock, 0, stream>>>(
-        squared_deviations, sums, count, x, s);
+    batchnorm_squared_deviations_kernel<decltype(mapping)::value>
+        <<<grid, kChannelBlock, 0, stream>>>(squared_deviations, sums, count, x, s);
     PIPESHARD_CUDA_LAUNCHED();
   });
   reduce_when_written(reduce, squared_deviations, channels, stream);
@@ -374,15 +372,15 @@ void batchnorm_backward_synchronized(const BatchNormShape& s, float* dx, float* 
   const int64_t channels = s.channels;
   double* sums = scratch.get(2 * channels + 1, stream);  // S1 per channel, S2 per channel, the count
   with_mapping(s, [&](auto mapping, dim3 grid) {
-    batchnorm_gradient_sums_kernel<decltype(mapping)::value><<<grid, kChannelBlock, 0, stream>>>(
-        sums, dw, db, dy, x, mean, rstd, s);
+    batchnorm_gradient_sums_kernel<decltype(mapping)::value>
+        <<<grid, kChannelBlock, 0, stream>>>(sums, dw, db, dy, x, mean, rstd, s);
     PIPESHARD_CUDA_LAUNCHED();
   });
   reduce_when_written(reduce, sums, 2 * channels + 1, stream);
   const double count = checked_global_count(sums + 2 * channels, s, stream);
   with_mapping(s, [&](auto mapping, dim3 grid) {
-    batchnorm_input_grad_kernel<decltype(mapping)::value><<<grid, kChannelBlock, 0, stream>>>(
-        dx, dy, x, w, mean, rstd, s, sums, count);
+    batchnorm_input_grad_kernel<decltype(mapping)::value>
+        <<<grid, kChannelBlock, 0, stream>>>(dx, dy, x, w, mean, rstd, s, sums, count);
     PIPESHARD_CUDA_LAUNCHED();
   });
 }
@@ -415,8 +413,8 @@ void batchnorm_forward(float* y, float* mean, float* rstd, float* running_mean, 
   if (!training) {
     PIPESHARD_CHECK(running_mean != nullptr && running_var != nullptr, "inference BatchNorm needs running stats");
     with_mapping(s, [&](auto mapping, dim3 grid) {
-      batchnorm_inference_kernel<decltype(mapping)::value><<<grid, kChannelBlock, 0, stream>>>(
-          y, mean, rstd, running_mean, running_var, x, w, b, s, eps);
+      batchnorm_inference_kernel<decltype(mapping)::value>
+          <<<grid, kChannelBlock, 0, stream>>>(y, mean, rstd, running_mean, running_var, x, w, b, s, eps);
       PIPESHARD_CUDA_LAUNCHED();
     });
     return;
@@ -431,8 +429,8 @@ void batchnorm_forward(float* y, float* mean, float* rstd, float* running_mean, 
   // PyTorch refuses this too: the unbiased variance of one value is undefined.
   PIPESHARD_CHECK(s.count() > 1, "training BatchNorm needs more than one value per channel");
   with_mapping(s, [&](auto mapping, dim3 grid) {
-    batchnorm_forward_kernel<decltype(mapping)::value><<<grid, kChannelBlock, 0, stream>>>(
-        y, mean, rstd, running_mean, running_var, x, w, b, s, eps, momentum);
+    batchnorm_forward_kernel<decltype(mapping)::value>
+        <<<grid, kChannelBlock, 0, stream>>>(y, mean, rstd, running_mean, running_var, x, w, b, s, eps, momentum);
     PIPESHARD_CUDA_LAUNCHED();
   });
 }
@@ -451,8 +449,8 @@ void batchnorm_backward(float* dx, float* dw, float* db, const float* dy, const 
   }
   if (dx == nullptr && dw == nullptr && db == nullptr) return;
   with_mapping(s, [&](auto mapping, dim3 grid) {
-    batchnorm_backward_kernel<decltype(mapping)::value><<<grid, kChannelBlock, 0, stream>>>(
-        dx, dw, db, dy, x, w, mean, rstd, s, training);
+    batchnorm_backward_kernel<decltype(mapping)::value>
+        <<<grid, kChannelBlock, 0, stream>>>(dx, dw, db, dy, x, w, mean, rstd, s, training);
     PIPESHARD_CUDA_LAUNCHED();
   });
 }

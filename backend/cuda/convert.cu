@@ -13,10 +13,10 @@
 #include <cstdint>
 #include <string>
 
-#include "common/status.h"
-#include "backend/math/convert_math.cuh"
 #include "backend/cuda/cuda_check.h"
 #include "backend/cuda/launchers.h"
+#include "backend/math/convert_math.cuh"
+#include "common/status.h"
 
 namespace pipeshard::cuda {
 namespace {
@@ -46,8 +46,7 @@ __global__ void convert_kernel(uint16_t* dst, const float* src, int64_t n, Round
 // Four elements per index: dst[4i .. 4i+3] = round(src[4i .. 4i+3]) for i < groups.
 template <typename Round>
 __global__ void convert4_kernel(ushort4* dst, const float4* src, int64_t groups, Round round) {
-  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < groups;
-       i += int64_t{gridDim.x} * blockDim.x) {
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < groups; i += int64_t{gridDim.x} * blockDim.x) {
     const float4 v = src[i];
     dst[i] = make_ushort4(round(v.x), round(v.y), round(v.z), round(v.w));
   }
@@ -59,8 +58,8 @@ void launch_convert(uint16_t* dst, const float* src, int64_t n, Round round, cud
   int64_t done = 0;
   if (vectors && n >= 4) {
     const int64_t groups = n / 4;
-    convert4_kernel<<<blocks_for(groups), kThreads, 0, stream>>>(
-        reinterpret_cast<ushort4*>(dst), reinterpret_cast<const float4*>(src), groups, round);
+    convert4_kernel<<<blocks_for(groups), kThreads, 0, stream>>>(reinterpret_cast<ushort4*>(dst),
+                                                                 reinterpret_cast<const float4*>(src), groups, round);
     PIPESHARD_CUDA_LAUNCHED();
     done = groups * 4;
   }

@@ -87,7 +87,8 @@ class CudaBackend final : public Backend {
     allocator_.deallocate(p);
   }  // stream order keeps reuse safe
   MemoryUse memory_use() const override {
-    return MemoryUse{static_cast<int64_t>(allocator_.bytes_in_use()), static_cast<int64_t>(allocator_.peak_bytes_in_use())};
+    return MemoryUse{static_cast<int64_t>(allocator_.bytes_in_use()),
+                     static_cast<int64_t>(allocator_.peak_bytes_in_use())};
   }
   void upload(float* dst, const float* host, int64_t n) override {
     not_recording("upload");
@@ -111,7 +112,8 @@ class CudaBackend final : public Backend {
   void fill(float* dst, float value, int64_t n) override { cuda::fill(dst, value, n, stream_); }
   void copy(float* dst, const float* src, int64_t n) override {
     // cudaMemcpy's areas may not overlap; a buffer onto itself is already a copy.
-    if (n > 0 && dst != src) PIPESHARD_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes(n), cudaMemcpyDeviceToDevice, stream_));
+    if (n > 0 && dst != src)
+      PIPESHARD_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes(n), cudaMemcpyDeviceToDevice, stream_));
   }
   void axpy(float* y, float a, const float* x, int64_t n) override { cuda::axpy(y, a, x, n, stream_); }
   void scale(float* x, float a, int64_t n) override { cuda::scale(x, a, n, stream_); }
@@ -220,13 +222,14 @@ class CudaBackend final : public Backend {
   cudaStream_t stream_ = nullptr;
   cuda::CachingAllocator allocator_;
   cuda::LinearContext* linear_ = nullptr;
-  void* scratch_ = nullptr;  // for the reductions that return host values
+  void* scratch_ = nullptr;               // for the reductions that return host values
   cuda::ReducerScratch reducer_scratch_;  // synchronized BatchNorm's sums, freed after the stream
-  bool recording_ = false;   // inside record(): the stream is being captured
+  bool recording_ = false;                // inside record(): the stream is being captured
 
   void not_recording(const char* call) const {
-    PIPESHARD_CHECK(!recording_, std::string(call) + " while recording a CUDA graph: a recorded step may not "
-                                                     "allocate, copy to or from the host, or return a host value");
+    PIPESHARD_CHECK(!recording_, std::string(call) +
+                                     " while recording a CUDA graph: a recorded step may not "
+                                     "allocate, copy to or from the host, or return a host value");
   }
 };
 
@@ -236,8 +239,9 @@ int cuda_usable_gpus(std::string* why) {
   int count = 0;
   const cudaError_t rc = cudaGetDeviceCount(&count);
   if (rc != cudaSuccess) {
-    if (why) *why = std::string("cudaGetDeviceCount: error ") + std::to_string(static_cast<int>(rc)) + ", " +
-                    cudaGetErrorString(rc);
+    if (why)
+      *why = std::string("cudaGetDeviceCount: error ") + std::to_string(static_cast<int>(rc)) + ", " +
+             cudaGetErrorString(rc);
     cudaGetLastError();  // not sticky for the next caller
     return 0;
   }

@@ -7,8 +7,8 @@
 #include <memory>
 #include <string>
 
-#include "common/status.h"
 #include "backend/backend.h"
+#include "common/status.h"
 
 struct CUstream_st;  // what cudaStream_t points to
 

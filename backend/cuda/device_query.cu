@@ -39,8 +39,7 @@ bool add_vectors_on_device(const float* a, const float* b, float* out, int n, st
   if (ok) {
     const int threads = 256;
     add_kernel<<<(n + threads - 1) / threads, threads>>>(da, db, dout, n);
-    ok = cudaGetLastError() == cudaSuccess &&
-         cudaMemcpy(out, dout, bytes, cudaMemcpyDeviceToHost) == cudaSuccess;
+    ok = cudaGetLastError() == cudaSuccess && cudaMemcpy(out, dout, bytes, cudaMemcpyDeviceToHost) == cudaSuccess;
   }
   if (!ok) *message = cudaGetErrorString(cudaGetLastError());
   cudaFree(da);

@@ -9,9 +9,9 @@
 namespace pipeshard::cuda {
 
 struct DeviceQuery {
-  int devices = 0;       // usable GPUs; 0 when the driver reports an error
-  int error_code = 0;    // the cudaError_t of cudaGetDeviceCount (35: no driver)
-  std::string message;   // cudaGetErrorString for error_code
+  int devices = 0;      // usable GPUs; 0 when the driver reports an error
+  int error_code = 0;   // the cudaError_t of cudaGetDeviceCount (35: no driver)
+  std::string message;  // cudaGetErrorString for error_code
 };
 
 DeviceQuery query_devices();

@@ -17,10 +17,10 @@
 #include <string>
 #include <type_traits>
 
-#include "common/status.h"
 #include "backend/cuda/cuda_check.h"
-#include "backend/math/elementwise_math.cuh"
 #include "backend/cuda/launchers.h"
+#include "backend/math/elementwise_math.cuh"
+#include "common/status.h"
 
 namespace pipeshard::cuda {
 namespace {
@@ -112,7 +112,7 @@ struct FillOp {
   }
 };
 
-struct AxpyOp {  // y += a·x
+struct AxpyOp {    // y += a·x
   float* y;        // [n]
   const float* x;  // [n]
   float a;
@@ -127,7 +127,7 @@ struct AxpyOp {  // y += a·x
 };
 
 struct ScaleOp {  // x *= a
-  float* x;  // [n]
+  float* x;       // [n]
   float a;
   template <int W>
   __device__ void apply(int64_t i) const {
@@ -138,7 +138,7 @@ struct ScaleOp {  // x *= a
   }
 };
 
-struct AddOp {  // y = a + b
+struct AddOp {     // y = a + b
   float* y;        // [n]
   const float* a;  // [n]
   const float* b;  // [n]
@@ -154,8 +154,8 @@ struct AddOp {  // y = a + b
 
 template <ActivationKind K>
 struct ActivationForwardOp {  // y = act(x)
-  float* y;        // [n]
-  const float* x;  // [n]
+  float* y;                   // [n]
+  const float* x;             // [n]
   float alpha;
   template <int W>
   __device__ void apply(int64_t i) const {
@@ -169,10 +169,10 @@ struct ActivationForwardOp {  // y = act(x)
 
 template <ActivationKind K>
 struct ActivationBackwardOp {  // dx += dy · act'(x)
-  float* dx;        // [n]
-  const float* dy;  // [n]
-  const float* x;   // [n]
-  const float* y;   // [n] = act(x), or null: recomputed where the derivative needs it
+  float* dx;                   // [n]
+  const float* dy;             // [n]
+  const float* x;              // [n]
+  const float* y;              // [n] = act(x), or null: recomputed where the derivative needs it
   float alpha;
   template <int W>
   __device__ void apply(int64_t i) const {
@@ -189,17 +189,18 @@ struct ActivationBackwardOp {  // dx += dy · act'(x)
     }
     Lanes<W> dxv = load<W>(dx + i);
 #pragma unroll
-    for (int k = 0; k < W; ++k) dxv.v[k] = add_rn(dxv.v[k], math::activation_grad(K, alpha, dyv.v[k], xv.v[k], yv.v[k]));
+    for (int k = 0; k < W; ++k)
+      dxv.v[k] = add_rn(dxv.v[k], math::activation_grad(K, alpha, dyv.v[k], xv.v[k], yv.v[k]));
     store<W>(dx + i, dxv);
   }
 };
 
 struct DropoutForwardOp {  // mask = keep ? scale : 0; y = x · mask
-  float* y;        // [n]
-  float* mask;     // [n]
-  const float* x;  // [n]
-  uint64_t key;     // math::dropout_key(seed)
-  uint64_t offset;  // the counter of element 0
+  float* y;                // [n]
+  float* mask;             // [n]
+  const float* x;          // [n]
+  uint64_t key;            // math::dropout_key(seed)
+  uint64_t offset;         // the counter of element 0
   float ratio, keep_scale;
   template <int W>
   __device__ void apply(int64_t i) const {
@@ -217,9 +218,9 @@ struct DropoutForwardOp {  // mask = keep ? scale : 0; y = x · mask
 };
 
 struct DropoutBackwardOp {  // dx += dy · mask
-  float* dx;          // [n]
-  const float* dy;    // [n]
-  const float* mask;  // [n]
+  float* dx;                // [n]
+  const float* dy;          // [n]
+  const float* mask;        // [n]
   template <int W>
   __device__ void apply(int64_t i) const {
     Lanes<W> dxv = load<W>(dx + i);
@@ -251,7 +252,9 @@ void with_activation_kind(ActivationKind kind, Fn&& fn) {
 
 // Threads per block across a row: the width rounded up to a warp, at most kThreads, so a
 // narrow matrix does not leave most of each block idle.
-dim3 row_block(int64_t width) { return dim3(static_cast<unsigned>(std::clamp<int64_t>((width + 31) / 32 * 32, 32, kThreads))); }
+dim3 row_block(int64_t width) {
+  return dim3(static_cast<unsigned>(std::clamp<int64_t>((width + 31) / 32 * 32, 32, kThreads)));
+}
 dim3 row_grid(int64_t rows, int64_t width, const dim3& block) {
   return dim3(blocks_for(width, block.x), static_cast<unsigned>(std::min(rows, kMaxGridY)));
 }

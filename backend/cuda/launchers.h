@@ -63,8 +63,8 @@ double mean_squared_error(float* dpred, const float* pred, const float* target, 
                           void* scratch, cudaStream_t stream);
 
 // ---- layernorm.cu ----
-void layernorm_forward(float* y, float* mean, float* rstd, const float* x, const float* w, const float* b,
-                       int64_t rows, int64_t width, float eps, cudaStream_t stream);
+void layernorm_forward(float* y, float* mean, float* rstd, const float* x, const float* w, const float* b, int64_t rows,
+                       int64_t width, float eps, cudaStream_t stream);
 void layernorm_backward(float* dx, float* dw, float* db, const float* dy, const float* x, const float* w,
                         const float* mean, const float* rstd, int64_t rows, int64_t width, cudaStream_t stream);
 

@@ -12,10 +12,10 @@
 
 #include <string>
 
-#include "common/status.h"
 #include "backend/cuda/cuda_check.h"
 #include "backend/cuda/launchers.h"
 #include "backend/math/norm_math.cuh"
+#include "common/status.h"
 
 namespace pipeshard::cuda {
 namespace {
@@ -75,7 +75,7 @@ __global__ void __launch_bounds__(kBlockThreads)
 
 // dw [width] += Σ_rows (x − mean)·rstd·dy and db [width] += Σ_rows dy (either may be null);
 // block (kColumnTile, kRowSlices), one block per kColumnTile columns.
-__global__ void __launch_bounds__(kColumnTile * kRowSlices)
+__global__ void __launch_bounds__(kColumnTile* kRowSlices)
     layernorm_param_grad_kernel(float* dw, float* db, const float* dy, const float* x, const float* mean,
                                 const float* rstd, int64_t rows, int64_t width) {
   __shared__ double slice_dw[kRowSlices][kColumnTile];
@@ -109,14 +109,14 @@ void check_rows(int64_t rows, int64_t width) {
 
 }  // namespace
 
-void layernorm_forward(float* y, float* mean, float* rstd, const float* x, const float* w, const float* b,
-                       int64_t rows, int64_t width, float eps, cudaStream_t stream) {
+void layernorm_forward(float* y, float* mean, float* rstd, const float* x, const float* w, const float* b, int64_t rows,
+                       int64_t width, float eps, cudaStream_t stream) {
   check_rows(rows, width);
   if (rows == 0) return;
   with_row_threads(width, [&](auto row_threads) {
     constexpr int kRowThreads = decltype(row_threads)::value;
-    layernorm_forward_kernel<kRowThreads><<<row_blocks<kRowThreads>(rows), kBlockThreads, 0, stream>>>(
-        y, mean, rstd, x, w, b, rows, width, eps);
+    layernorm_forward_kernel<kRowThreads>
+        <<<row_blocks<kRowThreads>(rows), kBlockThreads, 0, stream>>>(y, mean, rstd, x, w, b, rows, width, eps);
     PIPESHARD_CUDA_LAUNCHED();
   });
 }
@@ -129,8 +129,8 @@ void layernorm_backward(float* dx, float* dw, float* db, const float* dy, const 
   if (dx != nullptr) {
     with_row_threads(width, [&](auto row_threads) {
       constexpr int kRowThreads = decltype(row_threads)::value;
-      layernorm_input_grad_kernel<kRowThreads><<<row_blocks<kRowThreads>(rows), kBlockThreads, 0, stream>>>(
-          dx, dy, x, w, mean, rstd, rows, width);
+      layernorm_input_grad_kernel<kRowThreads>
+          <<<row_blocks<kRowThreads>(rows), kBlockThreads, 0, stream>>>(dx, dy, x, w, mean, rstd, rows, width);
       PIPESHARD_CUDA_LAUNCHED();
     });
   }

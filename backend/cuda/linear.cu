@@ -64,11 +64,11 @@
 #include <map>
 #include <string>
 
-#include "common/status.h"
 #include "backend/cuda/allocator.h"
 #include "backend/cuda/cuda_check.h"
-#include "backend/math/elementwise_math.cuh"
 #include "backend/cuda/launchers.h"
+#include "backend/math/elementwise_math.cuh"
+#include "common/status.h"
 
 namespace pipeshard::cuda {
 
@@ -113,9 +113,22 @@ using PlanKey = std::array<int64_t, 16>;
 
 PlanKey plan_key(const GemmShape& g, const Epilogue& e, cudaDataType_t input_type, const void* a, const void* b,
                  const void* d) {
-  return {g.m, g.n, g.k, g.trans_a, g.trans_b, g.lda, g.ldb, g.ldd, e.kind, e.aux_ld, input_type,
-          alignment_of(a), alignment_of(b), alignment_of(d),
-          e.bias ? alignment_of(e.bias) : 0, e.aux ? alignment_of(e.aux) : 0};
+  return {g.m,
+          g.n,
+          g.k,
+          g.trans_a,
+          g.trans_b,
+          g.lda,
+          g.ldb,
+          g.ldd,
+          e.kind,
+          e.aux_ld,
+          input_type,
+          alignment_of(a),
+          alignment_of(b),
+          alignment_of(d),
+          e.bias ? alignment_of(e.bias) : 0,
+          e.aux ? alignment_of(e.aux) : 0};
 }
 
 // A matmul descriptor, its layouts and the algorithm cuBLASLt's heuristic chose for them.
@@ -125,7 +138,7 @@ struct Plan {
   cublasLtMatmulAlgo_t algo{};
   cublasComputeType_t compute = CUBLAS_COMPUTE_32F;
   cudaDataType_t input_type = CUDA_R_32F;  // of A and B; C and D are always CUDA_R_32F
-  bool supported = false;  // false: cuBLASLt has no algorithm for it (an epilogue declined)
+  bool supported = false;                  // false: cuBLASLt has no algorithm for it (an epilogue declined)
 
   Plan() = default;
   Plan(const Plan&) = delete;
@@ -249,8 +262,8 @@ bool build_plan(LinearContext& c, Plan& plan, cublasComputeType_t compute, cudaD
 
 // A plain fp32-input GEMM that TF32 cannot do (tensor-core kernels want aligned data) runs
 // in fp32, which is more precise and has kernels for every alignment.
-void make_fp32_plan(LinearContext& c, Plan& plan, const GemmShape& g, const Epilogue& e, const void* a,
-                    const void* b, const void* d) {
+void make_fp32_plan(LinearContext& c, Plan& plan, const GemmShape& g, const Epilogue& e, const void* a, const void* b,
+                    const void* d) {
   plan.clear();
   plan.supported = build_plan(c, plan, CUBLAS_COMPUTE_32F, CUDA_R_32F, g, e, a, b, d);
   PIPESHARD_CHECK(plan.supported, "cuBLASLt has no algorithm for " + describe(g, e, CUDA_R_32F));
@@ -407,8 +420,8 @@ int blocks_for(int64_t n) { return static_cast<int>(std::min<int64_t>((n + kThre
 // src may be y or pre (each element is read before it is written, by the same thread).
 // The bias is added unfused (round, then add), as the CPU does.
 template <typename Act>
-__global__ void bias_activation_kernel(float* y, float* pre, const float* src, const float* b, float beta,
-                                       int64_t rows, int64_t width, Act act) {
+__global__ void bias_activation_kernel(float* y, float* pre, const float* src, const float* b, float beta, int64_t rows,
+                                       int64_t width, Act act) {
   const int64_t n = rows * width;
   for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n; i += int64_t{gridDim.x} * blockDim.x) {
     float v = src[i];
@@ -448,8 +461,7 @@ void bias_activation(float* y, float* pre, const float* src, const float* b, flo
 // in order: the result does not depend on timing (no atomics).
 constexpr int kColumns = 32, kRowLanes = 8;
 
-__global__ void column_sum_kernel(float* db, const float* dy, int64_t rows, int64_t width, float beta,
-                                  bool overwrite) {
+__global__ void column_sum_kernel(float* db, const float* dy, int64_t rows, int64_t width, float beta, bool overwrite) {
   __shared__ float partial[kRowLanes][kColumns];
   const int64_t column = blockIdx.x * int64_t{kColumns} + threadIdx.x;
   float sum = 0.0f;
@@ -471,7 +483,7 @@ void column_sum(float* db, const float* dy, int64_t rows, int64_t width, float b
   const int64_t blocks = (width + kColumns - 1) / kColumns;
   PIPESHARD_CHECK(blocks <= INT32_MAX, "bias gradient of " + std::to_string(width) + " features");
   column_sum_kernel<<<static_cast<unsigned>(blocks), dim3(kColumns, kRowLanes), 0, stream>>>(db, dy, rows, width, beta,
-                                                                                           overwrite);
+                                                                                             overwrite);
   PIPESHARD_CUDA_LAUNCHED();
 }
 
@@ -483,9 +495,8 @@ void zero(float* p, int64_t n, cudaStream_t stream) {
 bool aligned_for_epilogue(const void* p) { return alignment_of(p) >= kEpilogueAlignment; }
 
 void check_shape(const LinearShape& s) {
-  PIPESHARD_CHECK(s.rows >= 0 && s.in >= 0 && s.out >= 0, "linear shape rows=" + std::to_string(s.rows) +
-                                                              " in=" + std::to_string(s.in) +
-                                                              " out=" + std::to_string(s.out));
+  PIPESHARD_CHECK(s.rows >= 0 && s.in >= 0 && s.out >= 0, "linear shape rows=" + std::to_string(s.rows) + " in=" +
+                                                              std::to_string(s.in) + " out=" + std::to_string(s.out));
 }
 
 // ---- forward ----
@@ -519,8 +530,8 @@ ForwardPlan unfused_forward(float* y, const float* b, const Activation* act, flo
   return p;
 }
 
-ForwardPlan plan_forward(const LinearContext& c, const LinearShape& s, float* y, const float* b,
-                         const Activation* act, float* pre) {
+ForwardPlan plan_forward(const LinearContext& c, const LinearShape& s, float* y, const float* b, const Activation* act,
+                         float* pre) {
   const bool bias_fusable = b == nullptr || (s.beta == 1.0f && aligned_for_epilogue(b));
   if (!bias_fusable) return unfused_forward(y, b, act, pre, false);
   ForwardPlan p;

@@ -18,10 +18,10 @@
 #include <cstdint>
 #include <string>
 
-#include "common/status.h"
 #include "backend/cuda/cuda_check.h"
-#include "backend/math/elementwise_math.cuh"
 #include "backend/cuda/launchers.h"
+#include "backend/math/elementwise_math.cuh"
+#include "common/status.h"
 
 namespace pipeshard::cuda {
 namespace {
@@ -47,8 +47,8 @@ __device__ __forceinline__ bool sgd_element(float& p, float g, float& b, const m
 
 // param, grad, momentum_buffer [n]; momentum_buffer is touched only with momentum, and
 // read only after the first step.
-__global__ void sgd_kernel(float* param, const float* grad, float* momentum_buffer, int64_t n,
-                           math::SgdScalars k, bool vectorised, int* non_finite) {
+__global__ void sgd_kernel(float* param, const float* grad, float* momentum_buffer, int64_t n, math::SgdScalars k,
+                           bool vectorised, int* non_finite) {
   const int64_t stride = int64_t{gridDim.x} * blockDim.x;
   const int64_t t = int64_t{blockIdx.x} * blockDim.x + threadIdx.x;
   const bool read_buffer = k.with_momentum && !k.first_step;
@@ -144,8 +144,7 @@ bool sgd_step(float* param, const float* grad, float* momentum_buffer, int64_t n
   const math::SgdScalars k = math::sgd_scalars(s);
   const bool vectorised = aligned16(param) && aligned16(grad) && (!use_momentum || aligned16(momentum_buffer));
   int* flag = non_finite_flag(scratch, stream);
-  sgd_kernel<<<blocks_for(n, vectorised), kThreads, 0, stream>>>(param, grad, momentum_buffer, n, k, vectorised,
-                                                                  flag);
+  sgd_kernel<<<blocks_for(n, vectorised), kThreads, 0, stream>>>(param, grad, momentum_buffer, n, k, vectorised, flag);
   PIPESHARD_CUDA_LAUNCHED();
   return all_finite(flag, stream);
 }
@@ -158,7 +157,7 @@ bool adam_step(float* param, const float* grad, float* exp_avg, float* exp_avg_s
   const bool vectorised = aligned16(param) && aligned16(grad) && aligned16(exp_avg) && aligned16(exp_avg_sq);
   int* flag = non_finite_flag(scratch, stream);
   adam_kernel<<<blocks_for(n, vectorised), kThreads, 0, stream>>>(param, grad, exp_avg, exp_avg_sq, n, k, vectorised,
-                                                                   flag);
+                                                                  flag);
   PIPESHARD_CUDA_LAUNCHED();
   return all_finite(flag, stream);
 }

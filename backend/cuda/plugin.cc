@@ -25,8 +25,7 @@ __attribute__((visibility("default"))) int pipeshard_cuda_usable_gpus(char* why,
 }
 
 __attribute__((visibility("default"))) pipeshard::Backend* pipeshard_cuda_make_backend(int device, int precision,
-                                                                                        char* error,
-                                                                                        size_t error_size) {
+                                                                                       char* error, size_t error_size) {
   auto backend = pipeshard::make_cuda_backend(device, static_cast<pipeshard::Precision>(precision));
   if (!backend) {
     put(error, error_size, backend.status().message());

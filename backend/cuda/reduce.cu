@@ -161,8 +161,8 @@ bool any_non_finite(const float* x, int64_t n, void* scratch, cudaStream_t strea
   auto* flag = scratch_at<int>(scratch, kFlagOffset);
   PIPESHARD_CUDA_CHECK(cudaMemsetAsync(flag, 0, sizeof(int), stream));
   constexpr int64_t kMaxBlocks = 1024;
-  any_non_finite_kernel<<<blocks_for((n + kItemsPerThread - 1) / kItemsPerThread, kMaxBlocks), kThreads, 0,
-                          stream>>>(x, n, flag);
+  any_non_finite_kernel<<<blocks_for((n + kItemsPerThread - 1) / kItemsPerThread, kMaxBlocks), kThreads, 0, stream>>>(
+      x, n, flag);
   PIPESHARD_CUDA_LAUNCHED();
   return read_back(flag, stream) != 0;
 }

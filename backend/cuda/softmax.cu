@@ -17,10 +17,10 @@
 #include <climits>
 #include <string>
 
-#include "common/status.h"
 #include "backend/cuda/cuda_check.h"
 #include "backend/cuda/launchers.h"
 #include "backend/math/norm_math.cuh"
+#include "common/status.h"
 
 namespace pipeshard::cuda {
 namespace {
@@ -80,13 +80,13 @@ __global__ void __launch_bounds__(kBlockThreads)
 constexpr int kLossBlocks = 1024;
 constexpr long long kNoBadRow = LLONG_MAX;
 struct LossResult {
-  double total;              // Σ loss over all rows or elements
-  long long first_bad_row;   // the first row whose label is not a class, or kNoBadRow
+  double total;             // Σ loss over all rows or elements
+  long long first_bad_row;  // the first row whose label is not a class, or kNoBadRow
 };
 struct LossScratch {
   LossResult result;
-  double block_total[kLossBlocks];        // [blocks]
-  long long block_bad_row[kLossBlocks];   // [blocks]
+  double block_total[kLossBlocks];       // [blocks]
+  long long block_bad_row[kLossBlocks];  // [blocks]
 };
 static_assert(sizeof(LossScratch) <= 64 * 1024, "the loss partials must fit the reduction scratch");
 
@@ -223,8 +223,8 @@ void softmax_forward(float* y, const float* x, int64_t rows, int64_t width, bool
   if (rows == 0) return;
   with_row_threads(width, [&](auto row_threads) {
     constexpr int kRowThreads = decltype(row_threads)::value;
-    softmax_forward_kernel<kRowThreads><<<row_blocks<kRowThreads>(rows), kBlockThreads, 0, stream>>>(y, x, rows,
-                                                                                                     width, log);
+    softmax_forward_kernel<kRowThreads>
+        <<<row_blocks<kRowThreads>(rows), kBlockThreads, 0, stream>>>(y, x, rows, width, log);
     PIPESHARD_CUDA_LAUNCHED();
   });
 }
@@ -235,8 +235,8 @@ void softmax_backward(float* dx, const float* dy, const float* y, int64_t rows, 
   if (rows == 0) return;
   with_row_threads(width, [&](auto row_threads) {
     constexpr int kRowThreads = decltype(row_threads)::value;
-    softmax_backward_kernel<kRowThreads><<<row_blocks<kRowThreads>(rows), kBlockThreads, 0, stream>>>(
-        dx, dy, y, rows, width, log);
+    softmax_backward_kernel<kRowThreads>
+        <<<row_blocks<kRowThreads>(rows), kBlockThreads, 0, stream>>>(dx, dy, y, rows, width, log);
     PIPESHARD_CUDA_LAUNCHED();
   });
 }
@@ -255,20 +255,19 @@ double cross_entropy(float* dlogits, const float* logits, const float* labels, i
   with_row_threads(classes, [&](auto row_threads) {
     constexpr int kRowThreads = decltype(row_threads)::value;
     blocks = loss_blocks(rows, kBlockThreads / kRowThreads);
-    cross_entropy_kernel<kRowThreads><<<blocks, kBlockThreads, 0, stream>>>(dlogits, logits, labels, rows, classes,
-                                                                            inv_den, log_probs, s);
+    cross_entropy_kernel<kRowThreads>
+        <<<blocks, kBlockThreads, 0, stream>>>(dlogits, logits, labels, rows, classes, inv_den, log_probs, s);
     PIPESHARD_CUDA_LAUNCHED();
   });
   const LossResult result = finish_loss(s, blocks, stream);
   if (result.first_bad_row != kNoBadRow) {
     // The data loader validates labels; one out of range here is a bug upstream.
     float label = 0.0f;
-    PIPESHARD_CUDA_CHECK(
-        cudaMemcpy(&label, labels + result.first_bad_row, sizeof label, cudaMemcpyDeviceToHost));
+    PIPESHARD_CUDA_CHECK(cudaMemcpy(&label, labels + result.first_bad_row, sizeof label, cudaMemcpyDeviceToHost));
     const bool label_is_a_class = false;
     PIPESHARD_CHECK(label_is_a_class, "row " + std::to_string(result.first_bad_row) + ": label " +
-                                          std::to_string(label) + " is not a class in [0, " +
-                                          std::to_string(classes) + ")");
+                                          std::to_string(label) + " is not a class in [0, " + std::to_string(classes) +
+                                          ")");
   }
   return result.total / denominator;
 }

@@ -94,7 +94,7 @@ PIPESHARD_HD inline bool is_non_finite(float g) { return mul_rn(g, 0.0f) != 0.0f
 
 inline constexpr float kGeluSqrtHalf = static_cast<float>(M_SQRT1_2);
 inline constexpr float kGeluPdfScale = static_cast<float>(M_2_SQRTPI * M_SQRT1_2 * 0.5);  // 1/√(2π)
-inline constexpr float kGeluTanhBeta = static_cast<float>(M_SQRT2 * M_2_SQRTPI * 0.5);   // √(2/π)
+inline constexpr float kGeluTanhBeta = static_cast<float>(M_SQRT2 * M_2_SQRTPI * 0.5);    // √(2/π)
 inline constexpr float kGeluTanhKappa = 0.044715f;
 
 // Whether grad reads y; for the other kinds backward needs neither y nor its recomputation.

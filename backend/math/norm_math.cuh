@@ -140,8 +140,8 @@ PIPESHARD_HOST_DEVICE inline double batchnorm_inference_rstd(float running_var, 
 struct BatchNormAffine {
   float mean, scale, shift;
 };
-PIPESHARD_HOST_DEVICE inline BatchNormAffine batchnorm_affine(double mean, double rstd, const float* w,
-                                                              const float* b, int64_t c) {
+PIPESHARD_HOST_DEVICE inline BatchNormAffine batchnorm_affine(double mean, double rstd, const float* w, const float* b,
+                                                              int64_t c) {
   return BatchNormAffine{static_cast<float>(mean), static_cast<float>((w != nullptr ? w[c] : 1.0) * rstd),
                          b != nullptr ? b[c] : 0.0f};
 }

@@ -139,13 +139,12 @@ class NcclRequest final : public Request {
 // A CUDA or NCCL failure inside the communicator: abort NCCL, then the job.
 #define PIPESHARD_NCCL_FAIL(what) fail(what, __FILE__, __LINE__)
 // A CUDA call inside the communicator (common/check.h's checked call), failing as above.
-#define PIPESHARD_NCCL_CUDA(call)                                                                        \
-  PIPESHARD_CHECKED_CALL_OR("CUDA", call, #call, [](cudaError_t rc) { return rc == cudaSuccess; },       \
-                            cudaGetErrorString,                                                          \
-                            [this](const char*, std::string_view text, std::string_view error,           \
-                                   const char* file, int line) {                                         \
-                              fail(std::string(text) + ": " + std::string(error), file, line);           \
-                            })
+#define PIPESHARD_NCCL_CUDA(call)                                                                      \
+  PIPESHARD_CHECKED_CALL_OR(                                                                           \
+      "CUDA", call, #call, [](cudaError_t rc) { return rc == cudaSuccess; }, cudaGetErrorString,       \
+      [this](const char*, std::string_view text, std::string_view error, const char* file, int line) { \
+        fail(std::string(text) + ": " + std::string(error), file, line);                               \
+      })
 // An NCCL call that must succeed, waited for when NCCL finishes it in the background.
 #define PIPESHARD_NCCL_CALL(call, during) complete((call), #call, during, __FILE__, __LINE__)
 
@@ -261,8 +260,7 @@ class NcclCommunicator final : public Communicator {
     check_transfer(data, n, peer, tag, "receive");
     if (n == 0) return std::make_unique<CompletedRequest>();
     if (peer == rank_) {
-      return std::make_unique<NcclRequest>(this, post_self(nullptr, data, n, false), "the receive from",
-                                           &self_name_);
+      return std::make_unique<NcclRequest>(this, post_self(nullptr, data, n, false), "the receive from", &self_name_);
     }
     launch_transfer(nullptr, data, n, peer);
     return record_request("the NCCL receive from", &peer_names_[peer]);
@@ -279,8 +277,8 @@ class NcclCommunicator final : public Communicator {
 
  private:
   [[noreturn]] void fail(const std::string& what, const char* file, int line) {
-    std::string message = "pipeshard: NCCL communicator error at " + std::string(file) + ":" + std::to_string(line) +
-                          ": " + what;
+    std::string message =
+        "pipeshard: NCCL communicator error at " + std::string(file) + ":" + std::to_string(line) + ": " + what;
     const char* last = ncclGetLastError(comm_);
     if (last != nullptr && last[0] != '\0') message += std::string(" [NCCL: ") + last + "]";
     fail_with(message);
@@ -358,8 +356,8 @@ class NcclCommunicator final : public Communicator {
   int rank_, size_;
   ncclComm_t comm_ = nullptr;
   cudaStream_t stream_ = nullptr;
-  std::shared_ptr<Event> done_;   // completion of blocking calls
-  std::shared_ptr<Event> ready_;  // the producer's work so far
+  std::shared_ptr<Event> done_;                       // completion of blocking calls
+  std::shared_ptr<Event> ready_;                      // the producer's work so far
   std::deque<SelfTransfer> self_sends_, self_recvs_;  // posted, partner not yet
   // For the watchdog's messages: group ranks (the NCCL group does not know world ranks).
   std::vector<std::string> peer_names_;
@@ -421,8 +419,8 @@ void NcclCommunicator::adopt(ncclComm_t comm) {
 // groups must agree, or every transfer would go to the wrong rank.
 void NcclCommunicator::verify_membership() {
   int count = 0, rank = -1;
-  if (ncclCommCount(comm_, &count) != ncclSuccess || ncclCommUserRank(comm_, &rank) != ncclSuccess ||
-      count != size_ || rank != rank_) {
+  if (ncclCommCount(comm_, &count) != ncclSuccess || ncclCommUserRank(comm_, &rank) != ncclSuccess || count != size_ ||
+      rank != rank_) {
     PIPESHARD_NCCL_FAIL("the NCCL group has rank " + std::to_string(rank) + " of " + std::to_string(count) +
                         " where its MPI group has rank " + std::to_string(rank_) + " of " + std::to_string(size_));
   }
@@ -528,12 +526,12 @@ std::shared_ptr<Completion> NcclCommunicator::post_self(const float* send, float
   }
   order_after_producer();
   PIPESHARD_NCCL_CALL(ncclGroupStart(), "the NCCL transfer to itself");
-  PIPESHARD_NCCL_CALL(ncclSend(send != nullptr ? send : partner.send, static_cast<size_t>(n), ncclFloat, rank_, comm_,
-                               stream_),
-                      "the NCCL transfer to itself");
-  PIPESHARD_NCCL_CALL(ncclRecv(recv != nullptr ? recv : partner.recv, static_cast<size_t>(n), ncclFloat, rank_, comm_,
-                               stream_),
-                      "the NCCL transfer to itself");
+  PIPESHARD_NCCL_CALL(
+      ncclSend(send != nullptr ? send : partner.send, static_cast<size_t>(n), ncclFloat, rank_, comm_, stream_),
+      "the NCCL transfer to itself");
+  PIPESHARD_NCCL_CALL(
+      ncclRecv(recv != nullptr ? recv : partner.recv, static_cast<size_t>(n), ncclFloat, rank_, comm_, stream_),
+      "the NCCL transfer to itself");
   PIPESHARD_NCCL_CALL(ncclGroupEnd(), "the NCCL transfer to itself");
   completion->event = recorded_event();
   partner.completion->event = completion->event;
@@ -566,8 +564,8 @@ void NcclCommunicator::name_ranks() {
     peer_names_.push_back("rank " + std::to_string(r) + " of its NCCL group");
     if (r != rank_) list += (list.empty() ? "" : ", ") + std::to_string(r);
   }
-  others_ = size_ == 1 ? "no other rank (a group of one)"
-                       : (size_ == 2 ? "rank " : "ranks ") + list + " of its NCCL group";
+  others_ =
+      size_ == 1 ? "no other rank (a group of one)" : (size_ == 2 ? "rank " : "ranks ") + list + " of its NCCL group";
   self_name_ = "itself (rank " + std::to_string(rank_) + " of its NCCL group)";
 }
 

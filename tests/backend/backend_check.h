@@ -35,10 +35,9 @@ using Doubles = std::vector<double>;
 constexpr double kGradRtol = 1e-3;
 constexpr double kForwardRtol = 1e-5;
 
-inline const ActivationKind kAllActivations[] = {ActivationKind::kRelu, ActivationKind::kLeakyRelu,
-                                                 ActivationKind::kSigmoid, ActivationKind::kTanh,
-                                                 ActivationKind::kGelu, ActivationKind::kGeluTanh,
-                                                 ActivationKind::kSilu};
+inline const ActivationKind kAllActivations[] = {
+    ActivationKind::kRelu, ActivationKind::kLeakyRelu, ActivationKind::kSigmoid, ActivationKind::kTanh,
+    ActivationKind::kGelu, ActivationKind::kGeluTanh,  ActivationKind::kSilu};
 
 inline std::string kind_name(ActivationKind k) { return activation_name(k); }
 
@@ -82,7 +81,7 @@ inline void expect_gradient_near(const Floats& analytic, const Doubles& numeric,
 
 // Forward values: |got − want| ≤ rtol·(|want| + mean |want|).
 inline void expect_values_near(const Floats& got, const Doubles& want, const std::string& what,
-                        double rtol = kForwardRtol) {
+                               double rtol = kForwardRtol) {
   ASSERT_EQ(got.size(), want.size()) << what;
   double scale = 0.0;
   for (double v : want) scale += std::fabs(v) / want.size();

@@ -71,8 +71,7 @@ Doubles softmax_ref(const Doubles& x, int64_t rows, int64_t width, bool log) {
   return y;
 }
 
-Doubles layernorm_ref(const Doubles& x, const Doubles* w, const Doubles* b, int64_t rows, int64_t width,
-                      double eps) {
+Doubles layernorm_ref(const Doubles& x, const Doubles* w, const Doubles* b, int64_t rows, int64_t width, double eps) {
   Doubles y(x.size());
   for (int64_t r = 0; r < rows; ++r) {
     double mean = 0.0, var = 0.0;
@@ -214,13 +213,16 @@ class LinearTest : public BackendTest {
     be_->linear_backward(gx.data(), gw.data(), with_bias ? gb.data() : nullptr, dy.data(), bx.data(), bw.data(), s);
     const Floats gx1 = host(gx), gw1 = host(gw), gb1 = host(gb);
     const Doubles* bias = with_bias ? &db_ : nullptr;
-    expect_gradient_near(gx1, numeric_gradient([&](const Doubles& v) { return dot(dr, linear_ref(v, dw_, bias, s)); }, dx_),
+    expect_gradient_near(gx1,
+                         numeric_gradient([&](const Doubles& v) { return dot(dr, linear_ref(v, dw_, bias, s)); }, dx_),
                          what + " dx");
-    expect_gradient_near(gw1, numeric_gradient([&](const Doubles& v) { return dot(dr, linear_ref(dx_, v, bias, s)); }, dw_),
+    expect_gradient_near(gw1,
+                         numeric_gradient([&](const Doubles& v) { return dot(dr, linear_ref(dx_, v, bias, s)); }, dw_),
                          what + " dw");
     if (with_bias) {
-      expect_gradient_near(gb1, numeric_gradient([&](const Doubles& v) { return dot(dr, linear_ref(dx_, dw_, &v, s)); }, db_),
-                           what + " db");
+      expect_gradient_near(
+          gb1, numeric_gradient([&](const Doubles& v) { return dot(dr, linear_ref(dx_, dw_, &v, s)); }, db_),
+          what + " db");
     }
     EXPECT_EQ(host(dy), r) << "dy must not be modified";
     be_->linear_backward(gx.data(), gw.data(), with_bias ? gb.data() : nullptr, dy.data(), bx.data(), bw.data(), s);
@@ -231,9 +233,9 @@ class LinearTest : public BackendTest {
 };
 
 TEST_F(LinearTest, ForwardAndGradientsAllLayoutsAndScales) {
-  const LinearCase cases[] = {{WeightLayout::kOutIn, true, 1.0f, 1.0f},   {WeightLayout::kInOut, true, 1.0f, 1.0f},
-                              {WeightLayout::kOutIn, false, 1.0f, 1.0f},  {WeightLayout::kInOut, false, 1.0f, 1.0f},
-                              {WeightLayout::kOutIn, true, 0.7f, -1.3f},  {WeightLayout::kInOut, true, 2.5f, 0.25f}};
+  const LinearCase cases[] = {{WeightLayout::kOutIn, true, 1.0f, 1.0f},  {WeightLayout::kInOut, true, 1.0f, 1.0f},
+                              {WeightLayout::kOutIn, false, 1.0f, 1.0f}, {WeightLayout::kInOut, false, 1.0f, 1.0f},
+                              {WeightLayout::kOutIn, true, 0.7f, -1.3f}, {WeightLayout::kInOut, true, 2.5f, 0.25f}};
   for (const LinearCase& c : cases) {
     for (int64_t rows : {1, 3, 7}) {
       for (int64_t in : {1, 5, 33}) {
@@ -265,10 +267,12 @@ TEST_F(LinearTest, EmptyShapes) {
   be_->linear_forward(y.data(), x.data(), w.data(), b.data(), LinearShape{0, 3, 2});
   EXPECT_EQ(host(y), (Floats{7.0f, 7.0f}));
   const Activation relu{ActivationKind::kRelu};
-  be_->linear_forward(y.data(), x.data(), w.data(), b.data(), LinearShape{1, 0, 2, WeightLayout::kOutIn, 1.0f, 0.5f}, &relu);
+  be_->linear_forward(y.data(), x.data(), w.data(), b.data(), LinearShape{1, 0, 2, WeightLayout::kOutIn, 1.0f, 0.5f},
+                      &relu);
   EXPECT_EQ(host(y), (Floats{0.5f, 0.0f}));
   DeviceBuffer dy = buffer({1.0f, 1.0f}), db = zeros(2);
-  be_->linear_backward(nullptr, nullptr, db.data(), dy.data(), x.data(), w.data(), LinearShape{1, 0, 2, WeightLayout::kOutIn, 1.0f, 0.5f});
+  be_->linear_backward(nullptr, nullptr, db.data(), dy.data(), x.data(), w.data(),
+                       LinearShape{1, 0, 2, WeightLayout::kOutIn, 1.0f, 0.5f});
   EXPECT_EQ(host(db), (Floats{0.5f, 0.5f}));
 }
 
@@ -302,12 +306,15 @@ TEST_F(LinearTest, FusedEpilogueForwardAndChainedGradient) {
                    gb = zeros(b.size());
       be_->activation_backward(dpre.data(), dy.data(), bpre.data(), by.data(), s.rows * s.out, act);
       be_->linear_backward(gx.data(), gw.data(), gb.data(), dpre.data(), bx.data(), bw.data(), s);
-      expect_gradient_near(host(gx), numeric_gradient([&](const Doubles& v) { return dot(rd, linear_ref(v, wd, &bd2, s, &act)); }, xd),
-                           what + " dx");
-      expect_gradient_near(host(gw), numeric_gradient([&](const Doubles& v) { return dot(rd, linear_ref(xd, v, &bd2, s, &act)); }, wd),
-                           what + " dw");
-      expect_gradient_near(host(gb), numeric_gradient([&](const Doubles& v) { return dot(rd, linear_ref(xd, wd, &v, s, &act)); }, bd2),
-                           what + " db");
+      expect_gradient_near(
+          host(gx), numeric_gradient([&](const Doubles& v) { return dot(rd, linear_ref(v, wd, &bd2, s, &act)); }, xd),
+          what + " dx");
+      expect_gradient_near(
+          host(gw), numeric_gradient([&](const Doubles& v) { return dot(rd, linear_ref(xd, v, &bd2, s, &act)); }, wd),
+          what + " dw");
+      expect_gradient_near(
+          host(gb), numeric_gradient([&](const Doubles& v) { return dot(rd, linear_ref(xd, wd, &v, s, &act)); }, bd2),
+          what + " db");
     }
   }
 }
@@ -319,7 +326,8 @@ TEST_F(LinearTest, RecomputedActivationIsTheFusedOutput) {
   for (ActivationKind kind : kAllActivations) {
     const Activation act{kind, 0.05f};
     if (!be_->epilogue_recomputes_exactly(act)) {
-      std::printf("%s: %s is not recomputed exactly (Program keeps its output)\n", be_->name(), kind_name(kind).c_str());
+      std::printf("%s: %s is not recomputed exactly (Program keeps its output)\n", be_->name(),
+                  kind_name(kind).c_str());
       continue;
     }
     for (const LinearShape& s : {LinearShape{7, 5, 33, WeightLayout::kOutIn, 0.9f, 1.1f},
@@ -398,8 +406,9 @@ TEST_F(BackendTest, SoftmaxAndLogSoftmaxForwardAndGradient) {
         expect_values_near(host(by), softmax_ref(xd, rows, width, log), what + " y");
         be_->softmax_backward(dx.data(), dy.data(), by.data(), rows, width, log);
         const Floats once = host(dx);
-        expect_gradient_near(once, numeric_gradient([&](const Doubles& v) { return dot(rd, softmax_ref(v, rows, width, log)); }, xd),
-                             what + " dx");
+        expect_gradient_near(
+            once, numeric_gradient([&](const Doubles& v) { return dot(rd, softmax_ref(v, rows, width, log)); }, xd),
+            what + " dx");
         be_->softmax_backward(dx.data(), dy.data(), by.data(), rows, width, log);
         expect_doubled(once, host(dx), what + " dx");
       }
@@ -446,13 +455,21 @@ TEST_F(BackendTest, LayerNormForwardAndGradient) {
         };
         backward();
         const Floats dx1 = host(dx), dw1 = host(dw), db1 = host(db);
-        expect_gradient_near(dx1, numeric_gradient([&](const Doubles& v) { return dot(rd, layernorm_ref(v, pw, pb, rows, width, eps)); }, xd),
-                             what + " dx");
+        expect_gradient_near(
+            dx1,
+            numeric_gradient([&](const Doubles& v) { return dot(rd, layernorm_ref(v, pw, pb, rows, width, eps)); }, xd),
+            what + " dx");
         if (affine) {
-          expect_gradient_near(dw1, numeric_gradient([&](const Doubles& v) { return dot(rd, layernorm_ref(xd, &v, pb, rows, width, eps)); }, wd),
-                               what + " dw");
-          expect_gradient_near(db1, numeric_gradient([&](const Doubles& v) { return dot(rd, layernorm_ref(xd, pw, &v, rows, width, eps)); }, bd),
-                               what + " db");
+          expect_gradient_near(
+              dw1,
+              numeric_gradient([&](const Doubles& v) { return dot(rd, layernorm_ref(xd, &v, pb, rows, width, eps)); },
+                               wd),
+              what + " dw");
+          expect_gradient_near(
+              db1,
+              numeric_gradient([&](const Doubles& v) { return dot(rd, layernorm_ref(xd, pw, &v, rows, width, eps)); },
+                               bd),
+              what + " db");
         }
         backward();
         expect_doubled(dx1, host(dx), what + " dx");
@@ -469,8 +486,8 @@ class BatchNormTest : public BackendTest {
  protected:
   // channels = 70 crosses the kernel's 64-channel blocks.
   void check(const BnDims& d, bool training) {
-    const std::string what = std::string(training ? "training" : "inference") + " [" + std::to_string(d.batch) +
-                             ", " + std::to_string(d.channels) + ", " + std::to_string(d.inner) + "]";
+    const std::string what = std::string(training ? "training" : "inference") + " [" + std::to_string(d.batch) + ", " +
+                             std::to_string(d.channels) + ", " + std::to_string(d.inner) + "]";
     const float eps = 1e-5f, momentum = 0.9f;
     const int64_t n = d.size(), c = d.channels;
     const Floats x = random(n, -2.0f, 3.0f), w = random(c, 0.5f, 1.5f), b = random(c), r = random(n);
@@ -479,8 +496,8 @@ class BatchNormTest : public BackendTest {
                   rvd = to_double(rv);
     DeviceBuffer bx = buffer(x), bw = buffer(w), bb = buffer(b), by = zeros(n), mean = zeros(c), rstd = zeros(c),
                  brm = buffer(rm), brv = buffer(rv);
-    be_->batchnorm_forward(by.data(), mean.data(), rstd.data(), brm.data(), brv.data(), bx.data(), bw.data(),
-                           bb.data(), d.batch, d.channels, d.inner, eps, momentum, training);
+    be_->batchnorm_forward(by.data(), mean.data(), rstd.data(), brm.data(), brv.data(), bx.data(), bw.data(), bb.data(),
+                           d.batch, d.channels, d.inner, eps, momentum, training);
     auto forward = [&](const Doubles& xv, const Doubles& wv, const Doubles& bv) {
       return batchnorm_ref(xv, wv, bv, rmd, rvd, d, eps, training);
     };
@@ -497,9 +514,12 @@ class BatchNormTest : public BackendTest {
     };
     backward();
     const Floats dx1 = host(dx), dw1 = host(dw), db1 = host(db);
-    expect_gradient_near(dx1, numeric_gradient([&](const Doubles& v) { return dot(rd, forward(v, wd, bd)); }, xd), what + " dx");
-    expect_gradient_near(dw1, numeric_gradient([&](const Doubles& v) { return dot(rd, forward(xd, v, bd)); }, wd), what + " dw");
-    expect_gradient_near(db1, numeric_gradient([&](const Doubles& v) { return dot(rd, forward(xd, wd, v)); }, bd), what + " db");
+    expect_gradient_near(dx1, numeric_gradient([&](const Doubles& v) { return dot(rd, forward(v, wd, bd)); }, xd),
+                         what + " dx");
+    expect_gradient_near(dw1, numeric_gradient([&](const Doubles& v) { return dot(rd, forward(xd, v, bd)); }, wd),
+                         what + " dw");
+    expect_gradient_near(db1, numeric_gradient([&](const Doubles& v) { return dot(rd, forward(xd, wd, v)); }, bd),
+                         what + " db");
     backward();
     expect_doubled(dx1, host(dx), what + " dx");
     expect_doubled(dw1, host(dw), what + " dw");
@@ -508,8 +528,8 @@ class BatchNormTest : public BackendTest {
 };
 
 TEST_F(BatchNormTest, TrainingForwardAndFullGradient) {
-  for (const BnDims& d : {BnDims{3, 1, 1}, BnDims{7, 5, 1}, BnDims{3, 70, 1}, BnDims{1, 5, 4}, BnDims{3, 33, 5},
-                          BnDims{7, 3, 3}}) {
+  for (const BnDims& d :
+       {BnDims{3, 1, 1}, BnDims{7, 5, 1}, BnDims{3, 70, 1}, BnDims{1, 5, 4}, BnDims{3, 33, 5}, BnDims{7, 3, 3}}) {
     check(d, true);
   }
 }
@@ -522,7 +542,8 @@ TEST_F(BatchNormTest, InferenceForwardAndGradient) {
 TEST_F(BatchNormTest, RunningStatisticsUseUnbiasedVarianceAndOnnxMomentum) {
   // One channel, values 1, 2, 3, 4 (two samples × inner 2): mean 2.5, biased variance
   // 1.25, unbiased 5/3.
-  DeviceBuffer x = buffer({1, 2, 3, 4}), y = zeros(4), mean = zeros(1), rstd = zeros(1), w = buffer({1}), b = buffer({0});
+  DeviceBuffer x = buffer({1, 2, 3, 4}), y = zeros(4), mean = zeros(1), rstd = zeros(1), w = buffer({1}),
+               b = buffer({0});
   DeviceBuffer rm = buffer({1.0f}), rv = buffer({2.0f});
   be_->batchnorm_forward(y.data(), mean.data(), rstd.data(), rm.data(), rv.data(), x.data(), w.data(), b.data(), 2, 1,
                          2, 1e-5f, 0.9f, true);
@@ -589,11 +610,14 @@ TEST_F(BackendTest, DropoutGradientReusesTheMask) {
     be_->dropout_backward(dx.data(), dy.data(), mask.data(), n);
     const Floats once = host(dx);
     // With the mask fixed, y = x ⊙ mask.
-    expect_gradient_near(once, numeric_gradient([&](const Doubles& v) {
-                           double s = 0.0;
-                           for (int64_t i = 0; i < n; ++i) s += rd[i] * v[i] * md[i];
-                           return s;
-                         }, to_double(x)),
+    expect_gradient_near(once,
+                         numeric_gradient(
+                             [&](const Doubles& v) {
+                               double s = 0.0;
+                               for (int64_t i = 0; i < n; ++i) s += rd[i] * v[i] * md[i];
+                               return s;
+                             },
+                             to_double(x)),
                          "dropout dx n=" + std::to_string(n));
     be_->dropout_backward(dx.data(), dy.data(), mask.data(), n);
     expect_doubled(once, host(dx), "dropout dx");
@@ -709,14 +733,14 @@ TEST_F(BackendTest, LinearForwardThroughput) {
     double want = bh[17];
     for (int64_t i = 0; i < in; ++i) want += static_cast<double>(xh[100 * in + i]) * wh[17 * in + i];
     if (epilogue) want = std::max(want, 0.0);
-    std::printf("[ figure   ] linear_forward rows=%lld in=%lld out=%lld%s: %.3f ms, %.1f GFLOP/s "
-                "(2*rows*in*out / time), y[100,17] error %.1e\n",
-                static_cast<long long>(rows), static_cast<long long>(in), static_cast<long long>(out),
-                epilogue ? " +bias+relu" : " +bias", seconds / reps * 1e3, gflops, std::fabs(yh[100 * out + 17] - want));
+    std::printf(
+        "[ figure   ] linear_forward rows=%lld in=%lld out=%lld%s: %.3f ms, %.1f GFLOP/s "
+        "(2*rows*in*out / time), y[100,17] error %.1e\n",
+        static_cast<long long>(rows), static_cast<long long>(in), static_cast<long long>(out),
+        epilogue ? " +bias+relu" : " +bias", seconds / reps * 1e3, gflops, std::fabs(yh[100 * out + 17] - want));
     EXPECT_NEAR(yh[100 * out + 17], want, 1e-4 * (1.0 + std::fabs(want)));
   }
 }
 
 }  // namespace
 }  // namespace pipeshard
-

@@ -85,10 +85,11 @@ TEST_F(BackendTest, CrossEntropyLossAndGradient) {
         const double loss = be_->cross_entropy(dl.data(), bl.data(), blab.data(), rows, classes, den, log_probs);
         const Doubles ld = to_double(logits);
         EXPECT_NEAR(loss, cross_entropy_ref(ld, labels, rows, classes, den, log_probs), 1e-6) << what;
-        expect_gradient_near(host(dl), numeric_gradient([&](const Doubles& v) {
-                               return cross_entropy_ref(v, labels, rows, classes, den, log_probs);
-                             }, ld),
-                             what + " dlogits (written, not added)");
+        expect_gradient_near(
+            host(dl),
+            numeric_gradient(
+                [&](const Doubles& v) { return cross_entropy_ref(v, labels, rows, classes, den, log_probs); }, ld),
+            what + " dlogits (written, not added)");
         EXPECT_NEAR(be_->cross_entropy(nullptr, bl.data(), blab.data(), rows, classes, den, log_probs), loss, 1e-12)
             << what << ": without dlogits";
       }
@@ -135,8 +136,11 @@ struct SgdCase {
 };
 
 TEST_F(BackendTest, SgdMatchesTorchOptimForThreeSteps) {
-  const SgdCase cases[] = {{0.1f, 0.0f, 0.0f, false}, {0.1f, 0.9f, 0.0f, false}, {0.05f, 0.9f, 0.0f, true},
-                           {0.1f, 0.0f, 0.01f, false}, {0.1f, 0.8f, 0.05f, true}};
+  const SgdCase cases[] = {{0.1f, 0.0f, 0.0f, false},
+                           {0.1f, 0.9f, 0.0f, false},
+                           {0.05f, 0.9f, 0.0f, true},
+                           {0.1f, 0.0f, 0.01f, false},
+                           {0.1f, 0.8f, 0.05f, true}};
   const int64_t n = 37;
   for (const SgdCase& c : cases) {
     const std::string what = "lr=" + std::to_string(c.lr) + " momentum=" + std::to_string(c.momentum) +
@@ -185,7 +189,8 @@ TEST_F(BackendTest, AdamAndAdamWMatchTorchOptimForThreeSteps) {
       for (int step = 1; step <= 3; ++step) {
         const Floats g = random(n);
         DeviceBuffer bg = buffer(g);
-        be_->adam_step(bp.data(), bg.data(), bm.data(), bv.data(), n, AdamStep{lr, beta1, beta2, eps, wd, decoupled, step});
+        be_->adam_step(bp.data(), bg.data(), bm.data(), bv.data(), n,
+                       AdamStep{lr, beta1, beta2, eps, wd, decoupled, step});
         const double c1 = 1.0 - std::pow(double{beta1}, step), c2 = 1.0 - std::pow(double{beta2}, step);
         for (int64_t i = 0; i < n; ++i) {
           double gi = g[i];
@@ -261,7 +266,8 @@ TEST_F(BackendTest, ResultsDoNotDependOnTheThreadCount) {
     be_->layernorm_backward(dx.data(), dw.data(), db.data(), dy.data(), bx.data(), bw.data(), lmean.data(),
                             lrstd.data(), rows, width);
     be_->linear_forward(ly.data(), bx.data(), lw.data(), ldb.data(), LinearShape{rows, width, 64});
-    be_->linear_backward(nullptr, ldw.data(), ldb.data(), dy.data(), bx.data(), lw.data(), LinearShape{rows, width, 64});
+    be_->linear_backward(nullptr, ldw.data(), ldb.data(), dy.data(), bx.data(), lw.data(),
+                         LinearShape{rows, width, 64});
     const double ce = be_->cross_entropy(dl.data(), bx.data(), blab.data(), rows, width, rows, false);
     const double ss = be_->sum_squares(bx.data(), n);
     Floats all = host(y);
@@ -285,7 +291,6 @@ TEST_F(BackendTest, ResultsDoNotDependOnTheThreadCount) {
   for (size_t i = 0; i < serial.size(); ++i) ASSERT_EQ(serial[i], parallel[i]) << "element " << i;
 }
 #endif
-
 
 }  // namespace
 }  // namespace pipeshard

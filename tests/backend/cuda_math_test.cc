@@ -47,8 +47,8 @@ void expect_same_floats(const Floats& want, const Floats& got, const Floats& inp
   for (size_t i = 0; i < want.size(); ++i) {
     if (!same_float(want[i], got[i]) && mismatches++ < 5) {
       ADD_FAILURE() << what << "[" << i << "] (input " << input[i] << "): CPU " << want[i] << " (0x" << std::hex
-                    << std::bit_cast<uint32_t>(want[i]) << "), math 0x" << std::bit_cast<uint32_t>(got[i])
-                    << std::dec << " (" << got[i] << ")";
+                    << std::bit_cast<uint32_t>(want[i]) << "), math 0x" << std::bit_cast<uint32_t>(got[i]) << std::dec
+                    << " (" << got[i] << ")";
     }
   }
   EXPECT_EQ(mismatches, 0) << what;
@@ -58,11 +58,49 @@ void expect_same_floats(const Floats& want, const Floats& got, const Floats& inp
 // overflow of exp and x³), a fine sweep of [-30, 30], uniform values and random bit patterns.
 Floats activation_inputs() {
   const float inf = std::numeric_limits<float>::infinity();
-  Floats x = {0.0f,     -0.0f,  1e-45f, -1e-45f, FLT_MIN, -FLT_MIN, 1e-7f,   -1e-7f,   0.5f,      -0.5f,
-              1.0f,     -1.0f,  3.0f,   -3.0f,   8.0f,    -8.0f,    9.0f,    -9.0f,    15.0f,     -15.0f,
-              20.0f,    -20.0f, 40.0f,  -40.0f,  87.0f,   -87.0f,   88.73f,  -88.73f,  89.0f,     -89.0f,
-              104.0f,   -104.0f, 1e10f, -1e10f,  1e13f,   -1e13f,   1e30f,   -1e30f,   FLT_MAX,   -FLT_MAX,
-              inf,      -inf,   std::numeric_limits<float>::quiet_NaN()};
+  Floats x = {0.0f,
+              -0.0f,
+              1e-45f,
+              -1e-45f,
+              FLT_MIN,
+              -FLT_MIN,
+              1e-7f,
+              -1e-7f,
+              0.5f,
+              -0.5f,
+              1.0f,
+              -1.0f,
+              3.0f,
+              -3.0f,
+              8.0f,
+              -8.0f,
+              9.0f,
+              -9.0f,
+              15.0f,
+              -15.0f,
+              20.0f,
+              -20.0f,
+              40.0f,
+              -40.0f,
+              87.0f,
+              -87.0f,
+              88.73f,
+              -88.73f,
+              89.0f,
+              -89.0f,
+              104.0f,
+              -104.0f,
+              1e10f,
+              -1e10f,
+              1e13f,
+              -1e13f,
+              1e30f,
+              -1e30f,
+              FLT_MAX,
+              -FLT_MAX,
+              inf,
+              -inf,
+              std::numeric_limits<float>::quiet_NaN()};
   for (int i = -30000; i <= 30000; ++i) x.push_back(static_cast<float>(i) * 1e-3f);
   std::mt19937 rng(7);
   std::uniform_real_distribution<float> uniform(-12.0f, 12.0f);
@@ -84,10 +122,10 @@ struct ActivationCase {
   ActivationKind kind;
   float alpha;
 };
-const ActivationCase kActivationCases[] = {
-    {ActivationKind::kRelu, 0.01f},    {ActivationKind::kLeakyRelu, 0.01f}, {ActivationKind::kLeakyRelu, 0.2f},
-    {ActivationKind::kSigmoid, 0.01f}, {ActivationKind::kTanh, 0.01f},      {ActivationKind::kGelu, 0.01f},
-    {ActivationKind::kGeluTanh, 0.01f}, {ActivationKind::kSilu, 0.01f}};
+const ActivationCase kActivationCases[] = {{ActivationKind::kRelu, 0.01f},     {ActivationKind::kLeakyRelu, 0.01f},
+                                           {ActivationKind::kLeakyRelu, 0.2f}, {ActivationKind::kSigmoid, 0.01f},
+                                           {ActivationKind::kTanh, 0.01f},     {ActivationKind::kGelu, 0.01f},
+                                           {ActivationKind::kGeluTanh, 0.01f}, {ActivationKind::kSilu, 0.01f}};
 
 std::string case_name(const ActivationCase& c) {
   return std::string(activation_name(c.kind)) + " alpha " + std::to_string(c.alpha);
@@ -145,8 +183,8 @@ TEST(CudaMath, DropoutMaskIsTheCpusBitForBit) {
   for (uint64_t seed : seeds) {
     for (uint64_t offset : offsets) {
       for (float ratio : ratios) {
-        const std::string what = "seed " + std::to_string(seed) + " offset " + std::to_string(offset) + " ratio " +
-                                 std::to_string(ratio);
+        const std::string what =
+            "seed " + std::to_string(seed) + " offset " + std::to_string(offset) + " ratio " + std::to_string(ratio);
         Floats y(n), mask(n);
         cpu->dropout_forward(y.data(), mask.data(), x.data(), n, ratio, seed, offset);
         const uint64_t key = math::dropout_key(seed);
@@ -260,8 +298,7 @@ TEST(CudaMath, AdamUpdateIsTheCpusBitForBit) {
           for (const int64_t step : {1, 2, 3, 4, 1000}) {
             const AdamStep s{h.lr, h.beta1, h.beta2, h.eps, wd, decoupled, step};
             const Floats g = gradients(n, 60 + static_cast<uint32_t>(step), bad_at, bad);
-            const bool want_finite =
-                cpu::adam_step(want_p.data(), g.data(), want_m.data(), want_v.data(), n, s);
+            const bool want_finite = cpu::adam_step(want_p.data(), g.data(), want_m.data(), want_v.data(), n, s);
             const math::AdamScalars k = math::adam_scalars(s);
             bool got_bad = false;
             for (size_t i = 0; i < n; ++i) {
@@ -289,8 +326,12 @@ TEST(CudaMath, AdamScalarsAreTheCpusOverRandomHyperParameters) {
   std::mt19937 rng(71);
   std::uniform_real_distribution<float> unit(0.0f, 1.0f);
   for (int trial = 0; trial < 200; ++trial) {
-    const AdamStep s{1e-4f + 0.3f * unit(rng), 0.5f + 0.49f * unit(rng), 0.9f + 0.0999f * unit(rng),
-                     1e-8f + 1e-3f * unit(rng), 0.2f * unit(rng), trial % 2 == 0,
+    const AdamStep s{1e-4f + 0.3f * unit(rng),
+                     0.5f + 0.49f * unit(rng),
+                     0.9f + 0.0999f * unit(rng),
+                     1e-8f + 1e-3f * unit(rng),
+                     0.2f * unit(rng),
+                     trial % 2 == 0,
                      1 + static_cast<int64_t>(50 * unit(rng))};
     Floats want_p = normal_floats(n, 80 + trial), want_m = normal_floats(n, 81 + trial, 0.1f);
     Floats want_v = normal_floats(n, 82 + trial, 0.1f);
@@ -347,8 +388,8 @@ Floats rounding_inputs(bool bf16) {
     const auto p = static_cast<uint16_t>(h);
     const float v = bf16 ? math::bf16_to_float(p) : math::fp16_to_float(p);
     if (!std::isfinite(v)) continue;
-    const float next = bf16 ? math::bf16_to_float(static_cast<uint16_t>(h + 1))
-                            : math::fp16_to_float(static_cast<uint16_t>(h + 1));
+    const float next =
+        bf16 ? math::bf16_to_float(static_cast<uint16_t>(h + 1)) : math::fp16_to_float(static_cast<uint16_t>(h + 1));
     // The midpoint is exact in float (one bit more than the format has), also towards inf:
     // for bf16 it is the float 0x7F7F8000, for fp16 65520.
     const float mid = std::isfinite(next) ? static_cast<float>((static_cast<double>(v) + next) / 2)
@@ -377,7 +418,12 @@ TEST(CudaMath, Bf16RoundingKnownPatterns) {
   const float inf = std::numeric_limits<float>::infinity(), nan = std::numeric_limits<float>::quiet_NaN();
   auto bits = [](uint32_t u) { return std::bit_cast<float>(u); };
   const std::pair<float, uint16_t> cases[] = {
-      {1.0f, 0x3F80}, {-2.0f, 0xC000}, {0.0f, 0x0000}, {-0.0f, 0x8000}, {inf, 0x7F80}, {-inf, 0xFF80},
+      {1.0f, 0x3F80},
+      {-2.0f, 0xC000},
+      {0.0f, 0x0000},
+      {-0.0f, 0x8000},
+      {inf, 0x7F80},
+      {-inf, 0xFF80},
       {bits(0x3F808000u), 0x3F80},  // 1 + 2^-8: a tie, stays at the even 0x3F80
       {bits(0x3F818000u), 0x3F82},  // 1 + 3·2^-8: a tie, up to the even 0x3F82
       {bits(0x3F808001u), 0x3F81},  // just above a tie: up
@@ -385,13 +431,15 @@ TEST(CudaMath, Bf16RoundingKnownPatterns) {
       {bits(0xBF818000u), 0xBF82},  // negative ties mirror the positive ones
       {bits(0x7F7F7FFFu), 0x7F7F},  // just below the midpoint past the largest bf16: stays finite
       {bits(0x7F7F8000u), 0x7F80},  // that midpoint: ties to the even side, infinity
-      {FLT_MAX, 0x7F80}, {-FLT_MAX, 0xFF80},
+      {FLT_MAX, 0x7F80},
+      {-FLT_MAX, 0xFF80},
       {FLT_MIN, 0x0080},            // bf16 keeps float32's exponent range ...
       {bits(0x00010000u), 0x0001},  // ... and its subnormals: the smallest bf16 subnormal, 2^-133
       {bits(0x00008000u), 0x0000},  // half of it: a tie, to the even 0
       {bits(0x00018000u), 0x0002},  // 1.5 units: a tie, to the even 2
       {bits(0x00008001u), 0x0001},  // just above half a unit: up
-      {1e-45f, 0x0000}, {-1e-45f, 0x8000},
+      {1e-45f, 0x0000},
+      {-1e-45f, 0x8000},
       {bits(0x007FFFFFu), 0x0080},  // the largest float subnormal rounds up into the normal range
   };
   for (const auto& [f, want] : cases) {
@@ -409,25 +457,41 @@ TEST(CudaMath, Bf16RoundingKnownPatterns) {
 TEST(CudaMath, Fp16RoundingKnownPatterns) {
   const float inf = std::numeric_limits<float>::infinity(), nan = std::numeric_limits<float>::quiet_NaN();
   const std::pair<float, uint16_t> cases[] = {
-      {1.0f, 0x3C00}, {-2.0f, 0xC000}, {0.5f, 0x3800}, {0.1f, 0x2E66}, {1.0f / 3.0f, 0x3555},
-      {0.0f, 0x0000}, {-0.0f, 0x8000}, {inf, 0x7C00}, {-inf, 0xFC00},
-      {1.0f + 0x1p-11f, 0x3C00},         // a tie: stays at the even 0x3C00
-      {1.0f + 3 * 0x1p-11f, 0x3C02},     // a tie: up to the even 0x3C02
+      {1.0f, 0x3C00},
+      {-2.0f, 0xC000},
+      {0.5f, 0x3800},
+      {0.1f, 0x2E66},
+      {1.0f / 3.0f, 0x3555},
+      {0.0f, 0x0000},
+      {-0.0f, 0x8000},
+      {inf, 0x7C00},
+      {-inf, 0xFC00},
+      {1.0f + 0x1p-11f, 0x3C00},      // a tie: stays at the even 0x3C00
+      {1.0f + 3 * 0x1p-11f, 0x3C02},  // a tie: up to the even 0x3C02
       {1.0f + 0x1p-11f + 0x1p-23f, 0x3C01},
-      {65504.0f, 0x7BFF}, {-65504.0f, 0xFBFF},  // the largest fp16
-      {65519.996f, 0x7BFF},              // the float just below 65520 (65504 + half a unit)
-      {65520.0f, 0x7C00}, {-65520.0f, 0xFC00},  // the tie goes to the even side: infinity
-      {1e6f, 0x7C00}, {FLT_MAX, 0x7C00}, {-FLT_MAX, 0xFC00},
-      {0x1p-14f, 0x0400},                // the smallest normal
-      {0x1p-14f - 0x1p-25f, 0x0400},     // 1023.5·2^-24: a tie between 0x03FF and the even 0x0400
-      {0x1p-14f - 0x1p-24f, 0x03FF},     // the largest subnormal
-      {0x1p-24f, 0x0001}, {-0x1p-24f, 0x8001},  // the smallest subnormal
-      {5.96e-8f, 0x0001},                // just below 2^-24 = 5.9604645e-8, above its half
-      {0x1p-25f, 0x0000}, {-0x1p-25f, 0x8000},  // half the smallest subnormal: a tie, to ±0
+      {65504.0f, 0x7BFF},
+      {-65504.0f, 0xFBFF},   // the largest fp16
+      {65519.996f, 0x7BFF},  // the float just below 65520 (65504 + half a unit)
+      {65520.0f, 0x7C00},
+      {-65520.0f, 0xFC00},  // the tie goes to the even side: infinity
+      {1e6f, 0x7C00},
+      {FLT_MAX, 0x7C00},
+      {-FLT_MAX, 0xFC00},
+      {0x1p-14f, 0x0400},             // the smallest normal
+      {0x1p-14f - 0x1p-25f, 0x0400},  // 1023.5·2^-24: a tie between 0x03FF and the even 0x0400
+      {0x1p-14f - 0x1p-24f, 0x03FF},  // the largest subnormal
+      {0x1p-24f, 0x0001},
+      {-0x1p-24f, 0x8001},  // the smallest subnormal
+      {5.96e-8f, 0x0001},   // just below 2^-24 = 5.9604645e-8, above its half
+      {0x1p-25f, 0x0000},
+      {-0x1p-25f, 0x8000},  // half the smallest subnormal: a tie, to ±0
       {std::nextafter(0x1p-25f, 1.0f), 0x0001},
-      {3 * 0x1p-25f, 0x0002},            // 1.5 units: a tie, to the even 2
-      {5 * 0x1p-25f, 0x0002},            // 2.5 units: a tie, to the even 2
-      {0x1p-26f, 0x0000}, {1e-45f, 0x0000}, {-1e-45f, 0x8000}, {FLT_MIN, 0x0000},
+      {3 * 0x1p-25f, 0x0002},  // 1.5 units: a tie, to the even 2
+      {5 * 0x1p-25f, 0x0002},  // 2.5 units: a tie, to the even 2
+      {0x1p-26f, 0x0000},
+      {1e-45f, 0x0000},
+      {-1e-45f, 0x8000},
+      {FLT_MIN, 0x0000},
   };
   for (const auto& [f, want] : cases) {
     EXPECT_EQ(math::float_to_fp16_rn(f), want) << f << " (" << hex(std::bit_cast<uint32_t>(f)) << ")";
@@ -482,8 +546,8 @@ TEST(CudaMath, SixteenBitRoundingIsRoundToNearestEven) {
     const float want = reference_fp16_value(f);
     const bool same = value == want && std::signbit(value) == std::signbit(want);
     if (!same && failures++ < 5) {
-      ADD_FAILURE() << "fp16 of " << f << " (" << hex(std::bit_cast<uint32_t>(f)) << "): " << hex(got) << " = "
-                    << value << ", want " << want;
+      ADD_FAILURE() << "fp16 of " << f << " (" << hex(std::bit_cast<uint32_t>(f)) << "): " << hex(got) << " = " << value
+                    << ", want " << want;
     }
 #ifdef __FLT16_MAX__
     const auto compiler = static_cast<_Float16>(f);

@@ -74,8 +74,8 @@ void softmax_backward_driver(Floats& dx, const Floats& dy, const Floats& y, int6
   }
 }
 
-double cross_entropy_driver(Floats* dlogits, const Floats& logits, const Floats& labels, int64_t rows,
-                            int64_t classes, double denominator, bool log_probs) {
+double cross_entropy_driver(Floats* dlogits, const Floats& logits, const Floats& labels, int64_t rows, int64_t classes,
+                            double denominator, bool log_probs) {
   const float inv_den = static_cast<float>(1.0 / denominator);
   double total = 0.0;
   for (int64_t r = 0; r < rows; ++r) {
@@ -168,8 +168,8 @@ double channel_sum(const BnDims& d, int64_t c, const std::function<double(int64_
   return s;
 }
 
-void batchnorm_forward_driver(BnState& st, const Floats& x, const float* w, const float* b, const BnDims& d,
-                              float eps, float momentum, bool training, double replicas) {
+void batchnorm_forward_driver(BnState& st, const Floats& x, const float* w, const float* b, const BnDims& d, float eps,
+                              float momentum, bool training, double replicas) {
   for (int64_t c = 0; c < d.channels; ++c) {
     double m, r;
     if (training) {
@@ -313,8 +313,8 @@ TEST_F(NormMathTest, LayerNormForwardAndBackwardMatchTheCpuBackend) {
   for (int affine = 0; affine < 4; ++affine) {  // bit 0: w, bit 1: b
     for (int64_t rows : kRows) {
       for (int64_t width : kWidths) {
-        const std::string what = "layernorm w=" + std::to_string(affine & 1) + " b=" + std::to_string(affine >> 1) +
-                                 shape_name(rows, width);
+        const std::string what =
+            "layernorm w=" + std::to_string(affine & 1) + " b=" + std::to_string(affine >> 1) + shape_name(rows, width);
         const int64_t n = rows * width;
         const Floats x = random(n, -2.0f, 3.0f), w = random(width, 0.5f, 1.5f), b = random(width), dy = random(n);
         const float* pw = (affine & 1) ? w.data() : nullptr;
@@ -351,8 +351,8 @@ TEST_F(NormMathTest, LayerNormForwardAndBackwardMatchTheCpuBackend) {
 class BatchNormMathTest : public NormMathTest {
  protected:
   void check(const BnDims& d, bool training, double replicas, bool affine) {
-    const std::string what = std::string(training ? "training" : "inference") + " [" + std::to_string(d.batch) +
-                             ", " + std::to_string(d.channels) + ", " + std::to_string(d.inner) + "] replicas " +
+    const std::string what = std::string(training ? "training" : "inference") + " [" + std::to_string(d.batch) + ", " +
+                             std::to_string(d.channels) + ", " + std::to_string(d.inner) + "] replicas " +
                              std::to_string(static_cast<int>(replicas)) + (affine ? " affine" : " plain");
     const float eps = 1e-5f, momentum = 0.9f;
     const int64_t n = d.size(), c = d.channels;
@@ -395,8 +395,8 @@ class BatchNormMathTest : public NormMathTest {
 };
 
 TEST_F(BatchNormMathTest, TrainingMatchesTheCpuBackend) {
-  for (const BnDims& d : {BnDims{2, 1, 1}, BnDims{3, 5, 1}, BnDims{7, 70, 1}, BnDims{1, 5, 4}, BnDims{3, 33, 5},
-                          BnDims{2, 3, 7}}) {
+  for (const BnDims& d :
+       {BnDims{2, 1, 1}, BnDims{3, 5, 1}, BnDims{7, 70, 1}, BnDims{1, 5, 4}, BnDims{3, 33, 5}, BnDims{2, 3, 7}}) {
     for (bool affine : {true, false}) check(d, true, 1.0, affine);
   }
 }

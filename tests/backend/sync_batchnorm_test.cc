@@ -76,17 +76,17 @@ std::string describe(const BatchNormShape& s, int replicas) {
 }
 
 struct BatchNormInputs {
-  Floats x, dy;                     // [batch, channels, inner]
-  Floats w, b;                      // [channels]
-  Floats running_mean, running_var; // [channels], before the step
+  Floats x, dy;                      // [batch, channels, inner]
+  Floats w, b;                       // [channels]
+  Floats running_mean, running_var;  // [channels], before the step
 };
 
 // What one forward + backward in training mode leaves behind.
 struct BatchNormResults {
-  Floats y, dx;                     // [rows of this replica, channels, inner]
-  Floats mean, rstd;                // [channels], saved by forward
-  Floats running_mean, running_var; // [channels], after the step
-  Floats dw, db;                    // [channels]
+  Floats y, dx;                      // [rows of this replica, channels, inner]
+  Floats mean, rstd;                 // [channels], saved by forward
+  Floats running_mean, running_var;  // [channels], after the step
+  Floats dw, db;                     // [channels]
 };
 
 class SyncBatchNormTest : public BackendTest {
@@ -94,8 +94,8 @@ class SyncBatchNormTest : public BackendTest {
   BatchNormInputs inputs(const BatchNormShape& s) {
     const int64_t n = s.batch * s.channels * s.inner;
     // An offset mean, so that a replica's local mean differs from the global one.
-    return {random(n, -1.0f, 3.0f), random(n), random(s.channels, 0.5f, 1.5f), random(s.channels),
-            random(s.channels), random(s.channels, 0.5f, 2.0f)};
+    return {random(n, -1.0f, 3.0f), random(n),          random(s.channels, 0.5f, 1.5f),
+            random(s.channels),     random(s.channels), random(s.channels, 0.5f, 2.0f)};
   }
 
   // Rows [row0, row1) of the batch through forward and backward; dx is not asked for
@@ -268,11 +268,10 @@ TEST_F(SyncBatchNormTest, InferenceIgnoresTheReducer) {
 // The unsynchronized training forward and backward, one channel at a time, in the order
 // and precision of cpu_normalization.cc: double sums over b then k, statistics rounded to
 // float once, float normalisation and dx.
-BatchNormResults batchnorm_step_by_step(const BatchNormInputs& in, const BatchNormShape& s, float eps,
-                                        float momentum) {
+BatchNormResults batchnorm_step_by_step(const BatchNormInputs& in, const BatchNormShape& s, float eps, float momentum) {
   const int64_t C = s.channels, L = s.inner, n = s.batch * L;
-  BatchNormResults r{Floats(in.x.size()), Floats(in.x.size(), 0.0f), Floats(C), Floats(C), in.running_mean,
-                     in.running_var, Floats(C, 0.0f), Floats(C, 0.0f)};
+  BatchNormResults r{Floats(in.x.size()), Floats(in.x.size(), 0.0f), Floats(C),      Floats(C), in.running_mean,
+                     in.running_var,      Floats(C, 0.0f),           Floats(C, 0.0f)};
   auto at = [&](int64_t b, int64_t c) { return (b * C + c) * L; };
   for (int64_t c = 0; c < C; ++c) {
     double sum = 0.0, sq = 0.0, s1 = 0.0, s2 = 0.0;

@@ -49,9 +49,9 @@ TEST(ProcessLayoutTest, EveryRankRoundTripsForManyLayouts) {
 TEST(ProcessLayoutTest, RankOrderKeepsShardsAdjacentAndStagesFurthestApart) {
   // P=2, D=3, T=2: ranks 0,1 are the shards of (p0, d0); stage 1 starts at rank 6.
   const int stages = 2, shards = 2, world = 12;
-  const std::vector<std::tuple<int, int, int>> expected = {
-      {0, 0, 0}, {0, 0, 1}, {0, 1, 0}, {0, 1, 1}, {0, 2, 0}, {0, 2, 1},
-      {1, 0, 0}, {1, 0, 1}, {1, 1, 0}, {1, 1, 1}, {1, 2, 0}, {1, 2, 1}};
+  const std::vector<std::tuple<int, int, int>> expected = {{0, 0, 0}, {0, 0, 1}, {0, 1, 0}, {0, 1, 1},
+                                                           {0, 2, 0}, {0, 2, 1}, {1, 0, 0}, {1, 0, 1},
+                                                           {1, 1, 0}, {1, 1, 1}, {1, 2, 0}, {1, 2, 1}};
   for (int rank = 0; rank < world; ++rank) {
     Result<ProcessLayout> layout = ProcessLayout::for_rank(rank, world, stages, shards);
     ASSERT_TRUE(layout.is_ok()) << layout.status().message();
@@ -167,7 +167,8 @@ TEST(PlaceholderCommunicatorDeathTest, KnowsItsPlaceAndCarriesNothing) {
   EXPECT_EQ(group->rank(), 1);
   EXPECT_EQ(group->size(), 4);
   float x = 1.0f;
-  EXPECT_DEATH(group->all_reduce(&x, 1, ReduceOp::kSum), "all_reduce on a measured program's group, which carries nothing");
+  EXPECT_DEATH(group->all_reduce(&x, 1, ReduceOp::kSum),
+               "all_reduce on a measured program's group, which carries nothing");
   EXPECT_DEATH(group->send(&x, 1, 0, 0), "send on a measured program's group");
   EXPECT_DEATH(group->split(0, 0), "split on a measured program's group");
   EXPECT_DEATH(make_placeholder_communicator(4, 4, "x"), "rank 4 of a group of 4");
@@ -192,10 +193,16 @@ class ScopedEnv {
  public:
   ScopedEnv(const char* name, const char* value) : name_(name) {
     if (const char* old = std::getenv(name)) old_ = old;
-    if (value) ::setenv(name, value, 1); else ::unsetenv(name);
+    if (value)
+      ::setenv(name, value, 1);
+    else
+      ::unsetenv(name);
   }
   ~ScopedEnv() {
-    if (old_) ::setenv(name_, old_->c_str(), 1); else ::unsetenv(name_);
+    if (old_)
+      ::setenv(name_, old_->c_str(), 1);
+    else
+      ::unsetenv(name_);
   }
 
  private:

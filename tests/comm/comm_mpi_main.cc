@@ -147,7 +147,8 @@ TEST_P(CommTest, GatherTextToEveryRoot) {
       continue;
     }
     ASSERT_EQ(all.size(), static_cast<size_t>(size));
-    for (int r = 0; r < size; ++r) EXPECT_EQ(all[r], std::string(static_cast<size_t>(r), 'x') + "rank " + std::to_string(r));
+    for (int r = 0; r < size; ++r)
+      EXPECT_EQ(all[r], std::string(static_cast<size_t>(r), 'x') + "rank " + std::to_string(r));
   }
   EXPECT_EQ(c.gather_text("", 0).size(), rank == 0 ? static_cast<size_t>(size) : 0u);
 }
@@ -373,7 +374,9 @@ TEST_P(CommTest, ProcessGroupsForEveryLayoutThatFits) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Mpi, CommTest, ::testing::Values(Transport::kWhole, Transport::kSmallPieces, Transport::kStaged), transport_name);
+INSTANTIATE_TEST_SUITE_P(Mpi, CommTest,
+                         ::testing::Values(Transport::kWhole, Transport::kSmallPieces, Transport::kStaged),
+                         transport_name);
 
 // ---- A large message, whole ---------------------------------------------------------------
 
@@ -489,7 +492,9 @@ int main(int argc, char** argv) {
     if (std::string(c.name) == "LargeBuffers") GTEST_SKIP() << "large buffers run whole, not in small pieces";
     c.run({*small_pieces, *host_memory});
   });
-  register_comm_conformance_tests("MpiStagedConformance", [&](const ConformanceCase& c) { c.run({*staged, *cpu_memory}); });
+  register_comm_conformance_tests("MpiStagedConformance", [&](const ConformanceCase& c) {
+    c.run({*staged, *cpu_memory});
+  });
 
   ::testing::TestEventListeners& listeners = ::testing::UnitTest::GetInstance()->listeners();
   if (world->rank() != 0) {

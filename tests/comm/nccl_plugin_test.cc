@@ -47,7 +47,8 @@ TEST(NcclPlugin, LoadsAndSharesTheProcesssWatchdog) {
   EXPECT_EQ(loaded_copies("libpipeshard_watchdog.so"), 1);
   // The watchdog this test links, and the one the plugin's references resolve to (dlsym on
   // the plugin's handle searches it and its dependencies): one and the same.
-  void* mine = dlsym(RTLD_DEFAULT, "_ZN9pipeshard12WatchdogWaitC1EPKcPKNSt7__cxx1112basic_stringIcSt11char_traitsIcESaIcEEE");
+  void* mine =
+      dlsym(RTLD_DEFAULT, "_ZN9pipeshard12WatchdogWaitC1EPKcPKNSt7__cxx1112basic_stringIcSt11char_traitsIcESaIcEEE");
   ASSERT_NE(mine, nullptr) << "this test's WatchdogWait";
   Dl_info where{};
   ASSERT_NE(dladdr(mine, &where), 0);
@@ -55,7 +56,8 @@ TEST(NcclPlugin, LoadsAndSharesTheProcesssWatchdog) {
   const std::string plugin = std::string(PIPESHARD_BIN_DIR) + "/libpipeshard_nccl_plugin.so";
   void* handle = dlopen(plugin.c_str(), RTLD_NOW | RTLD_NOLOAD);
   ASSERT_NE(handle, nullptr) << "the plugin is loaded";
-  EXPECT_EQ(dlsym(handle, "_ZN9pipeshard12WatchdogWaitC1EPKcPKNSt7__cxx1112basic_stringIcSt11char_traitsIcESaIcEEE"), mine);
+  EXPECT_EQ(dlsym(handle, "_ZN9pipeshard12WatchdogWaitC1EPKcPKNSt7__cxx1112basic_stringIcSt11char_traitsIcESaIcEEE"),
+            mine);
   dlclose(handle);  // the reference RTLD_NOLOAD took; the plugin stays
 }
 

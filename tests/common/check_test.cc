@@ -36,7 +36,8 @@ TEST(CheckTest, PassingChecksAndCallsDoNothing) {
 TEST(CheckDeathTest, AFailedCheckNamesTheSiteTheConditionAndTheDetail) {
   EXPECT_DEATH(PIPESHARD_CHECK(1 + 1 == 3, "detail " + std::to_string(42)),
                "pipeshard: internal error at [^\n]*check_test.cc:[0-9]+: check '1 \\+ 1 == 3' failed: detail 42\n");
-  EXPECT_DEATH(PIPESHARD_CHECK(false), "pipeshard: internal error at [^\n]*check_test.cc:[0-9]+: check 'false' failed\n");
+  EXPECT_DEATH(PIPESHARD_CHECK(false),
+               "pipeshard: internal error at [^\n]*check_test.cc:[0-9]+: check 'false' failed\n");
   EXPECT_DEATH(fatal("here.cc", 7, "what went wrong"), "^pipeshard: internal error at here.cc:7: what went wrong\n");
 }
 

@@ -26,8 +26,8 @@
 #include <vector>
 
 #include "backend/backend.h"
-#include "backend/math/convert_math.cuh"
 #include "backend/cuda/launchers.h"
+#include "backend/math/convert_math.cuh"
 #include "tests/cuda/gpu_test_util.h"
 
 namespace pipeshard::cuda {
@@ -45,8 +45,8 @@ Floats inputs() {
     for (bool bf16 : {true, false}) {
       const auto p = static_cast<uint16_t>(h);
       const float v = bf16 ? math::bf16_to_float(p) : math::fp16_to_float(p);
-      const float next = bf16 ? math::bf16_to_float(static_cast<uint16_t>(p + 1))
-                              : math::fp16_to_float(static_cast<uint16_t>(p + 1));
+      const float next =
+          bf16 ? math::bf16_to_float(static_cast<uint16_t>(p + 1)) : math::fp16_to_float(static_cast<uint16_t>(p + 1));
       if (!std::isfinite(v) || !std::isfinite(next)) continue;
       const auto mid = static_cast<float>((static_cast<double>(v) + next) / 2);
       for (float f : {v, mid, std::nextafter(mid, 0.0f), std::nextafter(mid, next)}) {
@@ -138,9 +138,8 @@ TEST_P(CudaConvertTest, KernelEqualsTheHostFunctionBitForBit) {
         cuda_ok(cudaStreamSynchronize(stream_), "convert_to_16bit");
         std::vector<uint16_t> got(static_cast<size_t>(n + 8));
         cuda_ok(cudaMemcpy(got.data(), dst, sizeof(uint16_t) * got.size(), cudaMemcpyDeviceToHost), "download");
-        const std::string what = std::string(precision_name(GetParam())) + " n=" + std::to_string(n) +
-                                 " src offset " + std::to_string(src_offset) + " dst offset " +
-                                 std::to_string(dst_offset);
+        const std::string what = std::string(precision_name(GetParam())) + " n=" + std::to_string(n) + " src offset " +
+                                 std::to_string(src_offset) + " dst offset " + std::to_string(dst_offset);
         int failures = 0;
         for (int64_t i = 0; i < n + 8; ++i) {
           const bool inside = i >= dst_offset && i < dst_offset + n;
@@ -148,8 +147,8 @@ TEST_P(CudaConvertTest, KernelEqualsTheHostFunctionBitForBit) {
           const uint16_t rounded = bf16 ? math::float_to_bf16_rn(f) : math::float_to_fp16_rn(f);
           const uint16_t want = inside ? rounded : uint16_t{0xABAB};
           if (got[static_cast<size_t>(i)] != want && failures++ < 5) {
-            ADD_FAILURE() << what << " [" << i << "] " << (inside ? "" : "(outside the range) ") << "of " << f
-                          << ": 0x" << std::hex << got[static_cast<size_t>(i)] << ", want 0x" << want;
+            ADD_FAILURE() << what << " [" << i << "] " << (inside ? "" : "(outside the range) ") << "of " << f << ": 0x"
+                          << std::hex << got[static_cast<size_t>(i)] << ", want 0x" << want;
           }
         }
         if (HasFailure()) break;

@@ -77,7 +77,8 @@ void expect_bitwise(const Floats& want, const Floats& got, const std::string& wh
   ASSERT_EQ(want.size(), got.size()) << what;
   int bad = 0;
   for (size_t i = 0; i < want.size(); ++i) {
-    if (!same_float(want[i], got[i]) && bad++ < 5) ADD_FAILURE() << what << "[" << i << "]: cpu " << want[i] << ", cuda " << got[i];
+    if (!same_float(want[i], got[i]) && bad++ < 5)
+      ADD_FAILURE() << what << "[" << i << "]: cpu " << want[i] << ", cuda " << got[i];
   }
   EXPECT_EQ(bad, 0) << what;
 }
@@ -196,8 +197,8 @@ TEST_F(CudaKernels, ActivationsMatchTheCpu) {
   for (int i = -30000; i <= 30000; ++i) x.push_back(static_cast<float>(i) * 1e-3f);
   const auto n = static_cast<int64_t>(x.size());
   const Floats dy = normal(n, 7, 3.0f), dx0 = normal(n, 8);
-  const ActivationKind kinds[] = {ActivationKind::kRelu,  ActivationKind::kLeakyRelu, ActivationKind::kSigmoid,
-                                  ActivationKind::kTanh,  ActivationKind::kGelu,      ActivationKind::kGeluTanh,
+  const ActivationKind kinds[] = {ActivationKind::kRelu, ActivationKind::kLeakyRelu, ActivationKind::kSigmoid,
+                                  ActivationKind::kTanh, ActivationKind::kGelu,      ActivationKind::kGeluTanh,
                                   ActivationKind::kSilu};
   for (ActivationKind kind : kinds) {
     const Activation act{kind, 0.2f};
@@ -227,7 +228,8 @@ TEST_F(CudaKernels, DropoutIsBitwiseTheCpus) {
     for (int64_t shift : kShifts) {
       for (float ratio : {0.0f, 0.1f, 0.5f, 1.0f}) {
         for (uint64_t offset : {uint64_t{0}, uint64_t{3}, ~uint64_t{0} - 7}) {
-          const std::string what = at(n, shift) + " ratio " + std::to_string(ratio) + " offset " + std::to_string(offset);
+          const std::string what =
+              at(n, shift) + " ratio " + std::to_string(ratio) + " offset " + std::to_string(offset);
           const Floats x = normal(n, 9);
           Floats y(n), mask(n);
           cpu_->dropout_forward(y.data(), mask.data(), x.data(), n, ratio, 1234, offset);

@@ -42,8 +42,8 @@
 
 #include "backend/backend.h"
 #include "backend/cuda/allocator.h"
-#include "backend/math/convert_math.cuh"
 #include "backend/cuda/launchers.h"
+#include "backend/math/convert_math.cuh"
 #include "tests/backend/backend_check.h"
 #include "tests/cuda/gpu_test_util.h"
 
@@ -208,8 +208,8 @@ class CudaLinearTest : public ::testing::TestWithParam<Precision> {
     Floats v = before, sums = before;
     const LinearShape abs_shape{s.rows, s.in, s.out, s.layout, std::fabs(s.alpha), std::fabs(s.beta)};
     cpu_->linear_forward(v.data(), x.data(), w.data(), with_bias ? b.data() : nullptr, s);
-    cpu_->linear_forward(sums.data(), absolute(x).data(), absolute(w).data(),
-                         with_bias ? absolute(b).data() : nullptr, abs_shape);
+    cpu_->linear_forward(sums.data(), absolute(x).data(), absolute(w).data(), with_bias ? absolute(b).data() : nullptr,
+                         abs_shape);
     const double m = std::max(double{abs_shape.alpha} * max_abs(x) * max_abs(w),
                               with_bias ? double{abs_shape.beta} * max_abs(b) : 0.0);
     const check::Doubles pre_tol = sixteen_bit_bounds(v, sums, m, s.in + 1, exact_operands);
@@ -217,8 +217,8 @@ class CudaLinearTest : public ::testing::TestWithParam<Precision> {
     if (act != nullptr && s.rows > 0) {
       const bool gelu_epilogue = act->kind == ActivationKind::kGeluTanh;
       for (size_t i = 0; i < y_tol.size(); ++i) {
-        y_tol[i] = kActivationSlope * pre_tol[i] + 1e-5 * std::fabs(y[i]) +
-                   (gelu_epilogue ? 0x1p-10 * std::fabs(v[i]) : 0.0);
+        y_tol[i] =
+            kActivationSlope * pre_tol[i] + 1e-5 * std::fabs(y[i]) + (gelu_epilogue ? 0x1p-10 * std::fabs(v[i]) : 0.0);
       }
     }
     expect_within(gy.host(), y, y_tol, what + " y");
@@ -231,8 +231,8 @@ class CudaLinearTest : public ::testing::TestWithParam<Precision> {
 
   // dx, dw, db from the GPU against the CPU backend; kAdd adds into random gradients,
   // kOverwrite overwrites NaN. In bf16/fp16 twice (the header).
-  void check_backward(const LinearShape& s, bool want_dx, bool want_dw, bool want_db, GradWrite params,
-                      GradWrite input, int64_t offset, const std::string& what) {
+  void check_backward(const LinearShape& s, bool want_dx, bool want_dw, bool want_db, GradWrite params, GradWrite input,
+                      int64_t offset, const std::string& what) {
     const Floats x = random(s.rows * s.in), w = random(s.in * s.out), dy = random(s.rows * s.out);
     const float nan = std::numeric_limits<float>::quiet_NaN();
     auto start = [&](int64_t n, GradWrite mode) {
@@ -254,15 +254,13 @@ class CudaLinearTest : public ::testing::TestWithParam<Precision> {
     GradWrite params, input;
   };
 
-  void compare_backward(const LinearShape& s, const Floats& x, const Floats& w, const Floats& dy,
-                        const Grads& initial, const Wanted& want, int64_t offset, bool exact_operands,
-                        const std::string& what) {
+  void compare_backward(const LinearShape& s, const Floats& x, const Floats& w, const Floats& dy, const Grads& initial,
+                        const Wanted& want, int64_t offset, bool exact_operands, const std::string& what) {
     Grads cpu = initial;
     DeviceFloats gx(x, offset), gw(w, offset), gdy(dy, offset), gdx(initial.dx, offset), gdw(initial.dw, offset),
         gdb(initial.db, offset);
     cpu_->linear_backward(want.dx ? cpu.dx.data() : nullptr, want.dw ? cpu.dw.data() : nullptr,
-                          want.db ? cpu.db.data() : nullptr, dy.data(), x.data(), w.data(), s, want.params,
-                          want.input);
+                          want.db ? cpu.db.data() : nullptr, dy.data(), x.data(), w.data(), s, want.params, want.input);
     linear_backward(context_, want.dx ? gdx.data() : nullptr, want.dw ? gdw.data() : nullptr,
                     want.db ? gdb.data() : nullptr, gdy.data(), gx.data(), gw.data(), s, want.params, want.input,
                     stream_);
@@ -379,8 +377,8 @@ TEST_P(CudaLinearTest, SomeGradientsOnly) {
 TEST_P(CudaLinearTest, EmptyShapes) {
   const Activation sigmoid{ActivationKind::kSigmoid};
   for (WeightLayout layout : {WeightLayout::kOutIn, WeightLayout::kInOut}) {
-    for (const LinearShape& s : {LinearShape{0, 3, 2, layout}, LinearShape{4, 0, 3, layout, 1.0f, 0.5f},
-                                 LinearShape{4, 3, 0, layout}}) {
+    for (const LinearShape& s :
+         {LinearShape{0, 3, 2, layout}, LinearShape{4, 0, 3, layout, 1.0f, 0.5f}, LinearShape{4, 3, 0, layout}}) {
       const std::string what = shape_name(s);
       check_forward(s, true, nullptr, false, 0, what);
       check_forward(s, true, &sigmoid, true, 0, what + " sigmoid");
@@ -409,8 +407,8 @@ TEST_P(CudaLinearTest, LargerLayers) {
 // (the conversion's one-element path), offset 4 16-byte aligned ones with a tail.
 TEST_P(CudaLinearTest, AwkwardSizes) {
   const Activation gelu_tanh{ActivationKind::kGeluTanh}, relu{ActivationKind::kRelu};
-  const LinearShape shapes[] = {{1, 1, 1}, {1, 13, 7}, {3, 257, 9}, {17, 31, 1}, {29, 1001, 35}, {63, 67, 129},
-                                {5, 3, 11}};
+  const LinearShape shapes[] = {{1, 1, 1},      {1, 13, 7},    {3, 257, 9}, {17, 31, 1},
+                                {29, 1001, 35}, {63, 67, 129}, {5, 3, 11}};
   for (WeightLayout layout : {WeightLayout::kOutIn, WeightLayout::kInOut}) {
     for (LinearShape s : shapes) {
       s.layout = layout;

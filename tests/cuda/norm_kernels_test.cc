@@ -135,16 +135,15 @@ TEST_F(NormKernelsTest, CrossEntropyMatchesTheCpuBackendAndRepeats) {
         for (float& l : labels) l = static_cast<float>(pick(rng_));
         const double den = 2.0 * rows + 1.0;
         Floats d_cpu(n);
-        const double want = be_->cross_entropy(d_cpu.data(), logits.data(), labels.data(), rows, classes, den,
-                                               log_probs);
+        const double want =
+            be_->cross_entropy(d_cpu.data(), logits.data(), labels.data(), rows, classes, den, log_probs);
         auto gl = dev(logits), glab = dev(labels), gd = dev(random(n));
-        const double got = cuda::cross_entropy(gd->get(), gl->get(), glab->get(), rows, classes, den, log_probs,
-                                               scratch_, stream_);
+        const double got =
+            cuda::cross_entropy(gd->get(), gl->get(), glab->get(), rows, classes, den, log_probs, scratch_, stream_);
         EXPECT_NEAR(got, want, 1e-6 * (1.0 + std::fabs(want))) << what;
         expect_near_cpu(gd->download(), d_cpu, what + " dlogits (written)");
-        EXPECT_EQ(cuda::cross_entropy(nullptr, gl->get(), glab->get(), rows, classes, den, log_probs, scratch_,
-                                      stream_),
-                  got)
+        EXPECT_EQ(
+            cuda::cross_entropy(nullptr, gl->get(), glab->get(), rows, classes, den, log_probs, scratch_, stream_), got)
             << what << ": without dlogits, and bit for bit again";
       }
     }
@@ -187,8 +186,8 @@ TEST_F(NormKernelsTest, LayerNormMatchesTheCpuBackendAndRepeats) {
   for (int affine = 0; affine < 4; ++affine) {  // bit 0: w, bit 1: b
     for (int64_t rows : {1, 3, 300}) {
       for (int64_t width : {1, 33, 1024, 1025, 3000}) {
-        const std::string what = "layernorm w=" + std::to_string(affine & 1) + " b=" + std::to_string(affine >> 1) +
-                                 shape_name(rows, width);
+        const std::string what =
+            "layernorm w=" + std::to_string(affine & 1) + " b=" + std::to_string(affine >> 1) + shape_name(rows, width);
         const int64_t n = rows * width;
         const Floats x = random(n, -2.0f, 3.0f), w = random(width, 0.5f, 1.5f), b = random(width), dy = random(n);
         const Floats dx0 = random(n), dw0 = random(width), db0 = random(width);
@@ -196,8 +195,8 @@ TEST_F(NormKernelsTest, LayerNormMatchesTheCpuBackendAndRepeats) {
         const float* pb = (affine & 2) ? b.data() : nullptr;
         Floats y_cpu(n), mean_cpu(rows), rstd_cpu(rows), dx_cpu = dx0, dw_cpu = dw0, db_cpu = db0;
         be_->layernorm_forward(y_cpu.data(), mean_cpu.data(), rstd_cpu.data(), x.data(), pw, pb, rows, width, eps);
-        be_->layernorm_backward(dx_cpu.data(), dw_cpu.data(), db_cpu.data(), dy.data(), x.data(), pw,
-                                mean_cpu.data(), rstd_cpu.data(), rows, width);
+        be_->layernorm_backward(dx_cpu.data(), dw_cpu.data(), db_cpu.data(), dy.data(), x.data(), pw, mean_cpu.data(),
+                                rstd_cpu.data(), rows, width);
 
         auto gx = dev(x), gw = dev(w), gb = dev(b), gy = dev(Floats(n)), gmean = dev(Floats(rows)),
              grstd = dev(Floats(rows)), gdy = dev(dy), gdx = dev(dx0), gdw = dev(dw0), gdb = dev(db0);
@@ -237,8 +236,8 @@ class BatchNormKernelsTest : public NormKernelsTest {
   // `replicas` > 1: synchronized BatchNorm over that many processes holding the same batch
   // (the reducer multiplies every sum, the count included); 1: no reducer.
   void check(const BnDims& d, bool training, int replicas, bool affine) {
-    const std::string what = std::string(training ? "training" : "inference") + " [" + std::to_string(d.batch) +
-                             ", " + std::to_string(d.channels) + ", " + std::to_string(d.inner) + "] replicas " +
+    const std::string what = std::string(training ? "training" : "inference") + " [" + std::to_string(d.batch) + ", " +
+                             std::to_string(d.channels) + ", " + std::to_string(d.inner) + "] replicas " +
                              std::to_string(replicas) + (affine ? " affine" : " plain");
     const float eps = 1e-5f, momentum = 0.9f;
     const int64_t n = d.size(), c = d.channels;
@@ -282,25 +281,24 @@ class BatchNormKernelsTest : public NormKernelsTest {
     // Backward from the CPU's statistics, so that only backward is compared.
     auto cmean = dev(mean_cpu), crstd = dev(rstd_cpu);
     device_calls = 0;
-    cuda::batchnorm_backward(gdx->get(), gdw->get(), gdb->get(), gdy->get(), gx->get(), gpw, cmean->get(),
-                             crstd->get(), d.batch, d.channels, d.inner, training, sync ? &device_reducer : nullptr,
-                             &scratch, stream_);
+    cuda::batchnorm_backward(gdx->get(), gdw->get(), gdb->get(), gdy->get(), gx->get(), gpw, cmean->get(), crstd->get(),
+                             d.batch, d.channels, d.inner, training, sync ? &device_reducer : nullptr, &scratch,
+                             stream_);
     EXPECT_EQ(device_calls, sync && training ? 1 : 0) << what << ": backward reductions";
     const Floats dx1 = gdx->download(), dw1 = gdw->download(), db1 = gdb->download();
     expect_near_cpu(dx1, dx_cpu, what + " dx");
     expect_near_cpu(dw1, dw_cpu, what + " dw", kSumRtol);
     expect_near_cpu(db1, db_cpu, what + " db", kSumRtol);
     auto rdx = dev(dx0), rdw = dev(dw0), rdb = dev(db0);
-    cuda::batchnorm_backward(rdx->get(), rdw->get(), rdb->get(), gdy->get(), gx->get(), gpw, cmean->get(),
-                             crstd->get(), d.batch, d.channels, d.inner, training, sync ? &device_reducer : nullptr,
-                             &scratch, stream_);
+    cuda::batchnorm_backward(rdx->get(), rdw->get(), rdb->get(), gdy->get(), gx->get(), gpw, cmean->get(), crstd->get(),
+                             d.batch, d.channels, d.inner, training, sync ? &device_reducer : nullptr, &scratch,
+                             stream_);
     EXPECT_EQ(rdx->download(), dx1) << what << ": dx again, bit for bit";
     EXPECT_EQ(rdw->download(), dw1) << what << ": dw again, bit for bit";
   }
 };
 
-const BnDims kBnShapes[] = {{2, 1, 1},   {7, 70, 1},  {1000, 3, 1}, {1, 5, 4},
-                            {3, 33, 5},  {16, 4, 300}, {2, 3, 257}};
+const BnDims kBnShapes[] = {{2, 1, 1}, {7, 70, 1}, {1000, 3, 1}, {1, 5, 4}, {3, 33, 5}, {16, 4, 300}, {2, 3, 257}};
 
 TEST_F(BatchNormKernelsTest, TrainingMatchesTheCpuBackend) {
   for (const BnDims& d : kBnShapes) {

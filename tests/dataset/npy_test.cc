@@ -217,8 +217,7 @@ TEST(NpyTest, RefusesMalformedHeaders) {
                  "unexpected key 'x'");
   expect_refused(npy_bytes("{'descr': '<f4', 'descr': '<f4', 'fortran_order': False, 'shape': (2,)}", data),
                  "key 'descr' appears twice");
-  expect_refused(npy_bytes("{'descr': '<f4', 'fortran_order': False, 'shape': [2]}", data),
-                 "'shape' must be a tuple");
+  expect_refused(npy_bytes("{'descr': '<f4', 'fortran_order': False, 'shape': [2]}", data), "'shape' must be a tuple");
   expect_refused(npy_bytes("{'descr': '<f4', 'fortran_order': False, 'shape': (2)}", data),
                  "without a comma is not a tuple");
   expect_refused(npy_bytes("{'descr': '<f4', 'fortran_order': False, 'shape': (2.0,)}", data),
@@ -227,8 +226,7 @@ TEST(NpyTest, RefusesMalformedHeaders) {
                  "'fortran_order' must be True or False");
   expect_refused(npy_bytes("{'descr': [('a', '<f4')], 'fortran_order': False, 'shape': (2,)}", data),
                  "structured dtypes are not supported");
-  expect_refused(npy_bytes("{'descr': '<f4, 'fortran_order': False, 'shape': (2,)}", data),
-                 "malformed header");
+  expect_refused(npy_bytes("{'descr': '<f4, 'fortran_order': False, 'shape': (2,)}", data), "malformed header");
   expect_refused(npy_bytes("{'descr': '<f4', 'fortran_order': False, 'shape': (2,)} junk", data),
                  "unexpected text after the closing '}'");
   expect_refused(npy_bytes(std::string("{'descr': '<f4', 'fortran_order': False, 'shape': (2,)}") + '\0', data),
@@ -309,8 +307,8 @@ TEST(NpyTest, ReadsTorchSeededInput) {
 TEST(NpyTest, RewritesNumpyFilesByteForByte) {
   // What write_npy writes is what numpy.save wrote, header padding included.
   ScratchDir dir("npy");
-  for (const char* rel : {"models/reference/simple.input.npy", "models/reference/flatten.input.npy",
-                          "data/digits_labels.npy"}) {
+  for (const char* rel :
+       {"models/reference/simple.input.npy", "models/reference/flatten.input.npy", "data/digits_labels.npy"}) {
     Result<NpyArray> r = read_npy(source_path(rel));
     ASSERT_TRUE(r.is_ok()) << r.status().message();
     Status st = r->type == NpyType::kFloat32 ? write_npy(dir / "copy.npy", r->shape, r->as_float().data())

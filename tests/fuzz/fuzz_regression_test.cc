@@ -39,9 +39,7 @@ std::vector<std::string> inputs_in(const std::string& rel) {
   return ::testing::AssertionFailure() << "the refusal does not start with '" << label << ": ': " << s.message();
 }
 
-Status replay_onnx(const std::string& path) {
-  return fuzz::run_onnx_input(read_text(path), source_path("models"));
-}
+Status replay_onnx(const std::string& path) { return fuzz::run_onnx_input(read_text(path), source_path("models")); }
 
 Status replay_npy(const std::string& path) { return fuzz::run_npy_input(read_text(path)); }
 

@@ -32,9 +32,9 @@
 #include <onnx/onnx_pb.h>
 
 #include <algorithm>
-#include <cstdlib>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <map>
@@ -66,7 +66,7 @@ constexpr double kWeightTolerance = 1e-5;  // times max(1, max|torch|), per tens
 // ---- The fixture ------------------------------------------------------------------------------
 
 struct GoldenCase {
-  std::string name;    // the folder name under tests/golden
+  std::string name;  // the folder name under tests/golden
 };
 
 void PrintTo(const GoldenCase& c, std::ostream* os) { *os << c.name; }
@@ -85,13 +85,13 @@ std::vector<GoldenCase> golden_cases() {
 }
 
 struct Fixture {
-  std::string model, data, labels;           // repo-relative paths
-  std::vector<std::string> args;             // train flags, without --metrics/--save
-  std::vector<double> losses;                // [steps]
-  std::vector<double> lrs;                   // [steps]
+  std::string model, data, labels;             // repo-relative paths
+  std::vector<std::string> args;               // train flags, without --metrics/--save
+  std::vector<double> losses;                  // [steps]
+  std::vector<double> lrs;                     // [steps]
   std::map<std::string, std::string> weights;  // initializer name -> repo-relative .npy
-  int resume_from_step = 0;                  // 0: one uninterrupted run
-  double drift_loss = 0, drift_weights = 0;  // float64_drift, for the printout
+  int resume_from_step = 0;                    // 0: one uninterrupted run
+  double drift_loss = 0, drift_weights = 0;    // float64_drift, for the printout
 };
 
 void load_fixture(const std::string& name, Fixture& f) {
@@ -140,8 +140,8 @@ std::string train_command(const Fixture& f, const std::vector<std::string>& args
     const char* v = resumed && std::getenv(resume_name) ? std::getenv(resume_name) : std::getenv(name);
     return v ? v : "";
   };
-  std::vector<std::string> words = {tool_path("train"), source_path(f.model), "--data", source_path(f.data),
-                                    "--labels", source_path(f.labels)};
+  std::vector<std::string> words = {tool_path("train"),  source_path(f.model), "--data",
+                                    source_path(f.data), "--labels",           source_path(f.labels)};
   words.insert(words.end(), args.begin(), args.end());
   // Appends, not `" " + quote(w)`: GCC 12 warns falsely (-Wrestrict, bug 105329) on the latter.
   std::string cmd = env("PIPESHARD_TRAIN_LAUNCHER", "PIPESHARD_RESUME_LAUNCHER");
@@ -311,8 +311,8 @@ TEST_P(GoldenTrainingTest, MatchesPyTorch) {
     // not exist yet: train creates it.
     const std::string n = std::to_string(f.resume_from_step);
     std::vector<std::string> first = with_flag_value(f.args, "--steps", n);
-    first.insert(first.end(), {"--checkpoint", dir / "checkpoint", "--checkpoint-every", n,
-                               "--metrics", dir / "first.jsonl"});
+    first.insert(first.end(),
+                 {"--checkpoint", dir / "checkpoint", "--checkpoint-every", n, "--metrics", dir / "first.jsonl"});
     ASSERT_NO_FATAL_FAILURE(run_train(f, first));
     std::vector<StepMetrics> steps;
     ASSERT_NO_FATAL_FAILURE(read_metrics(dir / "first.jsonl", steps));
@@ -346,9 +346,9 @@ INSTANTIATE_TEST_SUITE_P(AllCases, GoldenTrainingTest, ::testing::ValuesIn(golde
 TEST(GoldenTrainingTest, EveryCaseIsPresent) {
   const std::vector<GoldenCase> cases = golden_cases();
   EXPECT_GE(cases.size(), 12u);
-  for (const char* want : {"course_sgd", "course_adamw", "course_grad_accum", "gelu_layernorm", "residual",
-                           "mse_regression", "batchnorm_train", "logsoftmax_nll", "schedule_clip", "adam_options",
-                           "resume_sgd", "resume_adamw"}) {
+  for (const char* want :
+       {"course_sgd", "course_adamw", "course_grad_accum", "gelu_layernorm", "residual", "mse_regression",
+        "batchnorm_train", "logsoftmax_nll", "schedule_clip", "adam_options", "resume_sgd", "resume_adamw"}) {
     EXPECT_TRUE(std::any_of(cases.begin(), cases.end(), [&](const GoldenCase& c) { return c.name == want; }))
         << "tests/golden/" << want << "/case.json is missing";
   }

@@ -37,8 +37,8 @@
 #include <vector>
 
 #include "backend/backend.h"
-#include "program/program.h"
 #include "importer/onnx_importer.h"
+#include "program/program.h"
 #include "tests/importer/onnx_node_util.h"
 
 namespace pipeshard {
@@ -134,13 +134,21 @@ std::vector<NodeCase> softmax_cases() {
 // LayerNormalization over the last axis runs (its Mean and InvStdDev outputs dropped);
 // other axes are refused. *_expanded: the function body (Shape, Flatten, ReduceMean, ...).
 std::vector<NodeCase> layernorm_cases() {
-  const std::vector<std::string> last_axis = {"2d_axis1", "2d_axis_negative_1", "3d_axis2_epsilon",
-                                              "3d_axis_negative_1_epsilon", "4d_axis3", "4d_axis_negative_1",
-                                              "default_axis"};
-  const std::vector<std::string> other_axis = {
-      "2d_axis0", "2d_axis_negative_2", "3d_axis0_epsilon", "3d_axis1_epsilon", "3d_axis_negative_2_epsilon",
-      "3d_axis_negative_3_epsilon", "4d_axis0", "4d_axis1", "4d_axis2", "4d_axis_negative_2",
-      "4d_axis_negative_3", "4d_axis_negative_4"};
+  const std::vector<std::string> last_axis = {
+      "2d_axis1", "2d_axis_negative_1", "3d_axis2_epsilon", "3d_axis_negative_1_epsilon",
+      "4d_axis3", "4d_axis_negative_1", "default_axis"};
+  const std::vector<std::string> other_axis = {"2d_axis0",
+                                               "2d_axis_negative_2",
+                                               "3d_axis0_epsilon",
+                                               "3d_axis1_epsilon",
+                                               "3d_axis_negative_2_epsilon",
+                                               "3d_axis_negative_3_epsilon",
+                                               "4d_axis0",
+                                               "4d_axis1",
+                                               "4d_axis2",
+                                               "4d_axis_negative_2",
+                                               "4d_axis_negative_3",
+                                               "4d_axis_negative_4"};
   std::vector<NodeCase> cases;
   for (const auto& v : last_axis) cases.push_back(runs("test_layer_normalization_" + v, kFirstOutputOnly));
   for (const auto& v : other_axis) {
@@ -232,10 +240,24 @@ const std::vector<NodeCase>& cases() {
 }
 
 // Folder-name prefixes of the operator families above.
-const std::vector<std::string> kFamilies = {
-    "test_gemm_", "test_matmul", "test_relu", "test_leakyrelu", "test_sigmoid", "test_tanh", "test_gelu",
-    "test_erf", "test_softmax_", "test_logsoftmax_", "test_layer_normalization_", "test_batchnorm_",
-    "test_dropout_", "test_training_dropout", "test_flatten_", "test_reshape_", "test_add", "test_identity"};
+const std::vector<std::string> kFamilies = {"test_gemm_",
+                                            "test_matmul",
+                                            "test_relu",
+                                            "test_leakyrelu",
+                                            "test_sigmoid",
+                                            "test_tanh",
+                                            "test_gelu",
+                                            "test_erf",
+                                            "test_softmax_",
+                                            "test_logsoftmax_",
+                                            "test_layer_normalization_",
+                                            "test_batchnorm_",
+                                            "test_dropout_",
+                                            "test_training_dropout",
+                                            "test_flatten_",
+                                            "test_reshape_",
+                                            "test_add",
+                                            "test_identity"};
 
 bool in_families(const std::string& folder) {
   for (const auto& f : kFamilies) {
@@ -265,8 +287,8 @@ bool close(float got, float want) {
   std::vector<int64_t> want_dims = testing::tensor_dims(want_proto);
   if (rank1 == Rank1::kAsColumn && want_dims.size() == 1) want_dims.push_back(1);
   if (got_dims != want_dims) {
-    return ::testing::AssertionFailure() << what << ": shape " << ::testing::PrintToString(got_dims)
-                                         << ", reference " << ::testing::PrintToString(want_dims);
+    return ::testing::AssertionFailure() << what << ": shape " << ::testing::PrintToString(got_dims) << ", reference "
+                                         << ::testing::PrintToString(want_dims);
   }
   Result<std::vector<float>> want = testing::tensor_floats(want_proto);
   if (!want) return ::testing::AssertionFailure() << what << ": " << want.status().message();
@@ -292,8 +314,8 @@ bool close(float got, float want) {
     if (y[i] == 0.0f && x[i] != 0.0f) {
       ++dropped;
     } else if (!close(y[i], x[i] / (1.0f - ratio))) {
-      return ::testing::AssertionFailure() << "element " << i << " is " << y[i] << ", neither 0 nor x/(1-ratio) = "
-                                           << x[i] / (1.0f - ratio);
+      return ::testing::AssertionFailure()
+             << "element " << i << " is " << y[i] << ", neither 0 nor x/(1-ratio) = " << x[i] / (1.0f - ratio);
     }
   }
   // 60 elements: a binomial's standard deviation is at most 0.065 of n; 0.25 is ~4 of them.
@@ -311,9 +333,8 @@ struct Tally {
 class OnnxNodeTest : public ::testing::TestWithParam<NodeCase> {
  protected:
   static void TearDownTestSuite() {
-    std::cout << "ONNX node tests (" << testing::kOnnxNodeTestDir << "): " << tally_.matched
-              << " ran and matched, " << tally_.refused << " refused as expected, " << tally_.failed
-              << " failed\n";
+    std::cout << "ONNX node tests (" << testing::kOnnxNodeTestDir << "): " << tally_.matched << " ran and matched, "
+              << tally_.refused << " refused as expected, " << tally_.failed << " failed\n";
   }
   void TearDown() override {
     if (HasFailure()) {
@@ -409,7 +430,8 @@ void OnnxNodeTest::check_runs(const NodeCase& c, const fs::path& dir, const onnx
         //   onnx  = m·old + (1 − m)·var_pop;   torch = m·old + (1 − m)·var_pop·N/(N − 1)
         // so torch = m·old + (onnx − m·old)·N/(N − 1), N = values per channel.
         float momentum = 0.9f;
-        for (const auto& a : bn.attribute()) if (a.name() == "momentum") momentum = a.f();
+        for (const auto& a : bn.attribute())
+          if (a.name() == "momentum") momentum = a.f();
         const auto& x = set.inputs[0];
         int64_t n = 1;
         for (int d = 0; d < x.dims_size(); ++d) n *= d == 1 ? 1 : x.dims(d);

@@ -29,9 +29,9 @@ inline constexpr const char* kOnnxNodeTestDir = "/usr/share/libonnx-testdata/dat
 
 // One test_data_set_*: the tensors of input_k.pb and output_k.pb, k = 0, 1, ...
 struct NodeDataSet {
-  std::string name;                         // "test_data_set_0"
-  std::vector<onnx::TensorProto> inputs;    // [graph inputs]
-  std::vector<onnx::TensorProto> outputs;   // [graph outputs]; empty under ReadTensors::kWeightsOnly
+  std::string name;                        // "test_data_set_0"
+  std::vector<onnx::TensorProto> inputs;   // [graph inputs]
+  std::vector<onnx::TensorProto> outputs;  // [graph outputs]; empty under ReadTensors::kWeightsOnly
 };
 
 inline Result<onnx::TensorProto> read_tensor_proto(const std::filesystem::path& path) {

@@ -29,7 +29,9 @@ constexpr ParamRole kRoles[] = {ParamRole::kWeight, ParamRole::kBias, ParamRole:
 
 int64_t value_bytes(const Graph& g, int v) { return 4 * g.values[v].shape.per_sample_elements(); }
 
-bool is_model_output(const Graph& g, int v) { return std::find(g.outputs.begin(), g.outputs.end(), v) != g.outputs.end(); }
+bool is_model_output(const Graph& g, int v) {
+  return std::find(g.outputs.begin(), g.outputs.end(), v) != g.outputs.end();
+}
 
 TEST(OpTable, EveryKindHasOneRowInOrder) {
   std::set<std::string> names;
@@ -272,14 +274,11 @@ Node example_node(GraphBuilder& b, OpKind kind, int64_t width, ActivationKind ac
       n.axis = 1;
       n.target = {0, -1};
       break;
-    case OpKind::kAllReduce:
-      n.bias = b.param({width}, true);
-      break;
+    case OpKind::kAllReduce: n.bias = b.param({width}, true); break;
     case OpKind::kSoftmax:
     case OpKind::kLogSoftmax:
     case OpKind::kAdd:
-    case OpKind::kAllGather:
-      break;
+    case OpKind::kAllGather: break;
   }
   return n;
 }

@@ -27,8 +27,7 @@ int64_t reference_stage_cost(const PipelineSplitProblem& problem, int stage, int
     cost += problem.unit_cost[i];
     if (!problem.unit_activation.empty()) activation += problem.unit_activation[i];
   }
-  const int64_t factor =
-      problem.stage_activation_factor.empty() ? 0 : problem.stage_activation_factor[stage];
+  const int64_t factor = problem.stage_activation_factor.empty() ? 0 : problem.stage_activation_factor[stage];
   return cost + factor * activation;
 }
 
@@ -41,8 +40,8 @@ struct Score {
 Score score_of(const PipelineSplitProblem& problem, const std::vector<int>& stage_begin) {
   Score score{0, 0};
   for (int k = 0; k < problem.stages; ++k) {
-    score.max_stage_cost = std::max(
-        score.max_stage_cost, reference_stage_cost(problem, k, stage_begin[k], stage_begin[k + 1]));
+    score.max_stage_cost =
+        std::max(score.max_stage_cost, reference_stage_cost(problem, k, stage_begin[k], stage_begin[k + 1]));
     if (k > 0) score.crossing_bytes += problem.cut_bytes[stage_begin[k]];
   }
   return score;
@@ -84,8 +83,8 @@ std::vector<int> brute_force_best(const PipelineSplitProblem& problem) {
     if (placed == problem.stages - 1) {
       current.push_back(n);
       const Score score = score_of(problem, current);
-      auto key = std::make_tuple(score.max_stage_cost, score.crossing_bytes,
-                                 balance_deviation(problem, current), current);
+      auto key =
+          std::make_tuple(score.max_stage_cost, score.crossing_bytes, balance_deviation(problem, current), current);
       if (best.empty() || key < best_key) {
         best_key = key;
         best = current;
@@ -145,9 +144,7 @@ PipelineSplitProblem units_only(std::vector<int64_t> unit_cost, int stages) {
 // ---- Brute force ----------------------------------------------------------------------------
 
 PipelineSplitProblem random_small_problem(std::mt19937_64& rng) {
-  auto uniform = [&rng](int64_t low, int64_t high) {
-    return std::uniform_int_distribution<int64_t>(low, high)(rng);
-  };
+  auto uniform = [&rng](int64_t low, int64_t high) { return std::uniform_int_distribution<int64_t>(low, high)(rng); };
   PipelineSplitProblem problem;
   const int n = static_cast<int>(uniform(1, 10));
   problem.stages = static_cast<int>(uniform(1, n));
@@ -170,8 +167,7 @@ TEST(PipelineSplitBruteForce, MatchesExhaustiveSearchOnRandomSmallInstances) {
   constexpr int kInstances = 3000;
   for (int instance = 0; instance < kInstances; ++instance) {
     const PipelineSplitProblem problem = random_small_problem(rng);
-    SCOPED_TRACE("instance " + std::to_string(instance) +
-                 ", n = " + std::to_string(problem.unit_cost.size()) +
+    SCOPED_TRACE("instance " + std::to_string(instance) + ", n = " + std::to_string(problem.unit_cost.size()) +
                  ", stages = " + std::to_string(problem.stages));
     const PipelineSplit split = split_or_die(problem);
     expect_consistent(problem, split);
@@ -350,11 +346,9 @@ std::string error_of(const PipelineSplitProblem& problem) {
 
 TEST(PipelineSplitErrors, RejectsBadInputWithAClearMessage) {
   EXPECT_EQ(error_of(units_only({1, 2, 3}, 5)), "cannot make 5 non-empty stages from 3 layers");
-  EXPECT_EQ(error_of(units_only({1, 2, 3}, 0)),
-            "the number of pipeline stages must be at least 1, got 0");
+  EXPECT_EQ(error_of(units_only({1, 2, 3}, 0)), "the number of pipeline stages must be at least 1, got 0");
   EXPECT_EQ(error_of(units_only({}, 1)), "cannot split a model with 0 layers into pipeline stages");
-  EXPECT_EQ(error_of(units_only({1, -2, 3}, 2)),
-            "unit_cost[1] is -2; costs and sizes must be non-negative");
+  EXPECT_EQ(error_of(units_only({1, -2, 3}, 2)), "unit_cost[1] is -2; costs and sizes must be non-negative");
 
   PipelineSplitProblem negative_cut = units_only({1, 2, 3}, 2);
   negative_cut.cut_bytes[2] = -1;
@@ -363,23 +357,19 @@ TEST(PipelineSplitErrors, RejectsBadInputWithAClearMessage) {
   PipelineSplitProblem negative_factor = units_only({1, 2, 3}, 2);
   negative_factor.unit_activation = {1, 1, 1};
   negative_factor.stage_activation_factor = {1, -1};
-  EXPECT_EQ(error_of(negative_factor),
-            "stage_activation_factor[1] is -1; costs and sizes must be non-negative");
+  EXPECT_EQ(error_of(negative_factor), "stage_activation_factor[1] is -1; costs and sizes must be non-negative");
 
   PipelineSplitProblem short_cuts = units_only({1, 2, 3}, 2);
   short_cuts.cut_bytes.pop_back();
-  EXPECT_EQ(error_of(short_cuts),
-            "cut_bytes has 3 entries; expected one per cut position 0..3 (4 for 3 layers)");
+  EXPECT_EQ(error_of(short_cuts), "cut_bytes has 3 entries; expected one per cut position 0..3 (4 for 3 layers)");
 
   PipelineSplitProblem short_activation = units_only({1, 2, 3}, 2);
   short_activation.unit_activation = {1, 2};
-  EXPECT_EQ(error_of(short_activation),
-            "unit_activation has 2 entries; expected 0 or one per layer (3 layers)");
+  EXPECT_EQ(error_of(short_activation), "unit_activation has 2 entries; expected 0 or one per layer (3 layers)");
 
   PipelineSplitProblem wrong_factors = units_only({1, 2, 3}, 2);
   wrong_factors.stage_activation_factor = {1, 2, 3};
-  EXPECT_EQ(error_of(wrong_factors),
-            "stage_activation_factor has 3 entries; expected 0 or one per stage (2 stages)");
+  EXPECT_EQ(error_of(wrong_factors), "stage_activation_factor has 3 entries; expected 0 or one per stage (2 stages)");
 
   constexpr int64_t kMax = std::numeric_limits<int64_t>::max();
   EXPECT_NE(error_of(units_only({kMax, 1}, 2)).find("overflow"), std::string::npos);
@@ -465,8 +455,7 @@ int64_t reference_cheapest_cuts(const PipelineSplitProblem& problem, int64_t bud
     for (int end = 1; end <= n; ++end) {
       int64_t cost = 0;
       int64_t activation = 0;
-      const int64_t factor =
-          problem.stage_activation_factor.empty() ? 0 : problem.stage_activation_factor[k];
+      const int64_t factor = problem.stage_activation_factor.empty() ? 0 : problem.stage_activation_factor[k];
       for (int start = end - 1; start >= 0; --start) {
         cost += problem.unit_cost[start];
         if (!problem.unit_activation.empty()) activation += problem.unit_activation[start];
@@ -498,8 +487,7 @@ TEST(PipelineSplitSpeed, TwoThousandLayersIntoSixtyFourStages) {
 
   const auto start = std::chrono::steady_clock::now();
   const PipelineSplit split = split_or_die(problem);
-  const double elapsed_ms =
-      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
+  const double elapsed_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
   std::printf("split_pipeline(n = %d, P = %d): %.2f ms\n", kUnits, problem.stages, elapsed_ms);
 
   expect_consistent(problem, split);

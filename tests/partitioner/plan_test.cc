@@ -14,8 +14,8 @@
 namespace pipeshard {
 namespace {
 
-using testing::ModelBuilder;
 using testing::load_model;
+using testing::ModelBuilder;
 using testing::source_path;
 
 Plan plan_or_die(const Graph& g, PartitionOptions o) {
@@ -113,8 +113,8 @@ TEST(Plan, TensorParallelPairsLinearsMegatronStyle) {
   ASSERT_EQ(p.stages.size(), 1u);
   // Linear(100,256) column, ReLU on shards, Linear(256,128) row; ReLU and the small
   // unpaired Linear(128,10) replicated.
-  std::vector<ShardRole> want = {ShardRole::kColumn, ShardRole::kShardLocal, ShardRole::kRow,
-                                 ShardRole::kReplicated, ShardRole::kReplicated};
+  std::vector<ShardRole> want = {ShardRole::kColumn, ShardRole::kShardLocal, ShardRole::kRow, ShardRole::kReplicated,
+                                 ShardRole::kReplicated};
   EXPECT_EQ(p.stages[0].roles, want);
   EXPECT_EQ(p.stages[0].files, (std::vector<std::string>{"stage_0_tp0.onnx", "stage_0_tp1.onnx"}));
   // A big enough unpaired Linear is column-split and gathered.
@@ -151,7 +151,8 @@ TEST(Plan, TensorParallelWidthMustDivide) {
   Result<Plan> p = make_plan(m.graph, "model", o);
   ASSERT_FALSE(p.is_ok());
   EXPECT_NE(p.status().message().find("node '/0/Gemm' (Linear): 256 output features do not divide into 3"),
-            std::string::npos) << p.status().message();
+            std::string::npos)
+      << p.status().message();
 }
 
 TEST(Plan, StagesAndTensorParallelCombine) {
@@ -234,9 +235,11 @@ TEST(Plan, JsonHasTheDocumentedFields) {
   PartitionOptions o;
   o.stages = 2;
   nlohmann::json j = plan_to_json(plan_or_die(m.graph, o), m.graph);
-  for (const char* key : {"model", "total_parameters", "stages", "tensor_parallel"}) EXPECT_TRUE(j.contains(key)) << key;
+  for (const char* key : {"model", "total_parameters", "stages", "tensor_parallel"})
+    EXPECT_TRUE(j.contains(key)) << key;
   for (const auto& s : j["stages"]) {
-    for (const char* key : {"stage", "parameters", "nodes", "inputs", "outputs", "files"}) EXPECT_TRUE(s.contains(key)) << key;
+    for (const char* key : {"stage", "parameters", "nodes", "inputs", "outputs", "files"})
+      EXPECT_TRUE(s.contains(key)) << key;
     EXPECT_EQ(s["inputs"][0]["shape"][0], "batch");
   }
 }

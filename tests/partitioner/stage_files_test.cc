@@ -13,24 +13,23 @@
 #include <gtest/gtest.h>
 #include <onnx/checker.h>
 
-#include "testing/reference_forward.h"
 #include "importer/onnx_importer.h"
 #include "importer/onnx_writer.h"
 #include "partitioner/plan.h"
 #include "partitioner/stage_writer.h"
+#include "testing/reference_forward.h"
 #include "tests/test_util.h"
 
 namespace pipeshard {
 namespace {
 
 namespace fs = std::filesystem;
+using testing::model_names;
 using testing::quote;
 using testing::run_command;
 using testing::ScratchDir;
-using testing::model_names;
 using testing::source_path;
 using testing::tool_path;
-
 
 std::map<std::string, HostTensor> random_inputs(const Graph& g, int64_t batch, unsigned seed) {
   std::mt19937 rng(seed);
@@ -205,8 +204,8 @@ TEST_P(EveryModel, OnnxRuntimeRunsTheChainedStagesLikeTheFullModel) {
   for (int stages = 2; stages <= std::min(layers, 3); ++stages) {
     ScratchDir dir("ort");
     const std::string model = source_path("models/" + GetParam() + ".onnx");
-    auto part = run_command(quote(tool_path("partition")) + " " + quote(model) + " --stages " +
-                            std::to_string(stages) + " --out " + quote(dir.path()));
+    auto part = run_command(quote(tool_path("partition")) + " " + quote(model) + " --stages " + std::to_string(stages) +
+                            " --out " + quote(dir.path()));
     ASSERT_EQ(part.exit_code, 0) << part.err;
     auto check = run_command("node " + quote(source_path("tests/ort/chain_check.mjs")) + " --model " + quote(model) +
                              " --plan " + quote(dir / "plan.json") + " --batch 4" + (random ? " --check-only" : ""));
@@ -237,19 +236,21 @@ TEST_P(TensorParallelShards, ShardsRunTogetherEqualTheFullModel) {
   EXPECT_LT(chained_difference(c.model, o), 1e-5);
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    Models, TensorParallelShards,
-    ::testing::Values(ShardCase{"simple", 1, 2, 65536}, ShardCase{"simple", 1, 2, 0}, ShardCase{"simple", 2, 2, 0},
-                      ShardCase{"pipeline_parallel", 1, 4, 65536}, ShardCase{"pipeline_parallel", 2, 2, 0},
-                      ShardCase{"residual", 1, 2, 0}, ShardCase{"gelu_erf", 1, 2, 0}, ShardCase{"gelu_tanh", 1, 2, 0},
-                      ShardCase{"silu", 1, 2, 0}, ShardCase{"activations", 2, 2, 0},
-                      ShardCase{"layernorm_decomposed", 1, 2, 0}, ShardCase{"linear_matmul_add", 1, 2, 0},
-                      ShardCase{"linear_nobias", 1, 2, 0}, ShardCase{"gemm_alpha_beta", 1, 2, 0},
-                      ShardCase{"dropout_eval", 1, 2, 0}, ShardCase{"batchnorm_eval", 1, 2, 0}),
-    [](const auto& info) {
-      return info.param.model + "_p" + std::to_string(info.param.stages) + "_t" +
-             std::to_string(info.param.tensor_parallel) + (info.param.min_shard_parameters ? "" : "_all");
-    });
+INSTANTIATE_TEST_SUITE_P(Models, TensorParallelShards,
+                         ::testing::Values(ShardCase{"simple", 1, 2, 65536}, ShardCase{"simple", 1, 2, 0},
+                                           ShardCase{"simple", 2, 2, 0}, ShardCase{"pipeline_parallel", 1, 4, 65536},
+                                           ShardCase{"pipeline_parallel", 2, 2, 0}, ShardCase{"residual", 1, 2, 0},
+                                           ShardCase{"gelu_erf", 1, 2, 0}, ShardCase{"gelu_tanh", 1, 2, 0},
+                                           ShardCase{"silu", 1, 2, 0}, ShardCase{"activations", 2, 2, 0},
+                                           ShardCase{"layernorm_decomposed", 1, 2, 0},
+                                           ShardCase{"linear_matmul_add", 1, 2, 0}, ShardCase{"linear_nobias", 1, 2, 0},
+                                           ShardCase{"gemm_alpha_beta", 1, 2, 0}, ShardCase{"dropout_eval", 1, 2, 0},
+                                           ShardCase{"batchnorm_eval", 1, 2, 0}),
+                         [](const auto& info) {
+                           return info.param.model + "_p" + std::to_string(info.param.stages) + "_t" +
+                                  std::to_string(info.param.tensor_parallel) +
+                                  (info.param.min_shard_parameters ? "" : "_all");
+                         });
 
 // A stage too large for one protobuf message (protobuf's limit is 2 GiB; here 2 KiB)
 // keeps its weights in <stage file>.data beside it, where pipeshard and onnxruntime read

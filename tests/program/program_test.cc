@@ -13,24 +13,23 @@
 #include <gtest/gtest.h>
 
 #include "comm/comm.h"
-#include "program/loss.h"
-#include "program/program.h"
-#include "testing/reference_forward.h"
+#include "importer/onnx_importer.h"
 #include "partitioner/plan.h"
 #include "partitioner/stage_writer.h"
-#include "importer/onnx_importer.h"
-#include "tests/model_builder.h"
+#include "program/loss.h"
+#include "program/program.h"
 #include "testing/recording_backend.h"
+#include "testing/reference_forward.h"
+#include "tests/model_builder.h"
 #include "tests/model_util.h"
 #include "tests/test_util.h"
 
 namespace pipeshard {
 namespace {
 
-using testing::model_names;
 using testing::load_model;
+using testing::model_names;
 using testing::source_path;
-
 
 std::vector<float> random_vector(int64_t n, unsigned seed, float scale = 1.0f) {
   std::mt19937 rng(seed);
@@ -140,8 +139,8 @@ TEST_P(WholeModelGradient, MatchesFiniteDifferences) {
       const double got = analytic[(*layout)->parameter_offset(static_cast<int>(p)) + e];
       const double diff = std::fabs(got - numeric);
       worst = std::max(worst, diff);
-      EXPECT_LE(diff, 2e-3 + 2e-2 * std::fabs(numeric)) << g.params[p].name << "[" << e << "]: analytic " << got
-                                                         << ", numeric " << numeric;
+      EXPECT_LE(diff, 2e-3 + 2e-2 * std::fabs(numeric))
+          << g.params[p].name << "[" << e << "]: analytic " << got << ", numeric " << numeric;
       ++probes;
     }
   }
@@ -159,8 +158,8 @@ INSTANTIATE_TEST_SUITE_P(
                       GradCase{"batchnorm_default_stats", LossKind::kCrossEntropy},
                       GradCase{"gelu_op20", LossKind::kCrossEntropy}, GradCase{"gelu_tanh", LossKind::kMse},
                       GradCase{"silu", LossKind::kCrossEntropy}, GradCase{"activations", LossKind::kCrossEntropy},
-                      GradCase{"linear_matmul_add", LossKind::kCrossEntropy},
-                      GradCase{"linear_nobias", LossKind::kMse}, GradCase{"gemm_alpha_beta", LossKind::kCrossEntropy},
+                      GradCase{"linear_matmul_add", LossKind::kCrossEntropy}, GradCase{"linear_nobias", LossKind::kMse},
+                      GradCase{"gemm_alpha_beta", LossKind::kCrossEntropy},
                       GradCase{"logsoftmax", LossKind::kCrossEntropy}, GradCase{"softmax", LossKind::kMse}),
     [](const auto& info) { return info.param.model + (info.param.loss == LossKind::kMse ? "_mse" : "_ce"); });
 
@@ -232,9 +231,9 @@ void expect_same_gradients(const Graph& g, const ProgramOptions& plain, const Pr
     bool nonzero = false;
     for (size_t i = 0; i < own.size(); ++i) {
       nonzero = nonzero || own[i] != 0.0f;
-      ASSERT_EQ(std::memcmp(&own[i], &shared[i], sizeof(float)), 0) << "element " << i << ": own buffers " << own[i]
-                                                                   << ", planned " << shared[i]
-                                                                   << (inputs_need_grad ? "" : " (no input gradient)");
+      ASSERT_EQ(std::memcmp(&own[i], &shared[i], sizeof(float)), 0)
+          << "element " << i << ": own buffers " << own[i] << ", planned " << shared[i]
+          << (inputs_need_grad ? "" : " (no input gradient)");
     }
     EXPECT_TRUE(nonzero) << "the check compares nothing but zeros";
   }
@@ -310,8 +309,7 @@ TEST(Program, RecomputationAcrossFanOutChainsAndAdds) {
   for (const Node& n : g.nodes) {
     if (n.kind == OpKind::kActivation) recomputed.push_back((*p)->recomputed(n.outputs[0]));
   }
-  EXPECT_EQ(recomputed, (std::vector<bool>{true, false, true, true}))
-      << "the Tanh of a recomputed Sigmoid is kept";
+  EXPECT_EQ(recomputed, (std::vector<bool>{true, false, true, true})) << "the Tanh of a recomputed Sigmoid is kept";
   ProgramOptions recomputed_options = own_buffers();
   recomputed_options.recompute_activations = true;
   expect_same_gradients(g, own_buffers(), recomputed_options);

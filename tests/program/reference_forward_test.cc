@@ -33,8 +33,8 @@ constexpr double kAbsTolerance = 1e-5;
 constexpr double kRelTolerance = 1e-4;
 
 struct ReferenceCase {
-  std::string name;    // "simple" for models/simple.onnx
-  std::string mode;    // "eval" or "train", as the reference was recorded
+  std::string name;  // "simple" for models/simple.onnx
+  std::string mode;  // "eval" or "train", as the reference was recorded
 };
 
 void PrintTo(const ReferenceCase& c, std::ostream* os) { *os << c.name; }
@@ -60,10 +60,10 @@ Result<HostTensor> read_tensor(const std::string& path) {
 }
 
 struct Comparison {
-  double worst_abs = 0.0;     // max |ours - torch|
-  double worst_ratio = 0.0;   // max |ours - torch| / (abs + rel * |torch|); <= 1 passes
-  int64_t worst_at = -1;      // flat index of worst_ratio
-  int64_t failures = 0;       // elements outside the tolerance (NaN included)
+  double worst_abs = 0.0;    // max |ours - torch|
+  double worst_ratio = 0.0;  // max |ours - torch| / (abs + rel * |torch|); <= 1 passes
+  int64_t worst_at = -1;     // flat index of worst_ratio
+  int64_t failures = 0;      // elements outside the tolerance (NaN included)
 };
 
 Comparison compare(const std::vector<float>& ours, const std::vector<float>& torch) {
@@ -151,8 +151,7 @@ TEST(ReferenceForwardTest, BatchNormTrainUsesBatchStatistics) {
   ASSERT_GE(bn_index, 0);
   const Node& bn = g.nodes[bn_index];
   ASSERT_TRUE(bn.training);
-  Result<std::map<std::string, HostTensor>> values =
-      run_forward(g, {{g.values[g.inputs[0]].name, run.input}});
+  Result<std::map<std::string, HostTensor>> values = run_forward(g, {{g.values[g.inputs[0]].name, run.input}});
   ASSERT_TRUE(values.is_ok()) << values.status().message();
   const HostTensor& x = values->at(g.values[bn.inputs[0]].name);
   const HostTensor& y = values->at(g.values[bn.outputs[0]].name);

@@ -13,9 +13,9 @@
 #include <nlohmann/json.hpp>
 
 #include "common/crc32c.h"
+#include "importer/onnx_importer.h"
 #include "runtime/checkpoint_file.h"
 #include "runtime/trainer.h"
-#include "importer/onnx_importer.h"
 #include "tests/test_util.h"
 
 namespace pipeshard {
@@ -29,7 +29,7 @@ struct Layout {
   nlohmann::json header;
   size_t data_begin = 0;  // after magic, length, header and the header's CRC
   struct Part {
-    std::string what;     // "tensor 'NAME' (ROLE)", as the messages name it
+    std::string what;  // "tensor 'NAME' (ROLE)", as the messages name it
     size_t begin = 0, end = 0;
   };
   std::vector<Part> tensors;
@@ -42,7 +42,8 @@ struct Layout {
     size_t at = data_begin;
     for (const auto& t : header["tensors"]) {
       const size_t size = t["elements"].get<size_t>() * sizeof(float);
-      tensors.push_back({"tensor '" + t["name"].get<std::string>() + "' (" + t["role"].get<std::string>() + ")", at, at + size});
+      tensors.push_back(
+          {"tensor '" + t["name"].get<std::string>() + "' (" + t["role"].get<std::string>() + ")", at, at + size});
       at += size;
     }
   }
@@ -130,7 +131,8 @@ TEST_F(CheckpointIntegrity, AFlippedByteAnywhereIsRefusedNamingThePart) {
   const Layout layout(bytes_);
   std::vector<size_t> offsets;
   for (size_t i = 0; i < layout.data_begin; ++i) offsets.push_back(i);
-  for (const Layout::Part& p : layout.tensors) offsets.insert(offsets.end(), {p.begin, (p.begin + p.end) / 2, p.end - 1});
+  for (const Layout::Part& p : layout.tensors)
+    offsets.insert(offsets.end(), {p.begin, (p.begin + p.end) / 2, p.end - 1});
   for (size_t i = 0; i < bytes_.size(); i += 997) offsets.push_back(i);
   for (size_t offset : offsets) {
     std::string damaged = bytes_;
@@ -140,7 +142,8 @@ TEST_F(CheckpointIntegrity, AFlippedByteAnywhereIsRefusedNamingThePart) {
     const std::string& message = c.status().message();
     const std::string part = layout.part_at(offset);
     EXPECT_NE(message.find(part), std::string::npos) << "byte " << offset << " is in " << part << ": " << message;
-    EXPECT_TRUE(message.find("corrupt") != std::string::npos || message.find("not a pipeshard checkpoint") != std::string::npos ||
+    EXPECT_TRUE(message.find("corrupt") != std::string::npos ||
+                message.find("not a pipeshard checkpoint") != std::string::npos ||
                 message.find("length field") != std::string::npos)
         << message;
   }
@@ -155,8 +158,17 @@ TEST_F(CheckpointIntegrity, AFlippedByteAnywhereIsRefusedNamingThePart) {
 
 TEST_F(CheckpointIntegrity, AFileCutShortIsRefusedNamingThePart) {
   const Layout layout(bytes_);
-  std::vector<size_t> cuts = {0, 4, 8, 12, 16, 100, layout.data_begin - 4, layout.data_begin - 1, layout.data_begin,
-                              layout.data_begin + 1, bytes_.size() - 1};
+  std::vector<size_t> cuts = {0,
+                              4,
+                              8,
+                              12,
+                              16,
+                              100,
+                              layout.data_begin - 4,
+                              layout.data_begin - 1,
+                              layout.data_begin,
+                              layout.data_begin + 1,
+                              bytes_.size() - 1};
   for (const Layout::Part& p : layout.tensors) cuts.push_back((p.begin + p.end) / 2);
   for (size_t cut : cuts) {
     const std::string message = load(bytes_.substr(0, cut));
@@ -193,11 +205,10 @@ TEST_F(CheckpointIntegrity, ALossScaleMustBeAPositiveNumberWithAStepCount) {
   nlohmann::json good = layout.header;
   good["loss_scale"] = {{"scale", 1024.0}, {"good_steps", 3}};
   EXPECT_EQ(load(rebuild(bytes_, good)), "");
-  for (const nlohmann::json& bad : {nlohmann::json{{"scale", -1.0}, {"good_steps", 3}},
-                                    nlohmann::json{{"scale", 0.0}, {"good_steps", 3}},
-                                    nlohmann::json{{"scale", 1024.0}, {"good_steps", -1}},
-                                    nlohmann::json{{"scale", "1024"}, {"good_steps", 3}},
-                                    nlohmann::json{{"scale", 1024.0}}, nlohmann::json(1024.0)}) {
+  for (const nlohmann::json& bad :
+       {nlohmann::json{{"scale", -1.0}, {"good_steps", 3}}, nlohmann::json{{"scale", 0.0}, {"good_steps", 3}},
+        nlohmann::json{{"scale", 1024.0}, {"good_steps", -1}}, nlohmann::json{{"scale", "1024"}, {"good_steps", 3}},
+        nlohmann::json{{"scale", 1024.0}}, nlohmann::json(1024.0)}) {
     SCOPED_TRACE(bad.dump());
     nlohmann::json header = layout.header;
     header["loss_scale"] = bad;

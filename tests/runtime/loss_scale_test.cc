@@ -10,8 +10,8 @@
 
 #include <gtest/gtest.h>
 
-#include "runtime/trainer.h"
 #include "importer/onnx_importer.h"
+#include "runtime/trainer.h"
 #include "tests/model_builder.h"
 #include "tests/test_util.h"
 
@@ -44,7 +44,8 @@ void expect_same_weights(const Graph& got, const Graph& want, const std::string&
   for (size_t p = 0; p < want.params.size(); ++p) {
     ASSERT_EQ(got.params[p].data.size(), want.params[p].data.size());
     for (size_t i = 0; i < want.params[p].data.size(); ++i) {
-      ASSERT_EQ(got.params[p].data[i], want.params[p].data[i]) << what << ": " << want.params[p].name << "[" << i << "]";
+      ASSERT_EQ(got.params[p].data[i], want.params[p].data[i])
+          << what << ": " << want.params[p].name << "[" << i << "]";
     }
   }
 }
@@ -56,7 +57,8 @@ ImportedModel digits_model() {
 }
 
 Dataset digits(const Graph& g) {
-  Result<Dataset> d = load_dataset(source_path("data/digits_features.npy"), source_path("data/digits_labels.npy"), g, Targets::kClassIndices);
+  Result<Dataset> d = load_dataset(source_path("data/digits_features.npy"), source_path("data/digits_labels.npy"), g,
+                                   Targets::kClassIndices);
   EXPECT_TRUE(d.is_ok()) << d.status().message();
   return std::move(d).value();
 }

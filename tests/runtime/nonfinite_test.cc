@@ -145,8 +145,8 @@ TEST_F(NonFinite, PipelineStagesStopAndSkipTogether) {
             std::string::npos)
       << stopped.err;
 
-  const auto skipped = run_command(train(mpi, "x", "--steps 6 --stages 2 --on-nonfinite skip --metrics " +
-                                                       quote(dir_ / "p2.jsonl")));
+  const auto skipped =
+      run_command(train(mpi, "x", "--steps 6 --stages 2 --on-nonfinite skip --metrics " + quote(dir_ / "p2.jsonl")));
   ASSERT_EQ(skipped.exit_code, 0) << skipped.err;
   const auto alone = run_command(train("", "x", "--steps 6 --on-nonfinite skip --metrics " + quote(dir_ / "p1.jsonl")));
   ASSERT_EQ(alone.exit_code, 0) << alone.err;

@@ -11,10 +11,10 @@
 
 #include <gtest/gtest.h>
 
-#include "runtime/trainer.h"
 #include "importer/onnx_importer.h"
-#include "tests/backend/backend_check.h"
+#include "runtime/trainer.h"
 #include "testing/recording_backend.h"
+#include "tests/backend/backend_check.h"
 #include "tests/model_util.h"
 #include "tests/test_util.h"
 
@@ -22,11 +22,11 @@ namespace pipeshard {
 namespace {
 
 using testing::backend_under_test;
+using testing::load_model;
 using testing::quote;
 using testing::RecordingBackend;
 using testing::run_command;
 using testing::ScratchDir;
-using testing::load_model;
 using testing::source_path;
 using testing::tool_path;
 
@@ -206,8 +206,8 @@ TEST(RecordingBackendItself, FreezesArgumentsNotBuffers) {
 
 TEST(RecordedStepRefusals, DropoutAndTheCpu) {
   const ImportedModel m = load_model("dropout_train");
-  const Dataset d = data_for(m, "tests/golden/gelu_layernorm/x.npy", "tests/golden/gelu_layernorm/y.npy",
-                             LossKind::kCrossEntropy);
+  const Dataset d =
+      data_for(m, "tests/golden/gelu_layernorm/x.npy", "tests/golden/gelu_layernorm/y.npy", LossKind::kCrossEntropy);
   std::unique_ptr<Backend> cpu = make_cpu_backend();
   TrainConfig c;
   c.cuda_graph = true;

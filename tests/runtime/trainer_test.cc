@@ -7,18 +7,18 @@
 #include <gtest/gtest.h>
 
 #include "dataset/npy.h"
+#include "importer/onnx_importer.h"
 #include "program/program.h"
 #include "runtime/trainer.h"
-#include "importer/onnx_importer.h"
-#include "tests/model_util.h"
 #include "testing/recording_backend.h"
+#include "tests/model_util.h"
 #include "tests/test_util.h"
 
 namespace pipeshard {
 namespace {
 
-using testing::ScratchDir;
 using testing::load_model;
+using testing::ScratchDir;
 using testing::source_path;
 
 struct RunResult {
@@ -117,8 +117,9 @@ TEST(Trainer, ResumedRunEqualsTheUninterruptedRun) {
 // without clipping.
 TEST(Trainer, ResumesABatchNormModelBitIdentically) {
   ImportedModel m = load_model("batchnorm_train");
-  Result<Dataset> loaded = load_dataset(source_path("tests/golden/gelu_layernorm/x.npy"),
-                                        source_path("tests/golden/gelu_layernorm/y.npy"), m.graph, Targets::kClassIndices);
+  Result<Dataset> loaded =
+      load_dataset(source_path("tests/golden/gelu_layernorm/x.npy"), source_path("tests/golden/gelu_layernorm/y.npy"),
+                   m.graph, Targets::kClassIndices);
   ASSERT_TRUE(loaded.is_ok()) << loaded.status().message();
   const Dataset& d = *loaded;
   for (double clip : {0.0, 0.5}) {
@@ -288,7 +289,8 @@ class BadData : public ::testing::Test {
 
 TEST_F(BadData, WidthThatDoesNotMatchTheModel) {
   std::string msg = message(write_floats("x.npy", {4, 100}), write_labels("y.npy", {0, 1, 2, 3}));
-  EXPECT_NE(msg.find("features have shape [4, 100], the model's input 'input' takes [N, 64]"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("features have shape [4, 100], the model's input 'input' takes [N, 64]"), std::string::npos)
+      << msg;
 }
 
 TEST_F(BadData, LabelsOutOfRange) {
@@ -319,7 +321,8 @@ TEST_F(BadData, MseTargetsMustMatchTheOutput) {
 }
 
 TEST_F(BadData, FewerSamplesThanOneBatch) {
-  Result<Dataset> d = load_dataset(write_floats("x.npy", {4, 64}), write_labels("y.npy", {0, 1, 2, 3}), model_.graph, Targets::kClassIndices);
+  Result<Dataset> d = load_dataset(write_floats("x.npy", {4, 64}), write_labels("y.npy", {0, 1, 2, 3}), model_.graph,
+                                   Targets::kClassIndices);
   ASSERT_TRUE(d.is_ok());
   std::unique_ptr<Backend> backend = make_cpu_backend();
   auto t = Trainer::create(model_.graph, *d, *backend, sgd(8, 1, 1));

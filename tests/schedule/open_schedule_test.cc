@@ -82,8 +82,15 @@ ComputeOrder gpipe_reversed(int stages, int micro_batches) {
 ScheduleInfo row(std::string name, std::function<ComputeOrder(int, int)> build,
                  std::function<int(int, int, int)> in_flight) {
   const ScheduleInfo& like = *find_schedule("1f1b");
-  return ScheduleInfo{std::move(name), "test", "a schedule of open_schedule_test.cc", 1, nullptr, std::move(build),
-                      std::move(in_flight), like.bubble, like.bubble_formula};
+  return ScheduleInfo{std::move(name),
+                      "test",
+                      "a schedule of open_schedule_test.cc",
+                      1,
+                      nullptr,
+                      std::move(build),
+                      std::move(in_flight),
+                      like.bubble,
+                      like.bubble_formula};
 }
 
 class OpenSchedules : public ::testing::Test {
@@ -117,8 +124,8 @@ TrainConfig adamw(const std::string& schedule, int micro_batches) {
 // `steps` steps of `config` on `ranks` in-process ranks cut into `stages` × `shards`
 // (replicas: the rest), each with a CPU backend of its own; rank 0's losses and the whole
 // trained model.
-Trained train_layout(const ImportedModel& model, const Dataset& data, const TrainConfig& config, int ranks,
-                     int stages, int shards, int steps) {
+Trained train_layout(const ImportedModel& model, const Dataset& data, const TrainConfig& config, int ranks, int stages,
+                     int shards, int steps) {
   Trained result;
   std::mutex mu;
   run_ranks(ranks, [&](Communicator& world) {
@@ -174,7 +181,8 @@ void expect_equivalent(const Trained& layout, const Trained& alone) {
   }
   const Graph file = load_model("simple_digits").graph;
   bool moved = false;  // the check compares trained weights, not the file's
-  for (size_t p = 0; p < alone.weights.params.size(); ++p) moved = moved || alone.weights.params[p].data != file.params[p].data;
+  for (size_t p = 0; p < alone.weights.params.size(); ++p)
+    moved = moved || alone.weights.params[p].data != file.params[p].data;
   EXPECT_TRUE(moved);
 }
 

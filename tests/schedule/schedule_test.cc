@@ -92,12 +92,20 @@ TEST(Schedule, EveryComputeHasItsTransfersNextToIt) {
       for (size_t i = 0; i < list.size(); ++i) {
         const int k = list[i].micro_batch;
         if (list[i].kind == ActionKind::kForward) {
-          if (s > 0) { EXPECT_EQ(list[i - 1], (Action{ActionKind::kRecvActivation, k})); }
-          if (s < 3) { EXPECT_EQ(list[i + 1], (Action{ActionKind::kSendActivation, k})); }
+          if (s > 0) {
+            EXPECT_EQ(list[i - 1], (Action{ActionKind::kRecvActivation, k}));
+          }
+          if (s < 3) {
+            EXPECT_EQ(list[i + 1], (Action{ActionKind::kSendActivation, k}));
+          }
         }
         if (list[i].kind == ActionKind::kBackward) {
-          if (s < 3) { EXPECT_EQ(list[i - 1], (Action{ActionKind::kRecvGradient, k})); }
-          if (s > 0) { EXPECT_EQ(list[i + 1], (Action{ActionKind::kSendGradient, k})); }
+          if (s < 3) {
+            EXPECT_EQ(list[i - 1], (Action{ActionKind::kRecvGradient, k}));
+          }
+          if (s > 0) {
+            EXPECT_EQ(list[i + 1], (Action{ActionKind::kSendGradient, k}));
+          }
         }
       }
     }
@@ -229,8 +237,9 @@ TEST(ScheduleCheck, ReportsReceivesOutOfOrderOnALink) {
   const size_t first = find_action(sc, 1, {ActionKind::kRecvActivation, 1});
   const size_t second = find_action(sc, 1, {ActionKind::kRecvActivation, 2});
   std::swap_ranges(stage1.begin() + first, stage1.begin() + first + 3, stage1.begin() + second);
-  EXPECT_EQ(check_message(sc),
-            "activations stage 0 -> stage 1: send #1 is sA1 but receive #1 is rA2 (transfers on a link match in order)");
+  EXPECT_EQ(
+      check_message(sc),
+      "activations stage 0 -> stage 1: send #1 is sA1 but receive #1 is rA2 (transfers on a link match in order)");
 }
 
 TEST(ScheduleCheck, ReportsAMissingSend) {
@@ -307,8 +316,7 @@ TEST(ScheduleCli, PartitionShowsTheScheduleGrid) {
                            testing::quote(testing::source_path("models/simple.onnx")) +
                            " --stages 2 --micro-batches 3 --show-schedule --out " + testing::quote(dir.path()));
   ASSERT_EQ(r.exit_code, 0) << r.err;
-  EXPECT_NE(r.out.find(format_pipeline_schedule(make_pipeline_schedule("1f1b", 2, 3))), std::string::npos)
-      << r.out;
+  EXPECT_NE(r.out.find(format_pipeline_schedule(make_pipeline_schedule("1f1b", 2, 3))), std::string::npos) << r.out;
   EXPECT_NE(r.out.find("stage 0: at most 2 micro-batches alive"), std::string::npos) << r.out;
   EXPECT_NE(r.out.find("stage 1: at most 1 micro-batch alive"), std::string::npos) << r.out;
 }
@@ -428,8 +436,7 @@ TEST(ScheduleCheck, ReportsBrokenSplitBackwards) {
   EXPECT_EQ(check_message(w_first), "stage 0: W0 comes before I0");
   PipelineSchedule both = good;
   both.actions[0].insert(both.actions[0].begin() + 7, Action{ActionKind::kBackward, 0});
-  EXPECT_EQ(check_message(both),
-            "stage 0: B0 and I0 both: a micro-batch's backward is one B, or one I and one W");
+  EXPECT_EQ(check_message(both), "stage 0: B0 and I0 both: a micro-batch's backward is one B, or one I and one W");
 }
 
 // ---- several chunks per stage ----
@@ -462,7 +469,8 @@ TEST(ScheduleChunks, InterleavedPlacementLowersAndRuns) {
   const PipelineSchedule sc = lower_schedule("interleaved-gpipe", 2, 2, {0, 1, 0, 1}, interleaved_gpipe(2, 2, 2));
   EXPECT_EQ(sc.chunks(), 4);
   ASSERT_TRUE(sc.names_chunks());
-  EXPECT_EQ(labels(sc, 0), "0F0 0sA0 0F1 0sA1 2rA0 2F0 2sA0 2rA1 2F1 2sA1 2rG0 2B0 2sG0 2rG1 2B1 2sG1 0rG0 0B0 0rG1 0B1");
+  EXPECT_EQ(labels(sc, 0),
+            "0F0 0sA0 0F1 0sA1 2rA0 2F0 2sA0 2rA1 2F1 2sA1 2rG0 2B0 2sG0 2rG1 2B1 2sG1 0rG0 0B0 0rG1 0B1");
   EXPECT_EQ(check_message(sc), "OK");
   EXPECT_EQ(max_in_flight(sc, 0), 4);
   EXPECT_EQ(max_in_flight_of_chunk(sc, 0, 1), 2);

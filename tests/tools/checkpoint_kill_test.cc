@@ -33,7 +33,8 @@ constexpr int kSteps = 8;
 std::string train_command(const std::string& extra) {
   return quote(tool_path("train")) + " " + quote(source_path("models/simple_digits.onnx")) + " --data " +
          quote(source_path("data/digits_features.npy")) + " --labels " + quote(source_path("data/digits_labels.npy")) +
-         " --batch-size 64 --optimizer adam --lr-schedule cosine --seed 3 --steps " + std::to_string(kSteps) + " " + extra;
+         " --batch-size 64 --optimizer adam --lr-schedule cosine --seed 3 --steps " + std::to_string(kSteps) + " " +
+         extra;
 }
 
 // step -> loss, from a --metrics file.
@@ -61,8 +62,8 @@ bool killed(const testing::CommandResult& r) { return r.exit_code == -1 || r.exi
 TEST(CheckpointKill, EveryCrashDuringAWriteLeavesACheckpointThatResumesTheSameRun) {
   ScratchDir dir("kill");
   const std::string ckpt = dir / "ckpt";
-  const auto straight = run_command(train_command("--metrics " + quote(dir / "straight.jsonl") + " --save " +
-                                                  quote(dir / "straight.onnx")));
+  const auto straight = run_command(
+      train_command("--metrics " + quote(dir / "straight.jsonl") + " --save " + quote(dir / "straight.onnx")));
   ASSERT_EQ(straight.exit_code, 0) << straight.err;
   const std::map<int64_t, double> want = read_losses(dir / "straight.jsonl");
   ASSERT_EQ(want.size(), static_cast<size_t>(kSteps));
@@ -94,7 +95,8 @@ TEST(CheckpointKill, EveryCrashDuringAWriteLeavesACheckpointThatResumesTheSameRu
   // Then one run per crash point, each resuming from what the previous one left: every
   // point before the rename keeps the previous checkpoint, the rename brings the new one.
   std::vector<std::string> faults;
-  for (int64_t bytes : {int64_t{0}, int64_t{1}, int64_t{8}, int64_t{16}, int64_t{300}, file_size / 2, file_size - 1, file_size}) {
+  for (int64_t bytes :
+       {int64_t{0}, int64_t{1}, int64_t{8}, int64_t{16}, int64_t{300}, file_size / 2, file_size - 1, file_size}) {
     faults.push_back("checkpoint:" + std::to_string(bytes));
   }
   faults.insert(faults.end(), {"checkpoint:synced", "checkpoint:renamed", "checkpoint:1000", "checkpoint:synced",
@@ -126,9 +128,10 @@ TEST(CheckpointKill, EveryCrashDuringAWriteLeavesACheckpointThatResumesTheSameRu
 TEST(CheckpointKill, AnUnknownFaultIsABadArgument) {
   const auto r = run_command("PIPESHARD_FAULT_AT=checkpoint:soon " + train_command(""));
   EXPECT_EQ(r.exit_code, 2) << r.err;
-  EXPECT_EQ(r.err, "train: error: PIPESHARD_FAULT_AT='checkpoint:soon': expected checkpoint:BYTES, checkpoint:synced, "
-                   "checkpoint:renamed or WHERE:STEP:HOW:RANK with WHERE forward, backward, all-reduce or optimizer and "
-                   "HOW kill, abort, exit or hang\n");
+  EXPECT_EQ(r.err,
+            "train: error: PIPESHARD_FAULT_AT='checkpoint:soon': expected checkpoint:BYTES, checkpoint:synced, "
+            "checkpoint:renamed or WHERE:STEP:HOW:RANK with WHERE forward, backward, all-reduce or optimizer and "
+            "HOW kill, abort, exit or hang\n");
   for (const char* bad : {"backward:0:kill:1", "backward:3:explode:1", "sideways:3:kill:1", "backward:3:kill"}) {
     const auto s = run_command(std::string("PIPESHARD_FAULT_AT=") + bad + " " + train_command(""));
     EXPECT_EQ(s.exit_code, 2) << bad << ": " << s.err;

@@ -22,14 +22,12 @@ namespace fs = std::filesystem;
 
 // ---- Not an ONNX file -----------------------------------------------------------------------
 
-TEST_F(Malformed, EmptyFile) {
-  EXPECT_TRUE(refused(partition_bytes(""), out_dir(), {"model.onnx", "empty"}));
-}
+TEST_F(Malformed, EmptyFile) { EXPECT_TRUE(refused(partition_bytes(""), out_dir(), {"model.onnx", "empty"})); }
 
 TEST_F(Malformed, TruncatedToHalf) {
   const std::string bytes = read_text(source_path(kSimple));
-  EXPECT_TRUE(refused(partition_bytes(bytes.substr(0, bytes.size() / 2)), out_dir(),
-                      {"model.onnx", "not a valid ONNX file"}));
+  EXPECT_TRUE(
+      refused(partition_bytes(bytes.substr(0, bytes.size() / 2)), out_dir(), {"model.onnx", "not a valid ONNX file"}));
 }
 
 TEST_F(Malformed, TruncatedAtSeveralOffsets) {
@@ -88,16 +86,12 @@ TEST_F(Malformed, MissingGraphInput) {
 }
 
 TEST_F(Malformed, Cycle) {
-  const auto r = partition_edited(kSimple, [](auto& m) {
-    node_named(m, "/0/Gemm").set_input(0, "/2/Gemm_output_0");
-  });
+  const auto r = partition_edited(kSimple, [](auto& m) { node_named(m, "/0/Gemm").set_input(0, "/2/Gemm_output_0"); });
   EXPECT_TRUE(refused(r, out_dir(), {"cycle"}));
 }
 
 TEST_F(Malformed, ValueDefinedTwice) {
-  const auto r = partition_edited(kSimple, [](auto& m) {
-    node_named(m, "/3/Relu").set_output(0, "/1/Relu_output_0");
-  });
+  const auto r = partition_edited(kSimple, [](auto& m) { node_named(m, "/3/Relu").set_output(0, "/1/Relu_output_0"); });
   EXPECT_TRUE(refused(r, out_dir(), {"'/1/Relu_output_0'", "defined more than once"}));
 }
 
@@ -250,16 +244,14 @@ TEST_F(Malformed, NegativeInitializerDim) {
 }
 
 TEST_F(Malformed, AbsurdInputDim) {
-  const auto r = partition_edited(kSimple, [](auto& m) {
-    graph_input_shape(m)->mutable_dim(1)->set_dim_value(1000000000000);
-  });
+  const auto r =
+      partition_edited(kSimple, [](auto& m) { graph_input_shape(m)->mutable_dim(1)->set_dim_value(1000000000000); });
   EXPECT_TRUE(refused(r, out_dir(), {"input 'input'", "2^32"}));
 }
 
 TEST_F(Malformed, InputFeatureDimSymbolic) {
-  const auto r = partition_edited(kSimple, [](auto& m) {
-    graph_input_shape(m)->mutable_dim(1)->set_dim_param("features");
-  });
+  const auto r =
+      partition_edited(kSimple, [](auto& m) { graph_input_shape(m)->mutable_dim(1)->set_dim_param("features"); });
   EXPECT_TRUE(refused(r, out_dir(), {"input 'input'", "dimension 1"}));
 }
 
@@ -393,9 +385,8 @@ TEST_F(Malformed, Float64Input) {
 }
 
 TEST_F(Malformed, Bfloat16Weight) {
-  const auto r = partition_edited(kSimple, [](auto& m) {
-    initializer_named(m, "2.weight").set_data_type(onnx::TensorProto::BFLOAT16);
-  });
+  const auto r = partition_edited(
+      kSimple, [](auto& m) { initializer_named(m, "2.weight").set_data_type(onnx::TensorProto::BFLOAT16); });
   EXPECT_TRUE(refused(r, out_dir(), {"'2.weight'", "bfloat16", "float32"}));
 }
 
@@ -445,9 +436,8 @@ TEST_F(Malformed, ErfOutsideGelu) {
 
 // gelu_erf.onnx computes x * (erf(x / sqrt2) + 1) * 0.5; adding 2 instead of 1 is no GELU.
 TEST_F(Malformed, ErfInBrokenGelu) {
-  const auto r = partition_edited("models/gelu_erf.onnx", [](auto& m) {
-    set_constant_scalar(m, "/1/Constant_1", 2.0f);
-  });
+  const auto r =
+      partition_edited("models/gelu_erf.onnx", [](auto& m) { set_constant_scalar(m, "/1/Constant_1", 2.0f); });
   EXPECT_TRUE(refused(r, out_dir(), {"node '/1/Erf' (Erf)", "Erf outside a GELU pattern"}));
 }
 

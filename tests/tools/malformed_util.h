@@ -5,8 +5,8 @@
 #ifndef PIPESHARD_TESTS_TOOLS_MALFORMED_UTIL_H_
 #define PIPESHARD_TESTS_TOOLS_MALFORMED_UTIL_H_
 
-#include <onnx/onnx_pb.h>
 #include <gtest/gtest.h>
+#include <onnx/onnx_pb.h>
 
 #include <cstdint>
 #include <cstring>
@@ -129,8 +129,8 @@ inline CommandResult run_partition(const std::string& model, const std::string& 
 }
 
 inline std::string describe(const CommandResult& r) {
-  return "exit status " + std::to_string(r.exit_code) + ", stderr [" + r.err + "], stdout [" +
-         r.out.substr(0, 400) + "]";
+  return "exit status " + std::to_string(r.exit_code) + ", stderr [" + r.err + "], stdout [" + r.out.substr(0, 400) +
+         "]";
 }
 
 // The whole contract for bad input. `out_dir` must not exist afterwards (pass "" when the
@@ -152,8 +152,7 @@ inline ::testing::AssertionResult refused(const CommandResult& r, const std::str
   }
   if (!r.out.empty()) return ::testing::AssertionFailure() << "want empty stdout; got " << describe(r);
   if (!out_dir.empty() && std::filesystem::exists(out_dir)) {
-    return ::testing::AssertionFailure() << "want no output folder, but " << out_dir << " was created; "
-                                         << describe(r);
+    return ::testing::AssertionFailure() << "want no output folder, but " << out_dir << " was created; " << describe(r);
   }
   return ::testing::AssertionSuccess();
 }

@@ -90,8 +90,9 @@ TEST(MemoryCheck, ARunThatCannotFitIsRefusedBeforeAllocatingWithTheFigures) {
   std::vector<int64_t> labels(samples, 3);
   ASSERT_TRUE(write_npy(dir / "x.npy", {samples, 64}, features.data()));
   ASSERT_TRUE(write_npy(dir / "y.npy", {samples}, labels.data()));
-  const auto r = run_command(quote(tool_path("train")) + " " + quote(dir / "deep_relu.onnx") + " --data " +
-                             quote(dir / "x.npy") + " --labels " + quote(dir / "y.npy") + " --batch-size 16384 --steps 1");
+  const auto r =
+      run_command(quote(tool_path("train")) + " " + quote(dir / "deep_relu.onnx") + " --data " + quote(dir / "x.npy") +
+                  " --labels " + quote(dir / "y.npy") + " --batch-size 16384 --steps 1");
   EXPECT_EQ(r.exit_code, 2) << r.err;
   EXPECT_NE(r.err.find("train: error: training needs about 12"), std::string::npos) << r.err;
   EXPECT_NE(r.err.find(" GiB on this machine (one process; "), std::string::npos) << r.err;

@@ -30,14 +30,12 @@ namespace fs = std::filesystem;
 // tests use that default whatever the caller's environment says.
 const char* kDefaultPython = "env -u PIPESHARD_PYTHON ";
 
-bool matplotlib_available() {
-  return run_command("/usr/bin/python3 -c 'import matplotlib'").exit_code == 0;
-}
+bool matplotlib_available() { return run_command("/usr/bin/python3 -c 'import matplotlib'").exit_code == 0; }
 
-#define SKIP_WITHOUT_MATPLOTLIB()                                                                   \
-  if (!matplotlib_available()) {                                                                    \
-    GTEST_SKIP() << "/usr/bin/python3 cannot import matplotlib (install python3-matplotlib, as "   \
-                    "scripts/install-deps.sh does)";                                                \
+#define SKIP_WITHOUT_MATPLOTLIB()                                                                \
+  if (!matplotlib_available()) {                                                                 \
+    GTEST_SKIP() << "/usr/bin/python3 cannot import matplotlib (install python3-matplotlib, as " \
+                    "scripts/install-deps.sh does)";                                             \
   }
 
 // Whether `text` is well-formed XML as far as elements go: every start tag has its end
@@ -114,8 +112,8 @@ std::string digits_flags() {
 TEST(PartitionChart, SvgShowsParametersMemoryAndBalance) {
   SKIP_WITHOUT_MATPLOTLIB();
   ScratchDir out("chart-out"), pictures("chart");
-  auto r = run_command(partition_command("simple.onnx", "--stages 2 --out " + quote(out.path()) + " --chart " +
-                                                             quote(pictures / "simple.svg")));
+  auto r = run_command(partition_command(
+      "simple.onnx", "--stages 2 --out " + quote(out.path()) + " --chart " + quote(pictures / "simple.svg")));
   ASSERT_EQ(r.exit_code, 0) << r.err;
   EXPECT_NE(r.out.find("wrote the chart to " + pictures / "simple.svg"), std::string::npos) << r.out;
   ExpectSvgWithTexts(pictures / "simple.svg",
@@ -128,9 +126,9 @@ TEST(PartitionChart, SvgShowsParametersMemoryAndBalance) {
 TEST(PartitionChart, PngOfATensorParallelLayout) {
   SKIP_WITHOUT_MATPLOTLIB();
   ScratchDir out("chart-out"), pictures("chart");
-  auto r = run_command(partition_command("pipeline_parallel.onnx", "--stages 2 --tensor-parallel 2 --json --out " +
-                                                                         quote(out.path()) + " --chart " +
-                                                                         quote(pictures / "pp.png")));
+  auto r = run_command(partition_command(
+      "pipeline_parallel.onnx",
+      "--stages 2 --tensor-parallel 2 --json --out " + quote(out.path()) + " --chart " + quote(pictures / "pp.png")));
   ASSERT_EQ(r.exit_code, 0) << r.err;
   EXPECT_EQ(r.out.find("wrote the chart"), std::string::npos) << "--json keeps stdout JSON";
   ExpectPng(pictures / "pp.png");
@@ -146,15 +144,13 @@ TEST(TrainPlot, SvgShowsLossPerStepAndAccuracyPerEpoch) {
   // The legend quotes the last epoch's accuracy, which train also printed.
   std::string accuracy;
   const std::regex printed("eval accuracy ([0-9.]+)%");
-  for (auto it = std::sregex_iterator(r.err.begin(), r.err.end(), printed);
-       it != std::sregex_iterator(); ++it) {
+  for (auto it = std::sregex_iterator(r.err.begin(), r.err.end(), printed); it != std::sregex_iterator(); ++it) {
     accuracy = (*it)[1];
   }
   ASSERT_FALSE(accuracy.empty()) << r.err;
-  ExpectSvgWithTexts(dir / "run.svg",
-                     {"simple_digits.onnx: training with sgd, batch 64, 1 process", "optimizer step",
-                      "epochs completed", "cross-entropy loss (nats)", "eval accuracy (%)",
-                      "eval accuracy per epoch (last " + accuracy + "%)"});
+  ExpectSvgWithTexts(dir / "run.svg", {"simple_digits.onnx: training with sgd, batch 64, 1 process", "optimizer step",
+                                       "epochs completed", "cross-entropy loss (nats)", "eval accuracy (%)",
+                                       "eval accuracy per epoch (last " + accuracy + "%)"});
   EXPECT_NE(r.err.find("wrote " + dir / "run.svg"), std::string::npos) << r.err;
   ExpectOnlyFiles(dir, {"run.svg"});
 }
@@ -162,9 +158,10 @@ TEST(TrainPlot, SvgShowsLossPerStepAndAccuracyPerEpoch) {
 TEST(TrainPlot, PngWithoutEvaluation) {
   SKIP_WITHOUT_MATPLOTLIB();
   ScratchDir dir("plot");
-  auto r = run_command(kDefaultPython + quote(tool_path("train")) + " " + quote(source_path("models/simple_digits.onnx")) +
-                       " --data " + quote(source_path("data/digits_features.npy")) + " --labels " +
-                       quote(source_path("data/digits_labels.npy")) + " --steps 5 --plot " + quote(dir / "run.png"));
+  auto r =
+      run_command(kDefaultPython + quote(tool_path("train")) + " " + quote(source_path("models/simple_digits.onnx")) +
+                  " --data " + quote(source_path("data/digits_features.npy")) + " --labels " +
+                  quote(source_path("data/digits_labels.npy")) + " --steps 5 --plot " + quote(dir / "run.png"));
   ASSERT_EQ(r.exit_code, 0) << r.err;
   ExpectPng(dir / "run.png");
 }
@@ -180,8 +177,7 @@ TEST(TrainPlot, RankZeroDrawsAPipelinedRun) {
                        " --epochs 2 --batch-size 64 --stages 2 --micro-batches 2 --plot " + quote(dir / "run.svg"));
   ASSERT_EQ(r.exit_code, 0) << r.err;
   ExpectSvgWithTexts(dir / "run.svg", {"simple_digits.onnx: training with sgd, batch 64",
-                                       "2 processes: 2 pipeline stages (1f1b, 2 micro-batches)",
-                                       "eval accuracy (%)"});
+                                       "2 processes: 2 pipeline stages (1f1b, 2 micro-batches)", "eval accuracy (%)"});
 }
 
 // A picture that cannot be drawn is a bad flag: one line, status 2, before any work.
@@ -220,9 +216,9 @@ TEST_P(PicturesRefused, ByPartition) {
   if (c.env != "no-python") SKIP_WITHOUT_MATPLOTLIB();
   ScratchDir dir("bad-chart");
   std::ofstream(dir / "a-file") << "not a folder";
-  auto r = run_command(environment(c, dir) + quote(tool_path("partition")) + " " +
-                       quote(source_path("models/simple.onnx")) + " --stages 2 --out " + quote(dir / "stages") +
-                       " --chart " + quote(dir / c.target));
+  auto r =
+      run_command(environment(c, dir) + quote(tool_path("partition")) + " " + quote(source_path("models/simple.onnx")) +
+                  " --stages 2 --out " + quote(dir / "stages") + " --chart " + quote(dir / c.target));
   ExpectOneLineRefusal(r, "partition: error: --chart: ", c.fragment);
   EXPECT_FALSE(fs::exists(dir / "stages")) << "refused before any work";
   EXPECT_TRUE(r.out.empty()) << r.out;
@@ -236,8 +232,8 @@ TEST_P(PicturesRefused, ByTrain) {
   auto r = run_command(environment(c, dir) + quote(tool_path("train")) + " " +
                        quote(source_path("models/simple_digits.onnx")) + " --data " +
                        quote(source_path("data/digits_features.npy")) + " --labels " +
-                       quote(source_path("data/digits_labels.npy")) + " --steps 2 --metrics " +
-                       quote(dir / "m.jsonl") + " --save " + quote(dir / "t.onnx") + " --plot " + quote(dir / c.target));
+                       quote(source_path("data/digits_labels.npy")) + " --steps 2 --metrics " + quote(dir / "m.jsonl") +
+                       " --save " + quote(dir / "t.onnx") + " --plot " + quote(dir / c.target));
   ExpectOneLineRefusal(r, "train: error: --plot: ", c.fragment);
   EXPECT_FALSE(fs::exists(dir / "m.jsonl")) << "refused before any work";
   EXPECT_FALSE(fs::exists(dir / "t.onnx"));

@@ -50,7 +50,8 @@ const Fault kFaults[] = {
     {"all-reduce:3:kill", "process rank R with PID [0-9]+ on node [^ ]+ exited on signal 9"},
     {"forward:3:abort", "process rank R with PID [0-9]+ on node [^ ]+ exited on signal 6"},
     {"optimizer:3:exit", "process rank R with PID [0-9]+ on\\s+node [^ ]+ exiting improperly"},
-    {"all-reduce:3:hang", "train: rank [0-9]+ \\([^)]*\\), step 3, [^:]*: the [^\\n]*\\bR\\b[^\\n]* has not completed after"},
+    {"all-reduce:3:hang",
+     "train: rank [0-9]+ \\([^)]*\\), step 3, [^:]*: the [^\\n]*\\bR\\b[^\\n]* has not completed after"},
 };
 
 // Names in ctest's listing rather than GoogleTest's bytes.
@@ -72,11 +73,10 @@ TEST_P(RankFailure, EveryRankEndsWithinThirtySecondsNamingTheFailedRank) {
   // timeout(1) only guards the test itself against the hang it looks for.
   const std::string command =
       "env OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 TMPDIR=" + quote(dir.path()) +
-      " PIPESHARD_FAULT_AT=" + spec + " timeout 120 " + quote(PIPESHARD_MPIEXEC) + " -n " +
-      std::to_string(layout.np) + " --oversubscribe " + quote(tool_path("train")) + " " +
-      quote(source_path("models/simple_digits.onnx")) + " --data " + quote(source_path("data/digits_features.npy")) +
-      " --labels " + quote(source_path("data/digits_labels.npy")) + " --batch-size 32 --steps 40 --comm-timeout 5 " +
-      layout.flags;
+      " PIPESHARD_FAULT_AT=" + spec + " timeout 120 " + quote(PIPESHARD_MPIEXEC) + " -n " + std::to_string(layout.np) +
+      " --oversubscribe " + quote(tool_path("train")) + " " + quote(source_path("models/simple_digits.onnx")) +
+      " --data " + quote(source_path("data/digits_features.npy")) + " --labels " +
+      quote(source_path("data/digits_labels.npy")) + " --batch-size 32 --steps 40 --comm-timeout 5 " + layout.flags;
   const auto start = std::chrono::steady_clock::now();
   const auto r = run_command(command);
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
@@ -86,7 +86,8 @@ TEST_P(RankFailure, EveryRankEndsWithinThirtySecondsNamingTheFailedRank) {
   EXPECT_LT(seconds, kDeadlineSeconds) << r.err;
   EXPECT_NE(r.err.find("train: rank " + std::to_string(victim) + ": injected fault (PIPESHARD_FAULT_AT)"),
             std::string::npos)
-      << "the fault never fired:\n" << r.err;
+      << "the fault never fired:\n"
+      << r.err;
   // A hang is seen first by whichever waiting rank runs out of time first, and it names
   // the ranks it waited on: with four ranks that may be a rank that itself waits for the
   // hung one (it says so: "has failed, is stuck or cannot be reached").
@@ -108,8 +109,8 @@ std::string case_name(const ::testing::TestParamInfo<RankFailure::ParamType>& in
   return name;
 }
 
-INSTANTIATE_TEST_SUITE_P(Matrix, RankFailure, ::testing::Combine(::testing::ValuesIn(kLayouts), ::testing::ValuesIn(kFaults)),
-                         case_name);
+INSTANTIATE_TEST_SUITE_P(Matrix, RankFailure,
+                         ::testing::Combine(::testing::ValuesIn(kLayouts), ::testing::ValuesIn(kFaults)), case_name);
 
 }  // namespace
 }  // namespace pipeshard

@@ -107,7 +107,7 @@ Scalars read_scalars(const std::string& path) {
 
 TEST(Crc32c, MatchesThePublishedCheckValues) {
   EXPECT_EQ(crc32c(""), 0u);
-  EXPECT_EQ(crc32c("123456789"), 0xE3069283u);        // the catalogue's check value
+  EXPECT_EQ(crc32c("123456789"), 0xE3069283u);            // the catalogue's check value
   EXPECT_EQ(crc32c(std::string(32, '\0')), 0x8A9136AAu);  // RFC 3720, B.4
   EXPECT_EQ(crc32c(std::string(32, '\xff')), 0x62A8AB43u);
   std::string ascending;
@@ -181,8 +181,7 @@ TEST(TensorBoardReader, DetectsACorruptedByte) {
     ASSERT_FALSE(r.is_ok()) << "flipped byte " << c.at;
     EXPECT_EQ(r.status().message(), c.error);
   }
-  EXPECT_EQ(read_tfrecords(file.substr(0, file.size() - 1)).status().message(),
-            "record 1 at byte 28: truncated data");
+  EXPECT_EQ(read_tfrecords(file.substr(0, file.size() - 1)).status().message(), "record 1 at byte 28: truncated data");
 }
 
 TEST(TensorBoardWriter, RefusesAFolderItCannotCreate) {
@@ -190,8 +189,7 @@ TEST(TensorBoardWriter, RefusesAFolderItCannotCreate) {
   std::ofstream(dir / "file") << "x";
   Result<std::unique_ptr<TensorBoardWriter>> w = TensorBoardWriter::create(dir / "file");
   ASSERT_FALSE(w.is_ok());
-  EXPECT_NE(w.status().message().find("cannot create TensorBoard folder '" + (dir / "file") + "'"),
-            std::string::npos)
+  EXPECT_NE(w.status().message().find("cannot create TensorBoard folder '" + (dir / "file") + "'"), std::string::npos)
       << w.status().message();
 }
 
@@ -232,13 +230,13 @@ void expect_stage_times(const Scalars& scalars, int stages, int64_t steps) {
 
 TEST(TrainTensorBoard, RecordsWhatMetricsAndTheLogSay) {
   ScratchDir dir("tb-train");
-  const auto r = run_command(
-      quote(tool_path("train")) + " " + quote(source_path("models/simple_digits.onnx")) + " --data " +
-      quote(source_path("data/digits_train_features.npy")) + " --labels " +
-      quote(source_path("data/digits_train_labels.npy")) + " --eval-data " +
-      quote(source_path("data/digits_test_features.npy")) + " --eval-labels " +
-      quote(source_path("data/digits_test_labels.npy")) + " --epochs 2 --batch-size 64 --lr 0.05 --momentum 0.9" +
-      " --metrics " + quote(dir / "m.jsonl") + " --tensorboard " + quote(dir / "tb"));
+  const auto r = run_command(quote(tool_path("train")) + " " + quote(source_path("models/simple_digits.onnx")) +
+                             " --data " + quote(source_path("data/digits_train_features.npy")) + " --labels " +
+                             quote(source_path("data/digits_train_labels.npy")) + " --eval-data " +
+                             quote(source_path("data/digits_test_features.npy")) + " --eval-labels " +
+                             quote(source_path("data/digits_test_labels.npy")) +
+                             " --epochs 2 --batch-size 64 --lr 0.05 --momentum 0.9" + " --metrics " +
+                             quote(dir / "m.jsonl") + " --tensorboard " + quote(dir / "tb"));
   ASSERT_EQ(r.exit_code, 0) << r.err;
   const std::vector<std::string> files = event_files(dir / "tb");
   ASSERT_EQ(files.size(), 1u);

@@ -9,8 +9,8 @@
 #include <vector>
 
 #include <gtest/gtest.h>
-#include <nlohmann/json.hpp>
 #include <onnx/onnx_pb.h>
+#include <nlohmann/json.hpp>
 
 #include "dataset/npy.h"
 #include "importer/onnx_importer.h"
@@ -34,8 +34,9 @@ std::string train_command(const std::string& model, const std::string& extra) {
 
 TEST(TrainCli, ShortRunWritesMetricsAndALoadableModel) {
   ScratchDir dir("train");
-  auto r = run_command(train_command("simple_digits.onnx", "--steps 12 --batch-size 64 --lr 0.05 --momentum 0.9 --metrics " +
-                                                               quote(dir / "m.jsonl") + " --save " + quote(dir / "t.onnx")));
+  auto r =
+      run_command(train_command("simple_digits.onnx", "--steps 12 --batch-size 64 --lr 0.05 --momentum 0.9 --metrics " +
+                                                          quote(dir / "m.jsonl") + " --save " + quote(dir / "t.onnx")));
   ASSERT_EQ(r.exit_code, 0) << r.err;
   std::ifstream in(dir / "m.jsonl");
   std::string line;
@@ -97,9 +98,10 @@ TEST(TrainCli, KeepActivationsHoldsMoreAndChangesNoBit) {
   std::vector<int64_t> peaks;
   for (const std::string flag : {"", " --keep-activations"}) {
     const std::string name = flag.empty() ? "recomputed" : "kept";
-    auto r = run_command(quote(tool_path("train")) + " " + quote(dir / "relu6.onnx") + " --data " + quote(dir / "x.npy") +
-                         " --labels " + quote(dir / "y.npy") + " --batch-size 64 --steps 3 --optimizer adam --save " +
-                         quote(dir / (name + ".onnx")) + " --metrics " + quote(dir / (name + ".jsonl")) + flag);
+    auto r =
+        run_command(quote(tool_path("train")) + " " + quote(dir / "relu6.onnx") + " --data " + quote(dir / "x.npy") +
+                    " --labels " + quote(dir / "y.npy") + " --batch-size 64 --steps 3 --optimizer adam --save " +
+                    quote(dir / (name + ".onnx")) + " --metrics " + quote(dir / (name + ".jsonl")) + flag);
     ASSERT_EQ(r.exit_code, 0) << r.err;
     std::ifstream in(dir / (name + ".jsonl"));
     std::string line, last;
@@ -157,7 +159,8 @@ INSTANTIATE_TEST_SUITE_P(
         BadRun{"MissingModel", "/nonexistent.onnx" + kData + kLabels, "no such file"},
         BadRun{"MissingData", kModel + " --data /nonexistent.npy" + kLabels, "/nonexistent.npy"},
         BadRun{"WrongWidth", quote(source_path("models/simple.onnx")) + kData + kLabels, "takes [N, 100]"},
-        BadRun{"LabelsAsFeatures", kModel + " --data " + quote(source_path("data/digits_labels.npy")) + kLabels, "int64"},
+        BadRun{"LabelsAsFeatures", kModel + " --data " + quote(source_path("data/digits_labels.npy")) + kLabels,
+               "int64"},
         BadRun{"MomentumWithAdam", kModel + kData + kLabels + " --optimizer adam --momentum 0.9", "SGD settings"},
         BadRun{"BetasWithSgd", kModel + kData + kLabels + " --betas 0.9,0.99", "Adam/AdamW settings"},
         BadRun{"BadBetas", kModel + kData + kLabels + " --optimizer adam --betas 0.9", "--betas must be two numbers"},
@@ -178,7 +181,8 @@ INSTANTIATE_TEST_SUITE_P(
 
 // --save is checked before the first step too: a typo never costs a finished run.
 TEST(TrainCli, SaveIntoAMissingFolderIsRefusedBeforeTraining) {
-  auto r = run_command(quote(tool_path("train")) + " " + kModel + kData + kLabels + " --steps 1 --save /nonexistent/x.onnx");
+  auto r =
+      run_command(quote(tool_path("train")) + " " + kModel + kData + kLabels + " --steps 1 --save /nonexistent/x.onnx");
   EXPECT_EQ(r.exit_code, 2) << r.err;
   EXPECT_EQ(r.err, "train: error: --save '/nonexistent/x.onnx': no folder '/nonexistent'\n");
 }
@@ -213,8 +217,8 @@ TEST(TrainCli, ResumeRefusesADamagedCheckpoint) {
   std::string bytes = testing::read_text(file);
   bytes[bytes.size() - 5] ^= 0x10;  // in the last tensor
   std::ofstream(file, std::ios::binary | std::ios::trunc) << bytes;
-  auto r = run_command(train_command("simple_digits.onnx", "--steps 4 --resume " + quote(dir / "ck") + " --save " +
-                                                               quote(dir / "out.onnx")));
+  auto r = run_command(train_command("simple_digits.onnx",
+                                     "--steps 4 --resume " + quote(dir / "ck") + " --save " + quote(dir / "out.onnx")));
   EXPECT_EQ(r.exit_code, 2);
   EXPECT_EQ(r.err, "train: error: " + file + ": corrupt checkpoint: tensor '4.bias' (value) fails its CRC-32C check\n");
   EXPECT_FALSE(std::filesystem::exists(dir / "out.onnx"));

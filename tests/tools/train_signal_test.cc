@@ -143,8 +143,8 @@ class TrainSignal : public ::testing::Test {
     const auto resumed = run_command(train(steps + " --resume " + quote(dir_ / "ckpt") + " --metrics " +
                                            quote(dir_ / "resumed.jsonl") + " --save " + quote(dir_ / "resumed.onnx")));
     ASSERT_EQ(resumed.exit_code, 0) << resumed.err;
-    const auto straight = run_command(train(steps + " --metrics " + quote(dir_ / "straight.jsonl") + " --save " +
-                                            quote(dir_ / "straight.onnx")));
+    const auto straight = run_command(
+        train(steps + " --metrics " + quote(dir_ / "straight.jsonl") + " --save " + quote(dir_ / "straight.onnx")));
     ASSERT_EQ(straight.exit_code, 0) << straight.err;
     std::vector<double> joined = read_losses(dir_ / "interrupted.jsonl");
     for (double loss : read_losses(dir_ / "resumed.jsonl")) joined.push_back(loss);
@@ -160,8 +160,9 @@ class TrainSignal : public ::testing::Test {
 TEST_F(TrainSignal, SigtermStopsAfterAStepWithACheckpointThatResumes) {
   const int status = interrupt("--checkpoint " + quote(dir_ / "ckpt") + " --checkpoint-every 100000", SIGTERM);
   ASSERT_EQ(status, 143) << stderr_text();
-  const std::string expected = "stopped by SIGTERM after step " + std::to_string(last_step(dir_ / "interrupted.jsonl")) +
-                               "/1000000: checkpoint in " + (dir_ / "ckpt");
+  const std::string expected = "stopped by SIGTERM after step " +
+                               std::to_string(last_step(dir_ / "interrupted.jsonl")) + "/1000000: checkpoint in " +
+                               (dir_ / "ckpt");
   EXPECT_NE(stderr_text().find(expected), std::string::npos) << stderr_text();
   expect_resumes_onto_the_uninterrupted_run();
 }
@@ -181,8 +182,8 @@ TEST_F(TrainSignal, SigintWithoutACheckpointFolderSavesNothingAndSaysSo) {
 class TrainSignalUnderMpi : public TrainSignal {
  protected:
   void SetUp() override {
-    launcher_ = "env OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 TMPDIR=" + quote(dir_.path()) +
-                " " + quote(PIPESHARD_MPIEXEC) + " -n 2 --oversubscribe ";
+    launcher_ = "env OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 TMPDIR=" + quote(dir_.path()) + " " +
+                quote(PIPESHARD_MPIEXEC) + " -n 2 --oversubscribe ";
     layout_ = "--stages 2 ";
   }
 };
@@ -196,7 +197,8 @@ TEST_F(TrainSignalUnderMpi, SigtermToMpiexecStopsEveryRankAfterTheSameStep) {
   EXPECT_NE(status, 0) << stderr_text();  // Open MPI 4.1's mpiexec exits 1 after passing a signal on
   EXPECT_NE(status, -1) << "the job did not end: " << stderr_text();
   const std::string err = stderr_text();
-  const size_t at = err.find("stopped by SIGTERM after step " + std::to_string(last_step(dir_ / "interrupted.jsonl")) + "/");
+  const size_t at =
+      err.find("stopped by SIGTERM after step " + std::to_string(last_step(dir_ / "interrupted.jsonl")) + "/");
   EXPECT_NE(at, std::string::npos) << err;
   EXPECT_EQ(err.find("stopped by", at + 1), std::string::npos) << "said once, by rank 0: " << err;
   expect_resumes_onto_the_uninterrupted_run();
@@ -205,9 +207,8 @@ TEST_F(TrainSignalUnderMpi, SigtermToMpiexecStopsEveryRankAfterTheSameStep) {
 // A signal that reaches one rank only (here the last stage, not rank 0 that writes) stops
 // them all after the same step: the ranks add up what they saw at the end of each step.
 TEST_F(TrainSignalUnderMpi, SigintToOneRankStopsEveryRankAfterTheSameStep) {
-  const int status =
-      interrupt("--checkpoint " + quote(dir_ / "ckpt") + " --checkpoint-every 100000", SIGINT,
-                [](pid_t mpiexec) { return rank_of(mpiexec, 1); });
+  const int status = interrupt("--checkpoint " + quote(dir_ / "ckpt") + " --checkpoint-every 100000", SIGINT,
+                               [](pid_t mpiexec) { return rank_of(mpiexec, 1); });
   ASSERT_EQ(status, 130) << stderr_text();  // mpiexec passes on the status of the ranks
   EXPECT_NE(stderr_text().find("stopped by SIGINT after step " + std::to_string(last_step(dir_ / "interrupted.jsonl"))),
             std::string::npos)

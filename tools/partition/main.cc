@@ -5,16 +5,16 @@
 #include <filesystem>
 #include <string>
 
-#include <CLI/CLI.hpp>
 #include <fmt/core.h>
+#include <CLI/CLI.hpp>
 
 #include "common/cli.h"
 #include "common/host_memory.h"
-#include "schedule/registry.h"
-#include "schedule/schedule.h"
 #include "importer/onnx_importer.h"
 #include "partitioner/plan.h"
 #include "partitioner/stage_writer.h"
+#include "schedule/registry.h"
+#include "schedule/schedule.h"
 #include "tools/plot/pictures.h"
 #include "tools/plot/plot.h"
 
@@ -71,7 +71,7 @@ void print_table(const ImportedModel& m, const Plan& plan, const std::string& di
              "act. out/sample", "memory", o.tensor_parallel > 1 ? "nodes / sharding" : "nodes");
   for (const StagePlan& s : plan.stages) {
     const std::string layers = s.end_layer - s.first_layer == 1 ? std::to_string(s.first_layer)
-                                                                 : fmt::format("{}-{}", s.first_layer, s.end_layer - 1);
+                                                                : fmt::format("{}-{}", s.first_layer, s.end_layer - 1);
     const double share = plan.total_parameters ? 100.0 * s.parameters / plan.total_parameters : 0.0;
     fmt::print("{:>5}  {:>7}  {:>12}  {:>5.1f}%  {:>15}  {:>10}  {}{}\n", s.stage, layers, with_commas(s.parameters),
                share, bytes_text(s.activation_bytes_out), bytes_text(s.memory_bytes), node_summary(g, s),
@@ -81,11 +81,12 @@ void print_table(const ImportedModel& m, const Plan& plan, const std::string& di
   fmt::print("balance: largest / mean stage {} = {:.3f}; activations crossing cuts: {} per sample\n",
              balance_name(o.balance), plan.balance, bytes_text(plan.crossing_bytes));
   const int m_batches = o.micro_batches > 0 ? o.micro_batches : o.stages;
-  fmt::print("memory: per rank, fp32 weights + grads + {} optimizer slot{}, activations of batch {} in {} "
-             "micro-batch{} under {}{}\n",
-             o.optimizer_slots, o.optimizer_slots == 1 ? "" : "s", o.batch_size, m_batches, m_batches == 1 ? "" : "es",
-             find_schedule(o.schedule)->title,
-             o.recompute_activations ? "" : ", activation functions' outputs kept (--keep-activations)");
+  fmt::print(
+      "memory: per rank, fp32 weights + grads + {} optimizer slot{}, activations of batch {} in {} "
+      "micro-batch{} under {}{}\n",
+      o.optimizer_slots, o.optimizer_slots == 1 ? "" : "s", o.batch_size, m_batches, m_batches == 1 ? "" : "es",
+      find_schedule(o.schedule)->title,
+      o.recompute_activations ? "" : ", activation functions' outputs kept (--keep-activations)");
   size_t files = 0;
   for (const StagePlan& s : plan.stages) files += s.files.size();
   fmt::print("wrote {} stage file{} and plan.json to {}/\n", files, files == 1 ? "" : "s", dir);
@@ -120,12 +121,17 @@ void define(CLI::App& app, Args& a) {
                "print the pipeline schedule (--schedule, --micro-batches) as a step x stage grid, checked for "
                "deadlock, as train runs it");
   auto* est = "memory estimate";
-  app.add_option("--batch-size", o.batch_size, "samples per step per replica (memory estimate; default 32)")->group(est);
-  app.add_option("--micro-batches", o.micro_batches, "micro-batches per step (memory estimate; default = stages)")->group(est);
-  app.add_option("--schedule", a.schedule, "pipeline schedule: " + schedule_names_text() + " (default 1f1b; memory estimate)")
-      ->check(CLI::IsMember(schedule_names()))->group(est);
+  app.add_option("--batch-size", o.batch_size, "samples per step per replica (memory estimate; default 32)")
+      ->group(est);
+  app.add_option("--micro-batches", o.micro_batches, "micro-batches per step (memory estimate; default = stages)")
+      ->group(est);
+  app.add_option("--schedule", a.schedule,
+                 "pipeline schedule: " + schedule_names_text() + " (default 1f1b; memory estimate)")
+      ->check(CLI::IsMember(schedule_names()))
+      ->group(est);
   app.add_option("--optimizer", a.optimizer, "sgd (momentum: 1 slot) or adam/adamw (2 slots; default)")
-      ->check(CLI::IsMember({"sgd", "adam", "adamw"}))->group(est);
+      ->check(CLI::IsMember({"sgd", "adam", "adamw"}))
+      ->group(est);
   app.add_flag("--keep-activations", a.keep_activations,
                "as train --keep-activations: count the activation functions' outputs, which training otherwise "
                "recomputes in backward (memory estimate)")
@@ -136,10 +142,10 @@ void define(CLI::App& app, Args& a) {
 void print_schedule(const PartitionOptions& o) {
   const int m_batches = o.micro_batches > 0 ? o.micro_batches : o.stages;
   const PipelineSchedule sc = make_pipeline_schedule(o.schedule, o.stages, m_batches);
-  fmt::print("\n{} schedule, {} stage{}, {} micro-batch{} (F/B: forward/backward of micro-batch k; "
-             "sA/rA, sG/rG: send/receive its activation, gradient):\n{}",
-             sc.name, o.stages, o.stages == 1 ? "" : "s", m_batches,
-             m_batches == 1 ? "" : "es", format_pipeline_schedule(sc));
+  fmt::print(
+      "\n{} schedule, {} stage{}, {} micro-batch{} (F/B: forward/backward of micro-batch k; "
+      "sA/rA, sG/rG: send/receive its activation, gradient):\n{}",
+      sc.name, o.stages, o.stages == 1 ? "" : "s", m_batches, m_batches == 1 ? "" : "es", format_pipeline_schedule(sc));
   for (int st = 0; st < o.stages; ++st) {
     fmt::print("stage {}: at most {} micro-batch{} alive\n", st, max_in_flight(sc, st),
                max_in_flight(sc, st) == 1 ? "" : "es");
@@ -164,7 +170,9 @@ int main(int argc, char** argv) {
     return fail(what + " (see partition --help)");
   }
   PartitionOptions& o = a.o;
-  o.balance = a.balance == "flops" ? BalanceBy::kFlops : a.balance == "memory" ? BalanceBy::kMemory : BalanceBy::kParams;
+  o.balance = a.balance == "flops"    ? BalanceBy::kFlops
+              : a.balance == "memory" ? BalanceBy::kMemory
+                                      : BalanceBy::kParams;
   o.schedule = a.schedule;
   o.optimizer_slots = a.optimizer == "sgd" ? 1 : 2;
   o.recompute_activations = !a.keep_activations;

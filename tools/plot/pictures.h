@@ -20,13 +20,13 @@ nlohmann::json partition_chart_data(const Plan& plan);
 
 // What the title of a training picture says about the run.
 struct TrainingRun {
-  std::string model;              // path as given
-  std::string optimizer;          // sgd, adam or adamw
-  std::string loss;               // cross-entropy or mse
-  int64_t batch_size = 0;         // samples per optimizer step (accumulation included)
+  std::string model;       // path as given
+  std::string optimizer;   // sgd, adam or adamw
+  std::string loss;        // cross-entropy or mse
+  int64_t batch_size = 0;  // samples per optimizer step (accumulation included)
   int64_t steps_per_epoch = 0;
   int replicas = 1, stages = 1, shards = 1;  // D, P, T
-  std::string schedule;           // pipeline schedule, when stages > 1
+  std::string schedule;                      // pipeline schedule, when stages > 1
   int micro_batches = 1;
 };
 

@@ -37,8 +37,8 @@ Result<std::string> script_path() {
   if (!ec && fs::exists(beside)) return beside.string();
   const std::string source = PIPESHARD_PLOT_SCRIPT_SOURCE;
   if (fs::exists(source)) return source;
-  return Status::error("cannot find the plotting script " + std::string(kScriptName) + " beside the executable or at '" +
-                       source + "'");
+  return Status::error("cannot find the plotting script " + std::string(kScriptName) +
+                       " beside the executable or at '" + source + "'");
 }
 
 // The environment with MPLBACKEND=Agg: files only, never a window.
@@ -63,7 +63,8 @@ std::string last_line(const std::string& text) {
   size_t end = text.find_last_not_of(" \n\r\t");
   if (end == std::string::npos) return "";
   size_t begin = text.rfind('\n', end);
-  return text.substr(begin == std::string::npos ? 0 : begin + 1, end + 1 - (begin == std::string::npos ? 0 : begin + 1));
+  return text.substr(begin == std::string::npos ? 0 : begin + 1,
+                     end + 1 - (begin == std::string::npos ? 0 : begin + 1));
 }
 
 // Runs interpreter() with the script and `args`, stdin from /dev/null, stdout and
@@ -91,9 +92,10 @@ Status run_script(std::vector<std::string> args) {
   ::close(pipe_fds[1]);
   if (spawned != 0) {
     ::close(pipe_fds[0]);
-    return Status::error("cannot run the plotting interpreter '" + argv[0] + "'" +
-                         (override ? " (from PIPESHARD_PYTHON)" : "") + ": " + std::strerror(spawned) +
-                         (override ? "" : "; install python3-matplotlib, or name a Python with matplotlib in PIPESHARD_PYTHON"));
+    return Status::error(
+        "cannot run the plotting interpreter '" + argv[0] + "'" + (override ? " (from PIPESHARD_PYTHON)" : "") + ": " +
+        std::strerror(spawned) +
+        (override ? "" : "; install python3-matplotlib, or name a Python with matplotlib in PIPESHARD_PYTHON"));
   }
   std::string output;
   char buffer[4096];
@@ -104,8 +106,7 @@ Status run_script(std::vector<std::string> args) {
   }
   ::close(pipe_fds[0]);
   int status = 0;
-  while (::waitpid(pid, &status, 0) < 0 && errno == EINTR) {
-  }
+  while (::waitpid(pid, &status, 0) < 0 && errno == EINTR) {}
   if (WIFEXITED(status) && WEXITSTATUS(status) == 0) return Status::ok();
   const std::string line = last_line(output);
   if (!line.empty()) return Status::error(line);
@@ -144,9 +145,11 @@ Status check_picture_output(const std::string& path) { return run_script({"--che
 
 Status draw_picture(const nlohmann::json& data, const std::string& path) {
   TemporaryFile data_file;
-  if (data_file.path().empty()) return Status::error("cannot make a temporary file in " + fs::temp_directory_path().string());
+  if (data_file.path().empty())
+    return Status::error("cannot make a temporary file in " + fs::temp_directory_path().string());
   // dump()'s "replace" keeps going on names that are not valid UTF-8 (corrupt files).
-  PIPESHARD_RETURN_IF_ERROR(write_file_synced(data_file.path(), data.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace)));
+  PIPESHARD_RETURN_IF_ERROR(
+      write_file_synced(data_file.path(), data.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace)));
   return run_script({data_file.path(), path});
 }
 

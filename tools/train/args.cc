@@ -35,11 +35,13 @@ std::vector<std::string> device_group_names() {
 void define_training(CLI::App& app, Args& a) {
   app.add_option("model", a.model, "ONNX model to train (as written by torch.onnx.export)")->required();
   app.add_option("--data", a.data, "features, float32 .npy of shape [N, ...]")->required();
-  app.add_option("--labels", a.labels, "int64/int32 class ids [N] (cross-entropy) or float32 targets (mse)")->required();
+  app.add_option("--labels", a.labels, "int64/int32 class ids [N] (cross-entropy) or float32 targets (mse)")
+      ->required();
   app.add_option("--eval-data", a.eval_data, "features to evaluate on after each epoch");
   app.add_option("--eval-labels", a.eval_labels, "labels of --eval-data");
   app.add_option("--loss", a.loss, "cross-entropy (default) or mse")->check(CLI::IsMember({"cross-entropy", "mse"}));
-  app.add_option("--optimizer", a.optimizer, "sgd (default), adam or adamw")->check(CLI::IsMember({"sgd", "adam", "adamw"}));
+  app.add_option("--optimizer", a.optimizer, "sgd (default), adam or adamw")
+      ->check(CLI::IsMember({"sgd", "adam", "adamw"}));
   app.add_option("--lr", a.lr, "learning rate (default 0.01 for sgd, 0.001 for adam/adamw)");
   app.add_option("--momentum", a.momentum, "SGD momentum (default 0)");
   app.add_flag("--nesterov", a.nesterov, "SGD with Nesterov momentum");
@@ -51,7 +53,8 @@ void define_training(CLI::App& app, Args& a) {
   app.add_option("--warmup-steps", a.warmup, "steps of linear warm-up (default 0)");
   app.add_option("--clip-grad-norm", a.clip, "clip the gradient's global L2 norm to this (default off)");
   app.add_option("--batch-size", a.batch_size, "samples per step (default 32)");
-  app.add_option("--grad-accum", a.grad_accum, "accumulate K batches per step: exactly a K-times larger batch (default 1)");
+  app.add_option("--grad-accum", a.grad_accum,
+                 "accumulate K batches per step: exactly a K-times larger batch (default 1)");
   auto* steps = app.add_option("--steps", a.steps, "optimizer steps to run");
   app.add_option("--epochs", a.epochs, "epochs to run (default 1)")->excludes(steps);
   app.add_flag("--no-shuffle", a.no_shuffle, "take batches in file order");
@@ -65,9 +68,11 @@ void define_outputs_and_device(CLI::App& app, Args& a) {
   app.add_option("--checkpoint", a.checkpoint,
                  "folder for checkpoints (optimizer state included); SIGINT or SIGTERM writes one after the current "
                  "step and stops (exit status 130 or 143)");
-  app.add_option("--checkpoint-every", a.checkpoint_every, "steps between checkpoints (default: once per epoch and at the end)");
+  app.add_option("--checkpoint-every", a.checkpoint_every,
+                 "steps between checkpoints (default: once per epoch and at the end)");
   app.add_option("--resume", a.resume, "continue the run saved in this checkpoint folder");
-  app.add_option("--device", a.device, "cpu (default) or cuda: each process computes on GPU (its rank on the machine) mod (GPUs there), "
+  app.add_option("--device", a.device,
+                 "cpu (default) or cuda: each process computes on GPU (its rank on the machine) mod (GPUs there), "
                  "so several processes may share one")
       ->check(CLI::IsMember(backend_names()));
   app.add_option("--precision", a.precision,
@@ -173,15 +178,20 @@ Result<TrainConfig> make_config(const Args& a) {
   TrainConfig c;
   c.loss = a.loss == "mse" ? LossKind::kMse : LossKind::kCrossEntropy;
   OptimizerConfig& o = c.optimizer;
-  o.kind = a.optimizer == "adam" ? OptimizerKind::kAdam : a.optimizer == "adamw" ? OptimizerKind::kAdamW : OptimizerKind::kSgd;
+  o.kind = a.optimizer == "adam"    ? OptimizerKind::kAdam
+           : a.optimizer == "adamw" ? OptimizerKind::kAdamW
+                                    : OptimizerKind::kSgd;
   const bool sgd = o.kind == OptimizerKind::kSgd;
-  if (!sgd && (a.momentum_given || a.nesterov)) return Status::error("--momentum and --nesterov are SGD settings; " + a.optimizer + " has none");
-  if (sgd && (!a.betas.empty() || a.eps_given)) return Status::error("--betas and --eps are Adam/AdamW settings; sgd has none");
+  if (!sgd && (a.momentum_given || a.nesterov))
+    return Status::error("--momentum and --nesterov are SGD settings; " + a.optimizer + " has none");
+  if (sgd && (!a.betas.empty() || a.eps_given))
+    return Status::error("--betas and --eps are Adam/AdamW settings; sgd has none");
   o.lr = static_cast<float>(a.lr_given ? a.lr : (sgd ? 0.01 : 0.001));
   o.momentum = static_cast<float>(a.momentum);
   o.nesterov = a.nesterov;
   if (o.nesterov && o.momentum <= 0) return Status::error("--nesterov needs a positive --momentum");
-  o.weight_decay = static_cast<float>(a.weight_decay_given ? a.weight_decay : (o.kind == OptimizerKind::kAdamW ? 0.01 : 0.0));
+  o.weight_decay =
+      static_cast<float>(a.weight_decay_given ? a.weight_decay : (o.kind == OptimizerKind::kAdamW ? 0.01 : 0.0));
   if (a.eps_given) o.eps = static_cast<float>(a.eps);
   if (a.eps_given && !(a.eps > 0)) return Status::error("--eps must be positive");
   if (!a.betas.empty()) {
@@ -194,8 +204,11 @@ Result<TrainConfig> make_config(const Args& a) {
     o.beta2 = b2;
   }
   if (!(o.lr > 0) || !std::isfinite(o.lr)) return Status::error("--lr must be positive");
-  if (o.momentum < 0 || o.weight_decay < 0 || a.clip < 0) return Status::error("--momentum, --weight-decay and --clip-grad-norm cannot be negative");
-  c.schedule = a.schedule == "cosine" ? LrSchedule::kCosine : a.schedule == "warmup" ? LrSchedule::kWarmup : LrSchedule::kConstant;
+  if (o.momentum < 0 || o.weight_decay < 0 || a.clip < 0)
+    return Status::error("--momentum, --weight-decay and --clip-grad-norm cannot be negative");
+  c.schedule = a.schedule == "cosine"   ? LrSchedule::kCosine
+               : a.schedule == "warmup" ? LrSchedule::kWarmup
+                                        : LrSchedule::kConstant;
   c.warmup_steps = a.warmup;
   if (a.warmup < 0) return Status::error("--warmup-steps cannot be negative");
   c.batch_size = a.batch_size;
@@ -206,7 +219,9 @@ Result<TrainConfig> make_config(const Args& a) {
   c.clip_grad_norm = a.clip;
   c.micro_batches = a.micro_batches;
   c.pipeline_schedule = a.pipeline_schedule;
-  c.balance = a.balance == "flops" ? BalanceBy::kFlops : a.balance == "memory" ? BalanceBy::kMemory : BalanceBy::kParams;
+  c.balance = a.balance == "flops"    ? BalanceBy::kFlops
+              : a.balance == "memory" ? BalanceBy::kMemory
+                                      : BalanceBy::kParams;
   c.sync_batchnorm = a.sync_batchnorm;
   c.cuda_graph = a.cuda_graph;
   c.keep_activations = a.keep_activations;
@@ -220,8 +235,10 @@ Result<TrainConfig> make_config(const Args& a) {
     c.loss_scaling.mode = LossScaling::Mode::kStatic;
     c.loss_scaling.initial = value;
     if (ec != std::errc() || end != scaling.data() + scaling.size() || !check_loss_scaling(c.loss_scaling)) {
-      return Status::error("--loss-scale must be dynamic, none or a power of two from 2^-64 to 2^64 (such as 1024), "
-                           "not '" + a.loss_scale + "'");
+      return Status::error(
+          "--loss-scale must be dynamic, none or a power of two from 2^-64 to 2^64 (such as 1024), "
+          "not '" +
+          a.loss_scale + "'");
     }
   }
   if (!(a.bucket_mb > 0) || a.bucket_mb > 1e6) return Status::error("--bucket-mb must be a positive size in MB");
@@ -230,21 +247,16 @@ Result<TrainConfig> make_config(const Args& a) {
 }
 
 std::string flag_message(const Status& s) {
-  static const FlagNames kFlags = {{"batch_size", "--batch-size"},
-                                   {"micro_batches", "--micro-batches"},
-                                   {"grad_accum", "--grad-accum"},
-                                   {"pipeline_schedule", "--schedule"},
-                                   {"loss_scaling", "--loss-scale"},
-                                   {"cuda_graph", "--cuda-graph"},
-                                   {"sync_batchnorm", "--sync-batchnorm"},
-                                   {"stages", "--stages"},
-                                   {"tensor_parallel", "--tensor-parallel"},
-                                   {"schedule", "--schedule"}};
+  static const FlagNames kFlags = {{"batch_size", "--batch-size"},           {"micro_batches", "--micro-batches"},
+                                   {"grad_accum", "--grad-accum"},           {"pipeline_schedule", "--schedule"},
+                                   {"loss_scaling", "--loss-scale"},         {"cuda_graph", "--cuda-graph"},
+                                   {"sync_batchnorm", "--sync-batchnorm"},   {"stages", "--stages"},
+                                   {"tensor_parallel", "--tensor-parallel"}, {"schedule", "--schedule"}};
   return pipeshard::flag_message(s, kFlags);
 }
 
 Precision precision_of(const Args& a) {
-  return a.precision == "tf32" ? Precision::kTf32
+  return a.precision == "tf32"   ? Precision::kTf32
          : a.precision == "bf16" ? Precision::kBf16
          : a.precision == "fp16" ? Precision::kFp16
                                  : Precision::kFp32;

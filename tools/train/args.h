@@ -10,8 +10,8 @@
 
 #include <CLI/CLI.hpp>
 
-#include "common/status.h"
 #include "backend/backend.h"
+#include "common/status.h"
 #include "runtime/trainer.h"
 
 namespace pipeshard::train_cli {
@@ -22,11 +22,11 @@ struct Args {
   std::string loss = "cross-entropy", optimizer = "sgd", schedule = "constant", betas, device = "cpu";
   std::string pipeline_schedule = "1f1b", balance = "params", on_nonfinite = "stop", precision = "fp32";
   std::string gpu_comm = "staged";  // --gpu-comm staged|nccl
-  std::string tensorboard;  // --tensorboard DIR
-  std::string loss_scale;   // --loss-scale: "" (by precision), none, dynamic or a power of two
+  std::string tensorboard;          // --tensorboard DIR
+  std::string loss_scale;           // --loss-scale: "" (by precision), none, dynamic or a power of two
   int micro_batches = 1;
   bool sync_batchnorm = false;
-  bool cuda_graph = false;  // --cuda-graph
+  bool cuda_graph = false;        // --cuda-graph
   bool keep_activations = false;  // --keep-activations
   double bucket_mb = 25;
   double comm_timeout = 60;

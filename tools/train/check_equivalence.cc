@@ -13,7 +13,8 @@
 namespace pipeshard::train_cli {
 
 int check_equivalence(const Graph& graph, const Dataset& data, const TrainConfig& config, Trainer& distributed,
-                      int64_t steps, Communicator& world, const std::function<std::unique_ptr<Backend>()>& make_backend) {
+                      int64_t steps, Communicator& world,
+                      const std::function<std::unique_ptr<Backend>()>& make_backend) {
   std::vector<double> losses;
   for (int64_t s = 0; s < steps; ++s) losses.push_back(distributed.step().loss);
   Graph ours = graph;
@@ -41,13 +42,15 @@ int check_equivalence(const Graph& graph, const Dataset& data, const TrainConfig
         weight_diff = std::max(weight_diff, static_cast<double>(std::fabs(ours.params[p].data[i] - want[i]) / scale));
       }
     }
-    fmt::print("check-equivalence: {} steps on {} process{} vs 1: largest loss difference {:.2e} (relative), "
-               "largest weight difference {:.2e} (relative to each tensor's largest value)\n",
-               steps, world.size(), world.size() == 1 ? "" : "es", loss_diff, weight_diff);
+    fmt::print(
+        "check-equivalence: {} steps on {} process{} vs 1: largest loss difference {:.2e} (relative), "
+        "largest weight difference {:.2e} (relative to each tensor's largest value)\n",
+        steps, world.size(), world.size() == 1 ? "" : "es", loss_diff, weight_diff);
   }
   const bool same = world.all_reduce_sum(loss_diff <= 1e-5 && weight_diff <= 1e-5 ? 0.0 : 1.0) == 0.0;
-  if (world.rank() == 0) fmt::print("{}\n", same ? "equivalent: the layout computes the one-process training"
-                                                    : "NOT equivalent beyond float rounding (1e-5)");
+  if (world.rank() == 0)
+    fmt::print("{}\n", same ? "equivalent: the layout computes the one-process training"
+                            : "NOT equivalent beyond float rounding (1e-5)");
   return same ? 0 : 1;
 }
 

@@ -20,7 +20,8 @@ namespace pipeshard::train_cli {
 // layouts, not devices), then prints the largest differences. Every rank returns 0 when
 // they agree to float rounding (1e-5 relative), 1 otherwise.
 int check_equivalence(const Graph& graph, const Dataset& data, const TrainConfig& config, Trainer& distributed,
-                      int64_t steps, Communicator& world, const std::function<std::unique_ptr<Backend>()>& make_backend);
+                      int64_t steps, Communicator& world,
+                      const std::function<std::unique_ptr<Backend>()>& make_backend);
 
 }  // namespace pipeshard::train_cli
 

@@ -22,8 +22,9 @@ constexpr int64_t kSkipsToReport = 10;  // skipped steps said one by one; the re
 std::string non_finite_message(const StepResult& r) {
   const std::string first = r.first_non_finite.empty() ? "" : "the gradient of " + r.first_non_finite;
   if (!std::isfinite(r.loss)) {
-    return fmt::format("step {}: the loss became {}{}", r.step, r.loss,
-                       first.empty() ? "" : " (first non-finite gradient in backward order: " + r.first_non_finite + ")");
+    return fmt::format(
+        "step {}: the loss became {}{}", r.step, r.loss,
+        first.empty() ? "" : " (first non-finite gradient in backward order: " + r.first_non_finite + ")");
   }
   return fmt::format("step {}: {} became inf or NaN, the first in backward order (loss {:.4g})", r.step, first, r.loss);
 }
@@ -44,9 +45,9 @@ int stop_on_signal(int signal, int64_t step, int64_t total_steps, bool checkpoin
     }
   }
   if (root) {
-    const std::string where = a.checkpoint.empty()
-                                  ? "nothing saved (no --checkpoint folder given)"
-                                  : fmt::format("checkpoint in {} (continue with --resume {})", a.checkpoint, a.checkpoint);
+    const std::string where =
+        a.checkpoint.empty() ? "nothing saved (no --checkpoint folder given)"
+                             : fmt::format("checkpoint in {} (continue with --resume {})", a.checkpoint, a.checkpoint);
     fmt::print(stderr, "{}stopped by {} after step {}/{}: {}\n", stderr_is_terminal() ? "\r\x1b[K" : "",
                signal_name(signal), step, total_steps, where);
   }
@@ -80,8 +81,7 @@ class StepLoop {
  public:
   StepLoop(const Args& a, Run& run, Communicator& world)
       : a_(a), run_(run), world_(world), trainer_(*run.trainer), config_(run.config), root_(world.rank() == 0),
-        live_(root_ && stderr_is_terminal()), log_(root_),
-        log_every_(std::max<int64_t>(1, config_.total_steps / 20)),
+        live_(root_ && stderr_is_terminal()), log_(root_), log_every_(std::max<int64_t>(1, config_.total_steps / 20)),
         checkpoint_every_(a.checkpoint_every > 0 ? a.checkpoint_every : run.steps_per_epoch) {}
 
   LoopOutcome run() {
@@ -89,10 +89,15 @@ class StepLoop {
     if (log_) say_what_trains(a_, run_);
     if (!a_.plot.empty() && root_) {  // --plot: rank 0 collects and draws
       const ProcessLayout& l = run_.layout;
-      out_.curves.emplace(TrainingRun{.model = a_.model, .optimizer = a_.optimizer, .loss = a_.loss,
+      out_.curves.emplace(TrainingRun{.model = a_.model,
+                                      .optimizer = a_.optimizer,
+                                      .loss = a_.loss,
                                       .batch_size = config_.batch_size * config_.grad_accum,
-                                      .steps_per_epoch = run_.steps_per_epoch, .replicas = l.replicas,
-                                      .stages = l.stages, .shards = l.shards, .schedule = a_.pipeline_schedule,
+                                      .steps_per_epoch = run_.steps_per_epoch,
+                                      .replicas = l.replicas,
+                                      .stages = l.stages,
+                                      .shards = l.shards,
+                                      .schedule = a_.pipeline_schedule,
                                       .micro_batches = config_.micro_batches});
     }
     std::optional<StopSignals> signals(std::in_place);  // SIGINT and SIGTERM end the loop after a step
@@ -115,9 +120,11 @@ class StepLoop {
     const int signal = signals.agreed(world_, bad_gradients);
     if (bad_gradients) {  // before anything could save the weights this step spoiled
       const std::string first = trainer_.first_non_finite_gradient();
-      stop(fmt::format("step {}: the gradient of {} became inf or NaN, the first in backward order (loss {:.4g}); "
-                       "stopped before saving anything of this step. Lower --lr, clip with --clip-grad-norm, or go on "
-                       "past such steps with --on-nonfinite skip", r.step, first, r.loss));
+      stop(
+          fmt::format("step {}: the gradient of {} became inf or NaN, the first in backward order (loss {:.4g}); "
+                      "stopped before saving anything of this step. Lower --lr, clip with --clip-grad-norm, or go on "
+                      "past such steps with --on-nonfinite skip",
+                      r.step, first, r.loss));
       world_.barrier();
       return kExitBadInput;
     }
@@ -134,7 +141,8 @@ class StepLoop {
     add_to_epoch(r);
     say_progress(r, samples_per_s);
     if (std::optional<int> exit = evaluate_at_epoch_end(r)) return exit;
-    const bool checkpointed = !a_.checkpoint.empty() && (r.step % checkpoint_every_ == 0 || r.step == config_.total_steps);
+    const bool checkpointed =
+        !a_.checkpoint.empty() && (r.step % checkpoint_every_ == 0 || r.step == config_.total_steps);
     if (checkpointed) {
       const WatchdogSlowPhase slow("checkpoint");
       if (Status s = trainer_.save_checkpoint(a_.checkpoint, run_.checkpoint_crash); !s) return stop(s.message());
@@ -149,8 +157,9 @@ class StepLoop {
     if (!r.non_finite) return std::nullopt;
     const std::string what = non_finite_message(r);
     if (config_.on_nonfinite == NonFinite::kStop) {
-      stop(what + "; nothing of this step was applied. Lower --lr, clip with --clip-grad-norm, or go on past such "
-                  "steps with --on-nonfinite skip");
+      stop(what +
+           "; nothing of this step was applied. Lower --lr, clip with --clip-grad-norm, or go on past such "
+           "steps with --on-nonfinite skip");
       world_.barrier();
       return kExitBadInput;
     }
@@ -164,7 +173,8 @@ class StepLoop {
   // --loss-scale dynamic skipped the step: a gradient overflowed under the scale.
   void say_overflow(const StepResult& r) {
     if (r.scale_overflow && log_ && ++out_.overflowed <= kSkipsToReport) {
-      fmt::print(stderr, "{}step {}: a gradient overflowed under loss scale {:g}; step skipped, the scale halves to {:g}{}\n",
+      fmt::print(stderr,
+                 "{}step {}: a gradient overflowed under loss scale {:g}; step skipped, the scale halves to {:g}{}\n",
                  live_ ? "\r\x1b[K" : "", r.step, r.loss_scale, trainer_.loss_scale(),
                  out_.overflowed == kSkipsToReport ? " (further overflows are only counted)" : "");
     } else if (r.scale_overflow) {
@@ -174,7 +184,8 @@ class StepLoop {
 
   void write_metrics(const StepResult& r, double samples_per_s) {
     if (!run_.metrics.is_open()) return;
-    nlohmann::json row{{"step", r.step}, {"epoch", r.epoch}, {"loss", r.loss}, {"lr", r.lr}, {"samples_per_s", samples_per_s}};
+    nlohmann::json row{
+        {"step", r.step}, {"epoch", r.epoch}, {"loss", r.loss}, {"lr", r.lr}, {"samples_per_s", samples_per_s}};
     if (r.non_finite || r.scale_overflow) row["skipped"] = true;
     if (r.loss_scale > 0) row["loss_scale"] = r.loss_scale;
     row["backend_peak_bytes"] = run_.backend->memory_use().peak;  // this process's (rank 0's)

@@ -20,8 +20,8 @@ struct LoopOutcome {
   // Set when the run stopped before its last step: a step that went bad, a signal, a file
   // that could not be written. The exit status; what went wrong has been said.
   std::optional<int> exit;
-  int64_t skipped = 0;     // --on-nonfinite skip: steps whose loss or gradients were not finite
-  int64_t overflowed = 0;  // --loss-scale dynamic: steps skipped for a gradient that overflowed
+  int64_t skipped = 0;                            // --on-nonfinite skip: steps whose loss or gradients were not finite
+  int64_t overflowed = 0;                         // --loss-scale dynamic: steps skipped for a gradient that overflowed
   std::chrono::steady_clock::time_point started;  // before the first step
   std::optional<TrainingCurves> curves;           // --plot, on rank 0: the run so far
 };

@@ -46,8 +46,7 @@ Status check_host_memory(Communicator& machine, int64_t mine) {
       "training needs about {} on this machine ({}; the partitioner's estimate of parameters, gradients, optimizer "
       "state and activations in flight) but {} {}: spread it over more machines (--stages, --tensor-parallel), a "
       "smaller --batch-size or more --micro-batches",
-      bytes_text(static_cast<int64_t>(here)), who_needs_it(machine.size(), mine), where,
-      bytes_text(memory.available)));
+      bytes_text(static_cast<int64_t>(here)), who_needs_it(machine.size(), mine), where, bytes_text(memory.available)));
 }
 
 }  // namespace

@@ -62,9 +62,10 @@ void say_how_it_went(const Run& run, const LoopOutcome& loop, const std::vector<
 Status report_bubble(const Run& run, bool log) {
   const Trainer::Bubble b = run.trainer->pipeline_bubble();
   if (log) {
-    fmt::print(stderr, "pipeline bubble: stages idle {:.1f}% of the schedule's time (measured, transfers included); "
-               "theory {} = {:.1f}% for P={}, M={}\n", 100 * b.measured, b.formula, 100 * b.theoretical,
-               run.layout.stages, run.config.micro_batches);
+    fmt::print(stderr,
+               "pipeline bubble: stages idle {:.1f}% of the schedule's time (measured, transfers included); "
+               "theory {} = {:.1f}% for P={}, M={}\n",
+               100 * b.measured, b.formula, 100 * b.theoretical, run.layout.stages, run.config.micro_batches);
   }
   if (run.board) return run.board->add_bubble(run.config.total_steps, b);
   return Status::ok();
@@ -83,7 +84,7 @@ int report_finished_run(const Args& a, Run& run, Communicator& world, const Loop
   const WatchdogSlowPhase slow("writing results");  // rank 0 writes, the others wait
   // The trained model first: what follows only describes the run.
   if (!a.save.empty()) {
-    Graph trained = run.model->graph;  // host copy for the saved model
+    Graph trained = run.model->graph;      // host copy for the saved model
     trainer.download_parameters(trained);  // gathers every stage and shard on rank 0
     if (root) {
       if (Status s = write_trained_model(*run.model, trained, a.save); !s) return fail(s.message());

@@ -25,7 +25,8 @@ Status check_output_file(const std::string& flag, const std::string& path) {
   std::error_code ec;
   const fs::path p(path), folder = p.has_parent_path() ? p.parent_path() : fs::path(".");
   if (fs::is_directory(p, ec)) return Status::error(flag + " '" + path + "' is a folder; give a file name");
-  if (!fs::is_directory(folder, ec)) return Status::error(flag + " '" + path + "': no folder '" + folder.string() + "'");
+  if (!fs::is_directory(folder, ec))
+    return Status::error(flag + " '" + path + "': no folder '" + folder.string() + "'");
   return Status::ok();
 }
 
@@ -44,7 +45,8 @@ Status check_device(const Args& a, const BackendKind& device) {
   }
   const DeviceGroupKind& groups = *find_device_groups(a.gpu_comm);  // the flag takes only the registry's names
   if (!groups.carries_memory(device.memory)) {
-    const std::string where = backend_names_where([&](const BackendKind& k) { return groups.carries_memory(k.memory); });
+    const std::string where =
+        backend_names_where([&](const BackendKind& k) { return groups.carries_memory(k.memory); });
     return Status::error("--gpu-comm " + a.gpu_comm + " needs --device " + where + ": " + device.title +
                          "'s tensors travel over MPI");
   }
@@ -68,7 +70,8 @@ Status check_flags(const Args& a, bool root, Run& run) {
   Result<TrainConfig> config = make_config(a);
   if (!config) return config.status();
   run.config = *config;
-  if (!(a.comm_timeout >= 0) || a.comm_timeout > 1e7) return Status::error("--comm-timeout must be 0 or a number of seconds");
+  if (!(a.comm_timeout >= 0) || a.comm_timeout > 1e7)
+    return Status::error("--comm-timeout must be 0 or a number of seconds");
   return Status::ok();
 }
 
@@ -142,7 +145,8 @@ Status create_backend(const Args& a, Run& run) {
 // activations; then --resume, and the files the run writes as it goes.
 Status create_trainer(const Args& a, Communicator& world, Run& run) {
   const Parallel parallel{&world, &run.groups, &*run.model, run.device_groups.for_trainer()};
-  Result<std::unique_ptr<Trainer>> trainer = Trainer::create(run.model->graph, *run.data, *run.backend, run.config, parallel);
+  Result<std::unique_ptr<Trainer>> trainer =
+      Trainer::create(run.model->graph, *run.data, *run.backend, run.config, parallel);
   if (!trainer) return Status::error(train_cli::flag_message(trainer.status()));
   run.trainer = std::move(*trainer);
   if (!a.resume.empty()) PIPESHARD_RETURN_IF_ERROR(run.trainer->load_checkpoint(a.resume));
@@ -236,9 +240,13 @@ void say_how_tensors_travel(const Run& run) {
                  layout.world_size(), staged);
       return;
     }
-    fmt::print(stderr, "note: the {} processes exchange tensors over NCCL in their {} groups (--gpu-comm nccl, not "
-               "yet verified on a multi-GPU machine){}\n", layout.world_size(),
-               d && t ? "data-parallel and tensor-parallel" : d ? "data-parallel" : "tensor-parallel",
+    fmt::print(stderr,
+               "note: the {} processes exchange tensors over NCCL in their {} groups (--gpu-comm nccl, not "
+               "yet verified on a multi-GPU machine){}\n",
+               layout.world_size(),
+               d && t ? "data-parallel and tensor-parallel"
+               : d    ? "data-parallel"
+                      : "tensor-parallel",
                layout.stages > 1 ? "; " + staged : "");
   }
 }

@@ -34,7 +34,8 @@ class StopSignals {
   int agreed(Communicator& world, bool& flag) const;
 
  private:
-  struct sigaction old_int_ {}, old_term_ {};
+  struct sigaction old_int_ {
+  }, old_term_{};
 };
 
 }  // namespace pipeshard
