@@ -100,7 +100,7 @@ std::unique_ptr<Communicator> make_placeholder_communicator(int rank, int size, 
 // True when this process was launched by an MPI launcher.
 bool launched_by_mpi();
 
-// Where a rank sits in a P × D × T job: design.md's rank = (p·D + d)·T + t keeps
+// Where a rank sits in a P × D × T job: docs/design.md's rank = (p·D + d)·T + t keeps
 // tensor-parallel peers adjacent and pipeline stages furthest apart.
 struct ProcessLayout {
   int stages = 1, replicas = 1, shards = 1;  // P, D, T

@@ -96,8 +96,8 @@ DeviceGroups make_device_groups(const DeviceGroupKind& kind, ProcessGroups& host
 int local_rank();
 
 // The device of `backend`'s kind this process computes on: its local rank modulo the
-// devices usable here (design.md), so that processes share devices round robin; 0 for the
-// CPU.
+// devices usable here (docs/design.md, "Processes, ranks and groups"), so that processes
+// share devices round robin; 0 for the CPU.
 int device_of_this_process(const BackendKind& backend);
 
 // The ranks of `world` on this machine (those that share its host name), in world order.

@@ -10,7 +10,7 @@
 
 namespace pipeshard {
 
-// Exit status for bad arguments and bad input files (design.md's contract).
+// Exit status for bad arguments and bad input files (docs/design.md, "Command-line contract").
 inline constexpr int kExitBadInput = 2;
 
 // `s` with control characters escaped as \xNN: names and paths come from files nobody

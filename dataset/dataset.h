@@ -1,6 +1,7 @@
 // Training data from NumPy files, checked against the model, served as batches in the
-// order design.md fixes: in file order, or in a per-epoch permutation drawn from the
-// seed; an incomplete last batch is dropped and the next epoch starts over.
+// order docs/design.md fixes ("Training semantics"): in file order, or in a per-epoch
+// permutation drawn from the seed; an incomplete last batch is dropped and the next epoch
+// starts over.
 #ifndef PIPESHARD_DATASET_DATASET_H_
 #define PIPESHARD_DATASET_DATASET_H_
 

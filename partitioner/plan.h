@@ -7,8 +7,8 @@
 // inputs and outputs. With tensor_parallel > 1, each stage's Linear layers are then
 // paired Megatron-style (tensor_parallel.h).
 //
-// A Plan is plain data: plan_to_json() gives plan.json (design.md lists its fields),
-// and the stage files are written from it (stage_writer.h).
+// A Plan is plain data: plan_to_json() gives plan.json (docs/design.md, "File formats",
+// lists its fields), and the stage files are written from it (stage_writer.h).
 #ifndef PIPESHARD_PARTITIONER_PLAN_H_
 #define PIPESHARD_PARTITIONER_PLAN_H_
 

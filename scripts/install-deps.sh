@@ -15,6 +15,7 @@ packages=(
   libgtest-dev libgmock-dev libonnx-testdata      # tests (ONNX's own backend node tests)
   python3-matplotlib                               # pictures: partition --chart, train --plot
   clang-14 libclang-rt-14-dev libomp-14-dev        # fuzz targets (libFuzzer, sanitizers): scripts/fuzz_replay.sh
+  clang-format-14                                  # the house format (.clang-format): scripts/format.sh
 )
 # Node.js and npm run onnxruntime-node in the tests; a machine may already have them
 # from elsewhere (NodeSource bundles npm), and Debian's npm would conflict with that.

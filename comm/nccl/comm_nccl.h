@@ -50,7 +50,7 @@ struct CUstream_st;  // what cudaStream_t points to
 namespace pipeshard {
 
 // An NCCL communicator over the ranks of `mpi_group` (collective over it), on GPU `device`
-// (0-based among the visible ones; by design.md, the local rank). `mpi_group` must outlive
+// (0-based among the visible ones; by docs/design.md, the local rank). `mpi_group` must outlive
 // it; a group split() from it holds its own MPI group, split from this one the same way.
 // `producer`: see "Streams" above; it must outlive the communicator and its splits.
 std::unique_ptr<Communicator> make_nccl_communicator(Communicator& mpi_group, int device,

@@ -424,7 +424,7 @@ void OnnxNodeTest::check_runs(const NodeCase& c, const fs::path& dir, const onnx
       const std::string& stat = bn.input(k + 2);
       onnx::TensorProto expected = set.outputs[k];
       if (k == 2) {
-        // A documented deviation (design.md, "Training semantics"): pipeshard updates the
+        // A documented deviation (docs/design.md, "Training semantics"): pipeshard updates the
         // running variance with the UNBIASED batch variance, as PyTorch does, where the
         // ONNX spec uses the population variance. Convert ONNX's expected value:
         //   onnx  = m·old + (1 − m)·var_pop;   torch = m·old + (1 − m)·var_pop·N/(N − 1)
