@@ -391,6 +391,169 @@ Result<int> optional_param(ImportContext& ctx, int i, int input, bool trainable)
   return p;
 }
 
+// ---- one ONNX node, one Graph node: a recogniser per op type ----
+
+// Each fills in `node` (name, inputs and outputs are set) for ONNX node i, or says why not.
+using Recogniser = Status (*)(ImportContext& ctx, int i, Node& node);
+
+// AllReduce and AllGather of the pipeshard domain (sharded stage files). A row-parallel
+// Linear adds its bias after the reduction: the Add that does is part of the node.
+Status recognise_collective(ImportContext& ctx, int i, Node& node) {
+  const NodeProto& n = ctx.node(i);
+  node.kind = n.op_type() == "AllReduce" ? OpKind::kAllReduce : OpKind::kAllGather;
+  node.shards = attr_int(n, "shards", 0);
+  if (node.shards < 1) return ctx.node_error(i, "needs a positive 'shards' attribute");
+  int add = node.kind == OpKind::kAllReduce ? sole_consumer(ctx, n.output(0)) : -1;
+  auto bias = is_op(ctx, add, "Add") ? other_operand(ctx, add, n.output(0)) : std::nullopt;
+  if (bias && ctx.is_float_initializer(*bias)) {
+    Result<int> b = ctx.param_id(*bias, true);
+    if (!b) return b.status().with_context(ctx.describe(add));
+    node.bias = *b;
+    node.outputs = {ctx.value_id(ctx.resolve(ctx.node(add).output(0)))};
+    node.onnx_nodes.push_back(add);
+  }
+  return Status::ok();
+}
+
+Status recognise_activation(ImportContext& ctx, int i, Node& node) {
+  static const std::map<std::string, ActivationKind> kActivations = {{"Relu", ActivationKind::kRelu},
+                                                                     {"LeakyRelu", ActivationKind::kLeakyRelu},
+                                                                     {"Sigmoid", ActivationKind::kSigmoid},
+                                                                     {"Tanh", ActivationKind::kTanh}};
+  const NodeProto& n = ctx.node(i);
+  node.kind = OpKind::kActivation;
+  node.activation = kActivations.at(n.op_type());
+  if (n.op_type() == "LeakyRelu") node.alpha = attr_float(n, "alpha", 0.01f);
+  return Status::ok();
+}
+
+Status recognise_gelu(ImportContext& ctx, int i, Node& node) {
+  node.kind = OpKind::kActivation;
+  const std::string approx = attr_string(ctx.node(i), "approximate", "none");
+  if (approx != "none" && approx != "tanh") return ctx.node_error(i, "unknown approximate='" + approx + "'");
+  node.activation = approx == "tanh" ? ActivationKind::kGeluTanh : ActivationKind::kGelu;
+  return Status::ok();
+}
+
+Status recognise_softmax(ImportContext& ctx, int i, Node& node) {
+  node.kind = ctx.node(i).op_type() == "Softmax" ? OpKind::kSoftmax : OpKind::kLogSoftmax;
+  Result<int> axis = attr_axis(ctx, i, ctx.opset >= 13 ? -1 : 1);
+  if (!axis) return axis.status();
+  node.axis = *axis;
+  return Status::ok();
+}
+
+Status recognise_layernorm(ImportContext& ctx, int i, Node& node) {
+  node.kind = OpKind::kLayerNorm;
+  Result<int> axis = attr_axis(ctx, i, -1);
+  if (!axis) return axis.status();
+  node.axis = *axis;
+  node.epsilon = attr_float(ctx.node(i), "epsilon", 1e-5f);
+  Result<int> w = optional_param(ctx, i, 1, true), b = optional_param(ctx, i, 2, true);
+  if (!w) return w.status();
+  if (!b) return b.status();
+  node.weight = *w;
+  node.bias = *b;
+  return Status::ok();
+}
+
+Status recognise_batchnorm(ImportContext& ctx, int i, Node& node) {
+  const NodeProto& n = ctx.node(i);
+  if (n.input_size() != 5) return ctx.node_error(i, "needs 5 inputs (X, scale, B, mean, var)");
+  node.kind = OpKind::kBatchNorm;
+  node.epsilon = attr_float(n, "epsilon", 1e-5f);
+  node.momentum = attr_float(n, "momentum", 0.9f);
+  node.training = attr_int(n, "training_mode", 0) == 1;
+  int* slots[] = {&node.weight, &node.bias, &node.running_mean, &node.running_var};
+  for (int k = 0; k < 4; ++k) {
+    Result<int> p = optional_param(ctx, i, k + 1, k < 2);
+    if (!p) return p.status();
+    *slots[k] = *p;
+  }
+  return Status::ok();
+}
+
+Status recognise_dropout(ImportContext& ctx, int i, Node& node) {
+  const NodeProto& n = ctx.node(i);
+  node.kind = OpKind::kDropout;
+  node.ratio = attr_float(n, "ratio", 0.5f);
+  if (n.input_size() > 1 && !n.input(1).empty()) {
+    auto r = ctx.scalar(n.input(1));
+    if (!r) return ctx.node_error(i, "the ratio must be a constant scalar");
+    node.ratio = static_cast<float>(*r);
+  }
+  if (n.input_size() > 2 && !n.input(2).empty()) {
+    auto t = ctx.scalar(n.input(2));
+    if (!t) return ctx.node_error(i, "training_mode must be a constant");
+    node.training = *t != 0.0;
+  }
+  if (!(node.ratio >= 0.0f && node.ratio < 1.0f)) return ctx.node_error(i, "ratio must be in [0, 1)");
+  return Status::ok();
+}
+
+Status recognise_flatten(ImportContext& ctx, int i, Node& node) {
+  node.kind = OpKind::kReshape;
+  node.target = {0, -1};
+  Result<int> axis = attr_axis(ctx, i, 1);  // checked against the rank in shape inference
+  if (!axis) return axis.status();
+  node.axis = *axis;
+  return Status::ok();
+}
+
+Status recognise_reshape(ImportContext& ctx, int i, Node& node) {
+  const NodeProto& n = ctx.node(i);
+  if (n.input_size() != 2 || !ctx.constants.count(ctx.resolve(n.input(1)))) {
+    return ctx.node_error(i, "the target shape must be a constant");
+  }
+  const ConstantTensor& target = ctx.constants.at(ctx.resolve(n.input(1)));
+  if (target.data_type != onnx::TensorProto::INT64) {
+    return ctx.node_error(i, "the target shape is " + dtype_label(target.data_type) + "; ONNX shapes are int64");
+  }
+  node.kind = OpKind::kReshape;
+  node.axis = 1;
+  for (double v : target.values) {
+    // Constants are decoded to double; converting one beyond int64's range back is
+    // undefined. Shape inference refuses any dimension beyond 2^32 anyway.
+    if (std::fabs(v) > static_cast<double>(kMaxTensorElements)) {
+      return ctx.node_error(i, "a target dimension is beyond 2^32 (corrupt shape constant?)");
+    }
+    node.target.push_back(static_cast<int64_t>(v));
+  }
+  if (attr_int(n, "allowzero", 0) == 1) {
+    for (int64_t v : node.target)
+      if (v == 0) return ctx.node_error(i, "allowzero=1 with a zero dimension is not supported");
+  }
+  return Status::ok();
+}
+
+Status recognise_add(ImportContext& ctx, int i, Node& node) {
+  const NodeProto& n = ctx.node(i);
+  if (n.input_size() != 2 || ctx.is_constant(n.input(1))) {
+    return ctx.node_error(i, "Add of a constant is supported only as a Linear's bias");
+  }
+  node.kind = OpKind::kAdd;
+  node.inputs.push_back(ctx.value_id(ctx.resolve(n.input(1))));
+  return Status::ok();
+}
+
+// The ONNX ops of the default domain that map to one node each.
+const std::map<std::string, Recogniser>& single_node_ops() {
+  static const std::map<std::string, Recogniser> kOps = {{"Relu", recognise_activation},
+                                                         {"LeakyRelu", recognise_activation},
+                                                         {"Sigmoid", recognise_activation},
+                                                         {"Tanh", recognise_activation},
+                                                         {"Gelu", recognise_gelu},
+                                                         {"Softmax", recognise_softmax},
+                                                         {"LogSoftmax", recognise_softmax},
+                                                         {"LayerNormalization", recognise_layernorm},
+                                                         {"BatchNormalization", recognise_batchnorm},
+                                                         {"Dropout", recognise_dropout},
+                                                         {"Flatten", recognise_flatten},
+                                                         {"Reshape", recognise_reshape},
+                                                         {"Add", recognise_add}};
+  return kOps;
+}
+
 Status recognise_single(ImportContext& ctx, int i) {
   const NodeProto& n = ctx.node(i);
   const std::string& op = n.op_type();
@@ -403,118 +566,20 @@ Status recognise_single(ImportContext& ctx, int i) {
   }
   node.inputs = {ctx.value_id(ctx.resolve(n.input(0)))};
   node.outputs = {ctx.value_id(ctx.resolve(n.output(0)))};
-  static const std::map<std::string, ActivationKind> kActivations = {{"Relu", ActivationKind::kRelu},
-                                                                     {"LeakyRelu", ActivationKind::kLeakyRelu},
-                                                                     {"Sigmoid", ActivationKind::kSigmoid},
-                                                                     {"Tanh", ActivationKind::kTanh}};
-  const bool pipeshard_domain = n.domain() == "pipeshard";
-  if (pipeshard_domain && (op == "AllReduce" || op == "AllGather")) {
-    node.kind = op == "AllReduce" ? OpKind::kAllReduce : OpKind::kAllGather;
-    node.shards = attr_int(n, "shards", 0);
-    if (node.shards < 1) return ctx.node_error(i, "needs a positive 'shards' attribute");
-    // A row-parallel Linear adds its bias after the reduction.
-    int add = node.kind == OpKind::kAllReduce ? sole_consumer(ctx, n.output(0)) : -1;
-    auto bias = is_op(ctx, add, "Add") ? other_operand(ctx, add, n.output(0)) : std::nullopt;
-    if (bias && ctx.is_float_initializer(*bias)) {
-      Result<int> b = ctx.param_id(*bias, true);
-      if (!b) return b.status().with_context(ctx.describe(add));
-      node.bias = *b;
-      node.outputs = {ctx.value_id(ctx.resolve(ctx.node(add).output(0)))};
-      node.onnx_nodes.push_back(add);
-    }
+  Recogniser recognise = nullptr;
+  if (n.domain() == "pipeshard" && (op == "AllReduce" || op == "AllGather")) {
+    recognise = recognise_collective;
   } else if (!is_default_domain(n)) {
     return ctx.node_error(i, "operator domain '" + n.domain() + "' is not supported");
-  } else if (kActivations.count(op)) {
-    node.kind = OpKind::kActivation;
-    node.activation = kActivations.at(op);
-    if (op == "LeakyRelu") node.alpha = attr_float(n, "alpha", 0.01f);
-  } else if (op == "Gelu") {
-    node.kind = OpKind::kActivation;
-    const std::string approx = attr_string(n, "approximate", "none");
-    if (approx != "none" && approx != "tanh") return ctx.node_error(i, "unknown approximate='" + approx + "'");
-    node.activation = approx == "tanh" ? ActivationKind::kGeluTanh : ActivationKind::kGelu;
-  } else if (op == "Softmax" || op == "LogSoftmax") {
-    node.kind = op == "Softmax" ? OpKind::kSoftmax : OpKind::kLogSoftmax;
-    Result<int> axis = attr_axis(ctx, i, ctx.opset >= 13 ? -1 : 1);
-    if (!axis) return axis.status();
-    node.axis = *axis;
-  } else if (op == "LayerNormalization") {
-    node.kind = OpKind::kLayerNorm;
-    Result<int> axis = attr_axis(ctx, i, -1);
-    if (!axis) return axis.status();
-    node.axis = *axis;
-    node.epsilon = attr_float(n, "epsilon", 1e-5f);
-    Result<int> w = optional_param(ctx, i, 1, true), b = optional_param(ctx, i, 2, true);
-    if (!w) return w.status();
-    if (!b) return b.status();
-    node.weight = *w;
-    node.bias = *b;
-  } else if (op == "BatchNormalization") {
-    if (n.input_size() != 5) return ctx.node_error(i, "needs 5 inputs (X, scale, B, mean, var)");
-    node.kind = OpKind::kBatchNorm;
-    node.epsilon = attr_float(n, "epsilon", 1e-5f);
-    node.momentum = attr_float(n, "momentum", 0.9f);
-    node.training = attr_int(n, "training_mode", 0) == 1;
-    int* slots[] = {&node.weight, &node.bias, &node.running_mean, &node.running_var};
-    for (int k = 0; k < 4; ++k) {
-      Result<int> p = optional_param(ctx, i, k + 1, k < 2);
-      if (!p) return p.status();
-      *slots[k] = *p;
-    }
-  } else if (op == "Dropout") {
-    node.kind = OpKind::kDropout;
-    node.ratio = attr_float(n, "ratio", 0.5f);
-    if (n.input_size() > 1 && !n.input(1).empty()) {
-      auto r = ctx.scalar(n.input(1));
-      if (!r) return ctx.node_error(i, "the ratio must be a constant scalar");
-      node.ratio = static_cast<float>(*r);
-    }
-    if (n.input_size() > 2 && !n.input(2).empty()) {
-      auto t = ctx.scalar(n.input(2));
-      if (!t) return ctx.node_error(i, "training_mode must be a constant");
-      node.training = *t != 0.0;
-    }
-    if (!(node.ratio >= 0.0f && node.ratio < 1.0f)) return ctx.node_error(i, "ratio must be in [0, 1)");
-  } else if (op == "Flatten") {
-    node.kind = OpKind::kReshape;
-    node.target = {0, -1};
-    Result<int> axis = attr_axis(ctx, i, 1);  // checked against the rank in shape inference
-    if (!axis) return axis.status();
-    node.axis = *axis;
-  } else if (op == "Reshape") {
-    if (n.input_size() != 2 || !ctx.constants.count(ctx.resolve(n.input(1)))) {
-      return ctx.node_error(i, "the target shape must be a constant");
-    }
-    const ConstantTensor& target = ctx.constants.at(ctx.resolve(n.input(1)));
-    if (target.data_type != onnx::TensorProto::INT64) {
-      return ctx.node_error(i, "the target shape is " + dtype_label(target.data_type) + "; ONNX shapes are int64");
-    }
-    node.kind = OpKind::kReshape;
-    node.axis = 1;
-    for (double v : target.values) {
-      // Constants are decoded to double; converting one beyond int64's range back is
-      // undefined. Shape inference refuses any dimension beyond 2^32 anyway.
-      if (std::fabs(v) > static_cast<double>(kMaxTensorElements)) {
-        return ctx.node_error(i, "a target dimension is beyond 2^32 (corrupt shape constant?)");
-      }
-      node.target.push_back(static_cast<int64_t>(v));
-    }
-    if (attr_int(n, "allowzero", 0) == 1) {
-      for (int64_t v : node.target)
-        if (v == 0) return ctx.node_error(i, "allowzero=1 with a zero dimension is not supported");
-    }
-  } else if (op == "Add") {
-    if (n.input_size() != 2 || ctx.is_constant(n.input(1))) {
-      return ctx.node_error(i, "Add of a constant is supported only as a Linear's bias");
-    }
-    node.kind = OpKind::kAdd;
-    node.inputs.push_back(ctx.value_id(ctx.resolve(n.input(1))));
+  } else if (auto it = single_node_ops().find(op); it != single_node_ops().end()) {
+    recognise = it->second;
   } else {
     return ctx.node_error(i,
                           "unsupported operator; pipeshard imports MLP layers (Gemm, MatMul, Relu, LeakyRelu, "
                           "Sigmoid, Tanh, GELU, SiLU, Softmax, LogSoftmax, LayerNorm, BatchNormalization, "
                           "Dropout, Flatten, Reshape, Add, Identity, Constant)");
   }
+  PIPESHARD_RETURN_IF_ERROR(recognise(ctx, i, node));
   ctx.emit(std::move(node));
   return Status::ok();
 }
