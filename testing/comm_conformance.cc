@@ -505,6 +505,7 @@ void process_groups_for_every_layout_that_fits(const CommUnderTest& t) {
       ASSERT_TRUE(layout.is_ok()) << layout.status().message();
       const ProcessLayout& l = *layout;
       ProcessGroups groups = make_process_groups(c, l);
+      EXPECT_EQ(groups.layout.rank_of(groups.layout.stage, groups.layout.replica, groups.layout.shard), rank);
       EXPECT_EQ(groups.data->rank(), l.replica);
       EXPECT_EQ(groups.tensor->rank(), l.shard);
       EXPECT_EQ(groups.pipeline->rank(), l.stage);

@@ -345,35 +345,6 @@ TEST_P(CommTest, SplitGroupsByColorOrderedByKey) {
   EXPECT_EQ(alone->rank(), 0);
 }
 
-TEST_P(CommTest, ProcessGroupsForEveryLayoutThatFits) {
-  Communicator& c = comm();
-  const int size = c.size(), rank = c.rank();
-  for (int stages = 1; stages <= size; ++stages) {
-    for (int shards = 1; shards <= size; ++shards) {
-      if (size % (stages * shards) != 0) continue;
-      SCOPED_TRACE("P=" + std::to_string(stages) + " T=" + std::to_string(shards));
-      Result<ProcessLayout> layout = ProcessLayout::for_rank(rank, size, stages, shards);
-      ASSERT_TRUE(layout.is_ok()) << layout.status().message();
-      const ProcessLayout& l = *layout;
-      ProcessGroups groups = make_process_groups(c, l);
-      EXPECT_EQ(groups.layout.rank_of(groups.layout.stage, groups.layout.replica, groups.layout.shard), rank);
-      EXPECT_EQ(groups.data->size(), l.replicas);
-      EXPECT_EQ(groups.tensor->size(), l.shards);
-      EXPECT_EQ(groups.pipeline->size(), l.stages);
-      EXPECT_EQ(groups.data->rank(), l.replica);
-      EXPECT_EQ(groups.tensor->rank(), l.shard);
-      EXPECT_EQ(groups.pipeline->rank(), l.stage);
-      std::vector<int> data_members, tensor_members, pipeline_members;
-      for (int d = 0; d < l.replicas; ++d) data_members.push_back(l.rank_of(l.stage, d, l.shard));
-      for (int t = 0; t < l.shards; ++t) tensor_members.push_back(l.rank_of(l.stage, l.replica, t));
-      for (int p = 0; p < l.stages; ++p) pipeline_members.push_back(l.rank_of(p, l.replica, l.shard));
-      EXPECT_EQ(world_ranks_of(*groups.data), data_members);
-      EXPECT_EQ(world_ranks_of(*groups.tensor), tensor_members);
-      EXPECT_EQ(world_ranks_of(*groups.pipeline), pipeline_members);
-    }
-  }
-}
-
 INSTANTIATE_TEST_SUITE_P(Mpi, CommTest,
                          ::testing::Values(Transport::kWhole, Transport::kSmallPieces, Transport::kStaged),
                          transport_name);

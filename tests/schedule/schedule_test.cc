@@ -396,29 +396,19 @@ TEST(ScheduleLowering, ReduceGradientsAfterTheLastBackward) {
   EXPECT_EQ(check_message(early), "stage 0: R comes before B0");
 }
 
-// A compute order with I and W: the lowering puts the gradient transfers around I, none
-// around W, and R after the last W.
-ComputeOrder one_f_one_b_split(int stages, int micro_batches) {
-  ComputeOrder order = find_schedule("1f1b")->build(stages, micro_batches);
-  for (auto& stage : order) {
-    std::vector<Action> split;
-    for (const Action& a : stage) {
-      if (a.kind != ActionKind::kBackward) {
-        split.push_back(a);
-        continue;
-      }
-      split.push_back({ActionKind::kBackwardInput, a.micro_batch, a.chunk});
-      split.push_back({ActionKind::kBackwardWeight, a.micro_batch, a.chunk});
-    }
-    stage = split;
-  }
-  return order;
+// 1F1B on 2 stages and 2 micro-batches with its backwards as I then W: the lowering puts
+// the gradient transfers around I, none around W, and R after the last W.
+ComputeOrder one_f_one_b_split_2x2() {
+  const auto F = [](int k) { return Action{ActionKind::kForward, k}; };
+  const auto I = [](int k) { return Action{ActionKind::kBackwardInput, k}; };
+  const auto W = [](int k) { return Action{ActionKind::kBackwardWeight, k}; };
+  return {{F(0), F(1), I(0), W(0), I(1), W(1)}, {F(0), I(0), W(0), F(1), I(1), W(1)}};
 }
 
 TEST(ScheduleLowering, InputAndWeightHalves) {
   LowerOptions reduce;
   reduce.reduce_gradients = true;
-  const PipelineSchedule sc = lower_schedule("1f1b-iw", 2, 2, {0, 1}, one_f_one_b_split(2, 2), reduce);
+  const PipelineSchedule sc = lower_schedule("1f1b-iw", 2, 2, {0, 1}, one_f_one_b_split_2x2(), reduce);
   EXPECT_EQ(names(sc.actions[0]), "F0 sA0 F1 sA1 rG0 I0 W0 rG1 I1 W1 R");
   EXPECT_EQ(names(sc.actions[1]), "rA0 F0 I0 sG0 W0 rA1 F1 I1 sG1 W1 R");
   EXPECT_EQ(check_message(sc), "OK");
@@ -427,7 +417,7 @@ TEST(ScheduleLowering, InputAndWeightHalves) {
 }
 
 TEST(ScheduleCheck, ReportsBrokenSplitBackwards) {
-  const PipelineSchedule good = lower_schedule("1f1b-iw", 2, 2, {0, 1}, one_f_one_b_split(2, 2));
+  const PipelineSchedule good = lower_schedule("1f1b-iw", 2, 2, {0, 1}, one_f_one_b_split_2x2());
   PipelineSchedule no_w = good;
   no_w.actions[1].erase(no_w.actions[1].begin() + 4);  // rA0 F0 I0 sG0 [W0] ...
   EXPECT_EQ(check_message(no_w), "stage 1: no W0 after I0");
