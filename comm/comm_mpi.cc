@@ -1,7 +1,7 @@
 // The MPI communicator: host-memory float32 collectives and transfers.
 //
 // Every communicator is set to MPI_ERRORS_RETURN so that a failed call is reported here,
-// with file:line and the call, before MPI_Abort ends the whole job (style.md 6): with
+// with file:line and the call, before MPI_Abort ends the whole job (docs/style.md 6): with
 // MPI's default handler the job would still die, but nobody would know where. The report
 // and the ending are common/check.h's, whose job abort hook this file installs once MPI is
 // up, so that a failed PIPESHARD_CHECK anywhere in the process ends every rank too.

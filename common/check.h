@@ -1,6 +1,6 @@
 // Fatal errors: the one place where a broken invariant or a failed call into a library
 // (MPI, CUDA, cuBLAS, NCCL) is reported and the process, or in an MPI run the whole job,
-// is ended (style.md 6). Bad input is not fatal: it is a Status (common/status.h).
+// is ended (docs/style.md 6). Bad input is not fatal: it is a Status (common/status.h).
 //
 // A report is one line on stderr,
 //

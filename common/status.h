@@ -24,7 +24,7 @@ class [[nodiscard]] Status {
   static Status error(std::string message) { return Status(std::move(message)); }
   // An error about the value of one named setting: `setting` is the field of the options
   // the library was given ("micro_batches", "batch_size"), so that a tool can name its
-  // own flag for it. Libraries speak of values, tools of flags (style.md 14).
+  // own flag for it. Libraries speak of values, tools of flags (docs/style.md 14).
   static Status invalid(std::string setting, std::string message) {
     Status s(std::move(message));
     s.setting_ = std::move(setting);

@@ -2,7 +2,7 @@
 // of pipeshard needs to know about it — its name as --schedule spells it, its builder,
 // how many micro-batches each stage keeps alive (what the memory estimate multiplies
 // activations by), its theoretical bubble — so that `train`, `partition`, the planner and
-// the pictures never branch on a schedule's name (style.md 13). Built in: "gpipe" and
+// the pictures never branch on a schedule's name (docs/style.md 13). Built in: "gpipe" and
 // "1f1b". A test or a later feature adds a row with ScheduleRegistration and nothing
 // else: the stage runner runs any schedule that check_pipeline_schedule() accepts.
 #ifndef PIPESHARD_SCHEDULE_REGISTRY_H_

@@ -1,6 +1,6 @@
 // The in-process communicator: the ranks of a job as threads of one process, so that a
 // pipeline schedule, a stage runner or gradient sync is tested in one process before any
-// mpiexec run (style.md 15; the model is leveldb's in-memory Env). It implements the whole
+// mpiexec run (docs/style.md 15; the model is leveldb's in-memory Env). It implements the whole
 // Communicator interface (comm/comm.h) with MPI's semantics, on host memory:
 //
 // - Collectives match by their order on each rank, as in MPI. Every rank must call the same

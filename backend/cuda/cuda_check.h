@@ -1,5 +1,5 @@
 // Checked CUDA, cuBLAS(Lt) calls: a failure is fatal, with file:line and the call, as for
-// broken invariants (style.md 6): common/check.h's PIPESHARD_CHECKED_CALL ("pipeshard: CUDA
+// broken invariants (docs/style.md 6): common/check.h's PIPESHARD_CHECKED_CALL ("pipeshard: CUDA
 // error at FILE:LINE in CALL: the error's text"). Under mpirun no rank waits on this one:
 // the process aborts, and mpirun ends the job.
 #ifndef PIPESHARD_BACKEND_CUDA_CUDA_CHECK_H_

@@ -2,7 +2,7 @@
 // (backend/backend.h, whose comments are the contract: shapes, += for gradients, what
 // null means) on device pointers, asynchronously on `stream` unless it returns a host
 // value. One op family per .cu file, kernel → launcher → the checked entry point in
-// cuda_backend.cc (style.md 4):
+// cuda_backend.cc (docs/style.md 4):
 //
 //   elementwise.cu  fill, axpy, scale, add, copy_rows, add_bias, activations, dropout
 //   reduce.cu       bias_backward, sum_squares, any_non_finite
