@@ -36,7 +36,7 @@ struct State {
   int depth = 0;  // nested waits (the MPI thread's only): the outermost one counts
 
   std::mutex mutex;  // guards what follows
-  std::string tool, who;
+  std::string tool, who, limit_hint;
   bool thread_started = false;
 };
 
@@ -48,11 +48,12 @@ State& state() {
 // Ends the process: one line on stderr, status 1, no MPI_Finalize (which would wait for
 // the very ranks this one gave up on), so that mpirun ends the rest of the job.
 [[noreturn]] void expire(State& s, int64_t waited_ns) {
-  std::string tool, who;
+  std::string tool, who, hint;
   {
     std::lock_guard<std::mutex> lock(s.mutex);
     tool = s.tool;
     who = s.who;
+    hint = s.limit_hint;
   }
   std::string line = tool + ": " + who;
   if (const int64_t step = s.step.load(); step > 0) line += ", step " + std::to_string(step);
@@ -68,7 +69,7 @@ State& state() {
   std::snprintf(seconds, sizeof seconds, "%.0f", static_cast<double>(waited_ns) / 1e9);
   line += std::string(": ") + (operation ? operation : "a wait on") + " " + peers + " has not completed after " +
           seconds + " s; " + (several ? "one of " + peers + " has" : peers + " has") +
-          " failed, is stuck or cannot be reached (--comm-timeout sets the limit)\n";
+          " failed, is stuck or cannot be reached" + (hint.empty() ? "" : " (" + hint + ")") + "\n";
   // write(2), not stdio: the MPI thread may hold stderr's lock.
   for (size_t done = 0; done < line.size();) {
     const ssize_t n = ::write(STDERR_FILENO, line.data() + done, line.size() - done);
@@ -94,7 +95,7 @@ void watch() {
 
 }  // namespace
 
-void watchdog_arm(double seconds, const std::string& tool, const std::string& who) {
+void watchdog_arm(double seconds, const std::string& tool, const std::string& who, const std::string& limit_hint) {
   State& s = state();
   if (!(seconds > 0) || !std::isfinite(seconds)) {
     watchdog_disarm();
@@ -103,6 +104,7 @@ void watchdog_arm(double seconds, const std::string& tool, const std::string& wh
   std::lock_guard<std::mutex> lock(s.mutex);
   s.tool = tool;
   s.who = who;
+  s.limit_hint = limit_hint;
   s.limit_ns.store(static_cast<int64_t>(seconds * 1e9), std::memory_order_relaxed);
   if (!s.thread_started) {
     std::thread(watch).detach();  // lives as long as the process

@@ -27,8 +27,10 @@ namespace pipeshard {
 
 // Arms the watchdog: from now on a wait longer than `seconds` ends the process. `who`
 // names this rank in the message ("rank 2 (stage 1, replica 0, shard 0)"), `tool` starts
-// it ("train"). seconds ≤ 0 disarms it. Starts the thread on first use.
-void watchdog_arm(double seconds, const std::string& tool, const std::string& who);
+// it ("train"), and `limit_hint`, when given, ends it in parentheses: how the limit is set
+// ("--comm-timeout sets the limit"; the tools know their flags, the watchdog does not).
+// seconds ≤ 0 disarms it. Starts the thread on first use.
+void watchdog_arm(double seconds, const std::string& tool, const std::string& who, const std::string& limit_hint = "");
 void watchdog_disarm();
 
 // What the rank is doing, for the message: a step (≥ 1, 0: none), a phase ("forward",

@@ -51,7 +51,8 @@ const Fault kFaults[] = {
     {"forward:3:abort", "process rank R with PID [0-9]+ on node [^ ]+ exited on signal 6"},
     {"optimizer:3:exit", "process rank R with PID [0-9]+ on\\s+node [^ ]+ exiting improperly"},
     {"all-reduce:3:hang",
-     "train: rank [0-9]+ \\([^)]*\\), step 3, [^:]*: the [^\\n]*\\bR\\b[^\\n]* has not completed after"},
+     "train: rank [0-9]+ \\([^)]*\\), step 3, [^:]*: the [^\\n]*\\bR\\b[^\\n]* has not completed after [0-9]+ s; "
+     "[^\\n]* cannot be reached \\(--comm-timeout sets the limit\\)"},
 };
 
 // Names in ctest's listing rather than GoogleTest's bytes.

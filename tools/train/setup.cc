@@ -195,7 +195,8 @@ bool agree_on_set_up(Communicator& world, const Status& mine) {
 void arm_watchdog(const Args& a, Communicator& world, const ProcessLayout& l) {
   if (world.size() == 1) return;
   watchdog_arm(a.comm_timeout, "train",
-               fmt::format("rank {} (stage {}, replica {}, shard {})", world.rank(), l.stage, l.replica, l.shard));
+               fmt::format("rank {} (stage {}, replica {}, shard {})", world.rank(), l.stage, l.replica, l.shard),
+               "--comm-timeout sets the limit");
 }
 
 }  // namespace
