@@ -9,24 +9,31 @@
 //   weight gradients still add up in micro-batch order;
 // - "gpipe-reversed": GPipe with its backwards in reverse micro-batch order, which sums
 //   the gradients in another order: equal to one process up to float rounding.
-#include <algorithm>
-#include <cmath>
-#include <cstring>
-#include <mutex>
 
 #include <gtest/gtest.h>
 
-#include "runtime/trainer.h"
 #include "schedule/registry.h"
-#include "testing/in_process_comm.h"
+#include "tests/layout_training.h"
 #include "tests/model_util.h"
 #include "tests/test_util.h"
 
 namespace pipeshard {
 namespace {
 
+using testing::expect_bitwise;
 using testing::load_model;
 using testing::source_path;
+using testing::train_alone;
+using testing::train_layout;
+using testing::Trained;
+
+TrainConfig adamw(const std::string& schedule, int micro_batches, int64_t steps = 4) {
+  return testing::adamw_config(schedule, micro_batches, 32, steps);
+}
+
+void expect_equivalent(const Trained& layout, const Trained& alone) {
+  testing::expect_equivalent(layout, alone, load_model("simple_digits").graph);
+}
 
 // ---- the schedules, defined here and nowhere else ----
 
@@ -100,92 +107,6 @@ class OpenSchedules : public ::testing::Test {
   ScheduleRegistration reversed_{row("gpipe-reversed", gpipe_reversed, [](int, int m, int) { return m; })};
 };
 
-// ---- training a layout in one process ----
-
-struct Trained {
-  std::vector<double> losses;
-  Graph weights;
-};
-
-TrainConfig adamw(const std::string& schedule, int micro_batches) {
-  TrainConfig c;
-  c.optimizer.kind = OptimizerKind::kAdamW;
-  c.optimizer.lr = 0.001f;  // train's defaults for AdamW, as --check-equivalence runs it
-  c.optimizer.weight_decay = 0.01f;
-  c.batch_size = 32;
-  c.grad_accum = 2;
-  c.total_steps = 4;
-  c.clip_grad_norm = 0.5;
-  c.micro_batches = micro_batches;
-  c.pipeline_schedule = schedule;
-  return c;
-}
-
-// `steps` steps of `config` on `ranks` in-process ranks cut into `stages` × `shards`
-// (replicas: the rest), each with a CPU backend of its own; rank 0's losses and the whole
-// trained model.
-Trained train_layout(const ImportedModel& model, const Dataset& data, const TrainConfig& config, int ranks, int stages,
-                     int shards, int steps) {
-  Trained result;
-  std::mutex mu;
-  run_ranks(ranks, [&](Communicator& world) {
-    ProcessGroups groups = make_layout_groups(world, stages, shards);
-    std::unique_ptr<Backend> backend = make_cpu_backend();
-    const Parallel parallel{&world, &groups, &model, nullptr};
-    Result<std::unique_ptr<Trainer>> t = Trainer::create(model.graph, data, *backend, config, parallel);
-    ASSERT_TRUE(t.is_ok()) << t.status().message();
-    ASSERT_TRUE((*t)->check_links().is_ok());
-    std::vector<double> losses;
-    for (int s = 0; s < steps; ++s) losses.push_back((*t)->step().loss);
-    Graph weights = model.graph;
-    (*t)->download_parameters(weights);
-    if (world.rank() != 0) return;
-    std::lock_guard<std::mutex> lock(mu);
-    result = Trained{losses, weights};
-  });
-  return result;
-}
-
-Trained train_alone(const ImportedModel& model, const Dataset& data, TrainConfig config, int steps) {
-  config.micro_batches = 1;
-  config.pipeline_schedule = "1f1b";
-  return train_layout(model, data, config, 1, 1, 1, steps);
-}
-
-void expect_bitwise(const Trained& a, const Trained& b) {
-  ASSERT_EQ(a.losses.size(), b.losses.size());
-  for (size_t s = 0; s < a.losses.size(); ++s) EXPECT_EQ(a.losses[s], b.losses[s]) << "step " << s + 1;
-  for (size_t p = 0; p < a.weights.params.size(); ++p) {
-    const auto& x = a.weights.params[p].data;
-    const auto& y = b.weights.params[p].data;
-    ASSERT_EQ(x.size(), y.size());
-    EXPECT_EQ(std::memcmp(x.data(), y.data(), sizeof(float) * x.size()), 0) << a.weights.params[p].name;
-  }
-}
-
-// --check-equivalence's tolerance: losses relative, weights relative to each tensor's
-// largest value, both within 1e-5.
-void expect_equivalent(const Trained& layout, const Trained& alone) {
-  ASSERT_EQ(layout.losses.size(), alone.losses.size());
-  for (size_t s = 0; s < alone.losses.size(); ++s) {
-    EXPECT_LE(std::fabs(layout.losses[s] - alone.losses[s]), 1e-5 * std::fabs(alone.losses[s])) << "step " << s + 1;
-  }
-  for (size_t p = 0; p < alone.weights.params.size(); ++p) {
-    const auto& want = alone.weights.params[p].data;
-    const auto& got = layout.weights.params[p].data;
-    float scale = 1.0f;
-    for (float v : want) scale = std::max(scale, std::fabs(v));
-    for (size_t i = 0; i < want.size(); ++i) {
-      ASSERT_LE(std::fabs(got[i] - want[i]), 1e-5f * scale) << alone.weights.params[p].name << "[" << i << "]";
-    }
-  }
-  const Graph file = load_model("simple_digits").graph;
-  bool moved = false;  // the check compares trained weights, not the file's
-  for (size_t p = 0; p < alone.weights.params.size(); ++p)
-    moved = moved || alone.weights.params[p].data != file.params[p].data;
-  EXPECT_TRUE(moved);
-}
-
 Dataset digits(const ImportedModel& model) {
   Result<Dataset> d = load_dataset(source_path("data/digits_features.npy"), source_path("data/digits_labels.npy"),
                                    model.graph, Targets::kClassIndices);
@@ -212,15 +133,15 @@ TEST_F(OpenSchedules, RegisteredSchedulesPassTheChecker) {
 TEST_F(OpenSchedules, SplitBackwardsAreOneFOneBBitForBit) {
   const ImportedModel model = load_model("simple_digits");
   const Dataset data = digits(model);
-  const Trained alone = train_alone(model, data, adamw("1f1b", 1), 4);
+  const Trained alone = train_alone(model, data, adamw("1f1b", 1));
   for (int replicas : {1, 2}) {
     SCOPED_TRACE(std::to_string(replicas) + " replica(s) of 2 stages");
     const int ranks = 2 * replicas;
-    const Trained one_f_one_b = train_layout(model, data, adamw("1f1b", 4), ranks, 2, 1, 4);
+    const Trained one_f_one_b = train_layout(model, data, adamw("1f1b", 4), ranks, 2, 1);
     expect_equivalent(one_f_one_b, alone);
     for (const char* name : {"1f1b-iw", "1f1b-late-w"}) {
       SCOPED_TRACE(name);
-      expect_bitwise(train_layout(model, data, adamw(name, 4), ranks, 2, 1, 4), one_f_one_b);
+      expect_bitwise(train_layout(model, data, adamw(name, 4), ranks, 2, 1), one_f_one_b);
     }
   }
 }
@@ -230,8 +151,8 @@ TEST_F(OpenSchedules, SplitBackwardsAreOneFOneBBitForBit) {
 TEST_F(OpenSchedules, ReversedBackwardsTrainTheOneProcessModel) {
   const ImportedModel model = load_model("simple_digits");
   const Dataset data = digits(model);
-  const Trained alone = train_alone(model, data, adamw("1f1b", 1), 4);
-  expect_equivalent(train_layout(model, data, adamw("gpipe-reversed", 4), 3, 3, 1, 4), alone);
+  const Trained alone = train_alone(model, data, adamw("1f1b", 1));
+  expect_equivalent(train_layout(model, data, adamw("gpipe-reversed", 4), 3, 3, 1), alone);
 }
 
 // With tensor parallelism too (2 stages × 2 shards): the column-parallel Linear's partial
@@ -239,9 +160,9 @@ TEST_F(OpenSchedules, ReversedBackwardsTrainTheOneProcessModel) {
 TEST_F(OpenSchedules, SplitBackwardsWithTensorParallelShards) {
   const ImportedModel model = load_model("simple_digits");
   const Dataset data = digits(model);
-  const Trained one_f_one_b = train_layout(model, data, adamw("1f1b", 2), 4, 2, 2, 3);
-  expect_bitwise(train_layout(model, data, adamw("1f1b-late-w", 2), 4, 2, 2, 3), one_f_one_b);
-  expect_equivalent(one_f_one_b, train_alone(model, data, adamw("1f1b", 1), 3));
+  const Trained one_f_one_b = train_layout(model, data, adamw("1f1b", 2, 3), 4, 2, 2);
+  expect_bitwise(train_layout(model, data, adamw("1f1b-late-w", 2, 3), 4, 2, 2), one_f_one_b);
+  expect_equivalent(one_f_one_b, train_alone(model, data, adamw("1f1b", 1, 3)));
 }
 
 }  // namespace
