@@ -8,6 +8,8 @@ namespace {
 
 Action forward(int k) { return {ActionKind::kForward, k, 0}; }
 Action backward(int k) { return {ActionKind::kBackward, k, 0}; }
+Action backward_input(int k) { return {ActionKind::kBackwardInput, k, 0}; }
+Action backward_weight(int k) { return {ActionKind::kBackwardWeight, k, 0}; }
 
 // GPipe: all M forwards, then all M backwards, each in micro-batch order (as PyTorch's
 // ScheduleGPipe), so gradients accumulate in the order 1F1B adds them too, which keeps
@@ -39,9 +41,45 @@ ComputeOrder one_f_one_b(int stages, int micro_batches) {
   return order;
 }
 
+// ZB-H1 (Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024): 1F1B with each
+// backward split into I, which sends the input gradient upstream at once, and W, which
+// only adds into this stage's weight gradients and so can wait. Stage s forwards
+// P − 1 − s micro-batches as 1F1B does, then runs F, I pairs, of which the first s leave
+// their W for later; after that each pair is followed by the oldest W still owed, and the
+// W's still owed end the list, filling the drain. So every stage keeps at most P
+// micro-batches alive (from F to W), which is 1F1B's peak (its stage 0), and the gradient
+// goes up the pipeline at I's pace: the bubble is (P − 1)(F + I − W) instead of 1F1B's
+// (P − 1)(F + I + W). W's run in micro-batch order, so each weight gradient adds up the
+// micro-batches in 1F1B's order: bitwise 1F1B.
+ComputeOrder zb_h1(int stages, int micro_batches) {
+  ComputeOrder order(stages);
+  for (int s = 0; s < stages; ++s) {
+    const int warmup = std::min(stages - 1 - s, micro_batches);
+    int forwards = 0, inputs = 0, weights = 0, pairs = 0;
+    auto input_then_owed_weight = [&] {
+      order[s].push_back(backward_input(inputs++));
+      if (pairs++ >= s) order[s].push_back(backward_weight(weights++));
+    };
+    while (forwards < warmup) order[s].push_back(forward(forwards++));
+    while (forwards < micro_batches) {
+      order[s].push_back(forward(forwards++));
+      input_then_owed_weight();
+    }
+    while (inputs < micro_batches) input_then_owed_weight();
+    while (weights < micro_batches) order[s].push_back(backward_weight(weights++));
+  }
+  return order;
+}
+
 // (P − 1)/(M + P − 1): the fill and drain of a pipeline of P stages over M micro-batches.
 double fill_and_drain(int stages, int micro_batches) {
   return static_cast<double>(stages - 1) / (micro_batches + stages - 1);
+}
+
+// ZB-H1's (P − 1)(F + I − W) of idle time beside each stage's M(F + I + W) of work, with
+// every pass as long as the forward (so B = I + W = 2F, as the other rows assume).
+double zero_bubble_h1(int stages, int micro_batches) {
+  return static_cast<double>(stages - 1) / (3.0 * micro_batches + stages - 1);
 }
 
 std::list<ScheduleInfo>& table() {
@@ -51,6 +89,10 @@ std::list<ScheduleInfo>& table() {
       {"1f1b", "1F1B", "one forward, one backward (PipeDream-flush); stage s keeps at most P - s micro-batches alive",
        1, nullptr, one_f_one_b, [](int p, int m, int s) { return std::min(p - s, m); }, fill_and_drain,
        "(P-1)/(M+P-1)"},
+      {"zb-h1", "ZB-H1",
+       "zero bubble H1: backward split into input (I) and weight (W) halves, W's deferred into the bubble; every "
+       "stage keeps at most P micro-batches alive, 1F1B's peak",
+       1, nullptr, zb_h1, [](int p, int m, int) { return std::min(p, m); }, zero_bubble_h1, "(P-1)/(3M+P-1)"},
   };
   return rows;
 }

@@ -2,8 +2,8 @@
 // of pipeshard needs to know about it — its name as --schedule spells it, its builder,
 // how many micro-batches each stage keeps alive (what the memory estimate multiplies
 // activations by), its theoretical bubble — so that `train`, `partition`, the planner and
-// the pictures never branch on a schedule's name (docs/style.md 13). Built in: "gpipe" and
-// "1f1b". A test or a later feature adds a row with ScheduleRegistration and nothing
+// the pictures never branch on a schedule's name (docs/style.md 13). Built in: "gpipe",
+// "1f1b" and "zb-h1". A test or a later feature adds a row with ScheduleRegistration and nothing
 // else: the stage runner runs any schedule that check_pipeline_schedule() accepts.
 #ifndef PIPESHARD_SCHEDULE_REGISTRY_H_
 #define PIPESHARD_SCHEDULE_REGISTRY_H_
@@ -31,8 +31,9 @@ struct ScheduleInfo {
   // Most micro-batches stage s keeps alive at once, as max_in_flight() counts it on the
   // built schedule (tests check the two agree).
   std::function<int(int stages, int micro_batches, int stage)> in_flight;
-  // The fraction of the schedule's time stages idle when every pass takes the same time
-  // and transfers none, and that formula as text for the reports: "(P-1)/(M+P-1)".
+  // The fraction of the schedule's time stages idle when the forward, the input half and
+  // the weight half take the same time (a whole B twice as long) and transfers none, and
+  // that formula as text for the reports: "(P-1)/(M+P-1)".
   std::function<double(int stages, int micro_batches)> bubble;
   std::string bubble_formula;
 };
@@ -41,9 +42,9 @@ struct ScheduleInfo {
 const ScheduleInfo* find_schedule(std::string_view name);
 // Every registered name, built-in ones first: "gpipe", "1f1b", ...
 std::vector<std::string> schedule_names();
-// The same as one line: "gpipe, 1f1b".
+// The same as one line: "gpipe, 1f1b, zb-h1".
 std::string schedule_names_text();
-// OK when `name` is registered; otherwise "no pipeline schedule 'x' (there are gpipe, 1f1b)".
+// OK when `name` is registered; otherwise "no pipeline schedule 'x' (there are gpipe, 1f1b, zb-h1)".
 Status check_schedule_name(std::string_view name);
 
 // Adds a row for the life of this object. Its name must be new (a bug otherwise). The

@@ -17,7 +17,7 @@
 namespace pipeshard {
 namespace {
 
-constexpr const char* kKinds[] = {"gpipe", "1f1b"};
+constexpr const char* kKinds[] = {"gpipe", "1f1b", "zb-h1"};
 
 std::string names(const std::vector<Action>& actions) {
   std::string out;
@@ -73,8 +73,14 @@ TEST(Schedule, EverySmallPipelinePassesAndKeepsItsMemoryBound) {
         for (int k = 0; k < m; ++k) in_order[k] = k;
         for (int s = 0; s < p; ++s) {
           EXPECT_EQ(micro_batches_of(sc.actions[s], ActionKind::kForward), in_order) << "stage " << s;
-          EXPECT_EQ(micro_batches_of(sc.actions[s], ActionKind::kBackward), in_order) << "stage " << s;
-          const int expected = kind == "gpipe" ? m : std::min(p - s, m);
+          if (kind == "zb-h1") {  // split backwards, each half in micro-batch order
+            EXPECT_EQ(micro_batches_of(sc.actions[s], ActionKind::kBackwardInput), in_order) << "stage " << s;
+            EXPECT_EQ(micro_batches_of(sc.actions[s], ActionKind::kBackwardWeight), in_order) << "stage " << s;
+            EXPECT_EQ(micro_batches_of(sc.actions[s], ActionKind::kBackward), std::vector<int>{}) << "stage " << s;
+          } else {
+            EXPECT_EQ(micro_batches_of(sc.actions[s], ActionKind::kBackward), in_order) << "stage " << s;
+          }
+          const int expected = kind == "gpipe" ? m : kind == "1f1b" ? std::min(p - s, m) : std::min(p, m);
           EXPECT_EQ(max_in_flight(sc, s), expected) << "stage " << s;
         }
         EXPECT_LE(max_in_flight(sc, 0), kind == "gpipe" ? m : p);
@@ -99,12 +105,12 @@ TEST(Schedule, EveryComputeHasItsTransfersNextToIt) {
             EXPECT_EQ(list[i + 1], (Action{ActionKind::kSendActivation, k}));
           }
         }
-        if (list[i].kind == ActionKind::kBackward) {
+        if (action_kind_info(list[i].kind).input_gradient) {  // B, or I
           if (s < 3) {
-            EXPECT_EQ(list[i - 1], (Action{ActionKind::kRecvGradient, k}));
+            EXPECT_EQ(list[i - 1], (Action{ActionKind::kRecvGradient, k})) << kind;
           }
           if (s > 0) {
-            EXPECT_EQ(list[i + 1], (Action{ActionKind::kSendGradient, k}));
+            EXPECT_EQ(list[i + 1], (Action{ActionKind::kSendGradient, k})) << kind;
           }
         }
       }
@@ -137,6 +143,15 @@ TEST(Schedule, OneFOneBTwoStagesFourMicroBatches) {
   PipelineSchedule sc = make_pipeline_schedule("1f1b", 2, 4);
   EXPECT_EQ(names(sc.actions[0]), "F0 sA0 F1 sA1 rG0 B0 F2 sA2 rG1 B1 F3 sA3 rG2 B2 rG3 B3");
   EXPECT_EQ(names(sc.actions[1]), "rA0 F0 B0 sG0 rA1 F1 B1 sG1 rA2 F2 B2 sG2 rA3 F3 B3 sG3");
+}
+
+// ZB-H1: stage 0 runs 1F1B with each B split in place; the last stage sends each input
+// gradient before any weight half and owes one W (its s = 1) until the drain.
+TEST(Schedule, ZeroBubbleH1TwoStagesFourMicroBatches) {
+  PipelineSchedule sc = make_pipeline_schedule("zb-h1", 2, 4);
+  EXPECT_EQ(names(sc.actions[0]), "F0 sA0 F1 sA1 rG0 I0 W0 F2 sA2 rG1 I1 W1 F3 sA3 rG2 I2 W2 rG3 I3 W3");
+  EXPECT_EQ(names(sc.actions[1]), "rA0 F0 I0 sG0 rA1 F1 I1 sG1 W0 rA2 F2 I2 sG2 W1 rA3 F3 I3 sG3 W2 W3");
+  EXPECT_EQ(names(make_pipeline_schedule("zb-h1", 1, 3).actions[0]), "F0 I0 W0 F1 I1 W1 F2 I2 W2");
 }
 
 TEST(Schedule, GPipeTwoStagesThreeMicroBatches) {
@@ -332,7 +347,7 @@ namespace {
 // Every row's in-flight formula is what its built schedule keeps alive, and the stage
 // runner's slots are as many; the bubble formula is the fill and drain of the pipeline.
 TEST(ScheduleRegistry, FormulasAgreeWithTheBuiltSchedules) {
-  ASSERT_EQ(schedule_names(), (std::vector<std::string>{"gpipe", "1f1b"}));
+  ASSERT_EQ(schedule_names(), (std::vector<std::string>{"gpipe", "1f1b", "zb-h1"}));
   for (const std::string& name : schedule_names()) {
     const ScheduleInfo& info = *find_schedule(name);
     for (int p = 1; p <= 6; ++p) {
@@ -343,12 +358,15 @@ TEST(ScheduleRegistry, FormulasAgreeWithTheBuiltSchedules) {
           EXPECT_EQ(info.in_flight(p, m, s), max_in_flight(sc, s)) << "stage " << s;
           EXPECT_EQ(max_in_flight_of_chunk(sc, s, 0), max_in_flight(sc, s)) << "stage " << s;
         }
-        EXPECT_DOUBLE_EQ(info.bubble(p, m), static_cast<double>(p - 1) / (m + p - 1));
+        // (P − 1) passes of idle time beside M(F + I + W) of work, at F = I = W; fill and drain
+        // cost F + B = 3 passes each with a whole backward, F + I − W = 1 with ZB-H1's.
+        const double idle = name == "zb-h1" ? p - 1 : 3.0 * (p - 1);
+        EXPECT_DOUBLE_EQ(info.bubble(p, m), idle / (3.0 * m + idle));
       }
     }
   }
-  EXPECT_EQ(find_schedule("zb-h1"), nullptr);
-  EXPECT_EQ(check_schedule_name("zb-h1").message(), "no pipeline schedule 'zb-h1' (there are gpipe, 1f1b)");
+  EXPECT_EQ(find_schedule("zb-v"), nullptr);
+  EXPECT_EQ(check_schedule_name("zb-v").message(), "no pipeline schedule 'zb-v' (there are gpipe, 1f1b, zb-h1)");
 }
 
 // Every action kind has one row of facts, in enum order.
@@ -374,7 +392,7 @@ TEST(ScheduleRegistry, ARegisteredScheduleIsFoundAndLeaves) {
     ScheduleRegistration registration(info);
     ASSERT_NE(find_schedule("gpipe-copy"), nullptr);
     EXPECT_EQ(check_pipeline_schedule(make_pipeline_schedule("gpipe-copy", 3, 4)).message(), "");
-    EXPECT_EQ(schedule_names_text(), "gpipe, 1f1b, gpipe-copy");
+    EXPECT_EQ(schedule_names_text(), "gpipe, 1f1b, zb-h1, gpipe-copy");
   }
   EXPECT_EQ(find_schedule("gpipe-copy"), nullptr);
 }

@@ -1,0 +1,112 @@
+// Every registered schedule trains what one process trains. For P ∈ {2, 3, 4} stages and
+// M ∈ {P, 2P} micro-batches, each schedule is checked, then run by the stage runner on
+// in-process ranks (tests/layout_training.h), alone and with two replicas or two
+// tensor-parallel shards per stage: the result is the same layout's 1F1B bit for bit
+// (every built-in schedule adds each weight gradient's micro-batches in 1F1B's order) and
+// within --check-equivalence's 1e-5 of one process. The worst difference against one
+// process is printed per schedule.
+#include <algorithm>
+#include <cstdio>
+#include <map>
+#include <random>
+#include <string>
+
+#include <gtest/gtest.h>
+
+#include "schedule/registry.h"
+#include "schedule/schedule.h"
+#include "tests/layout_training.h"
+#include "tests/model_util.h"
+
+namespace pipeshard {
+namespace {
+
+using testing::Difference;
+using testing::Trained;
+
+// 192 samples of the 100 features models/pipeline_parallel.onnx reads, each of the class
+// (of ten) whose feature is largest among the first ten: something to learn.
+Dataset random_classes(int64_t features, int64_t samples = 192) {
+  Dataset d;
+  d.samples = samples;
+  d.features_per_sample = features;
+  d.targets_per_sample = 1;
+  std::mt19937 rng(7);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  for (int64_t i = 0; i < samples * features; ++i) d.features.push_back(normal(rng));
+  for (int64_t i = 0; i < samples; ++i) {
+    const float* x = d.features.data() + i * features;
+    d.targets.push_back(static_cast<float>(std::max_element(x, x + 10) - x));
+  }
+  return d;
+}
+
+// A layout: P stages × D replicas × T shards.
+struct Layout {
+  int stages, replicas, shards;
+  std::string name() const {
+    return "P" + std::to_string(stages) + (replicas > 1 ? "xD" + std::to_string(replicas) : "") +
+           (shards > 1 ? "xT" + std::to_string(shards) : "");
+  }
+};
+
+class EverySchedule : public ::testing::Test {
+ protected:
+  static constexpr int64_t kBatch = 48;  // divides into M ∈ {2, 3, 4, 6, 8} micro-batches
+
+  void SetUp() override {
+    model_ = testing::load_model("pipeline_parallel");  // four Linear layers: up to four stages
+    data_ = random_classes(100);
+    alone_ = testing::train_alone(model_, data_, testing::adamw_config("1f1b", 1, kBatch));
+  }
+
+  // Trains `layout` under every schedule at M micro-batches, expecting each to be its 1F1B
+  // bit for bit and that to be the one-process training; keeps the worst differences.
+  void train_every_schedule(const Layout& layout, int micro_batches) {
+    const int ranks = layout.stages * layout.replicas * layout.shards;
+    const Trained one_f_one_b = testing::train_layout(
+        model_, data_, testing::adamw_config("1f1b", micro_batches, kBatch), ranks, layout.stages, layout.shards);
+    testing::expect_equivalent(one_f_one_b, alone_, model_.graph);
+    for (const std::string& name : schedule_names()) {
+      SCOPED_TRACE(name + " " + layout.name() + " M=" + std::to_string(micro_batches));
+      ASSERT_TRUE(check_pipeline_schedule(make_pipeline_schedule(name, layout.stages, micro_batches)).is_ok());
+      const Trained trained = testing::train_layout(
+          model_, data_, testing::adamw_config(name, micro_batches, kBatch), ranks, layout.stages, layout.shards);
+      testing::expect_bitwise(trained, one_f_one_b);
+      const Difference d = testing::difference(trained, alone_);
+      EXPECT_LE(d.loss, 1e-5);
+      EXPECT_LE(d.weight, 1e-5);
+      Difference& worst = worst_[name];
+      worst.loss = std::max(worst.loss, d.loss);
+      worst.weight = std::max(worst.weight, d.weight);
+    }
+  }
+
+  void TearDown() override {
+    for (const auto& [name, d] : worst_) {
+      std::printf("%-8s worst difference against one process: loss %.2e (relative), weights %.2e\n", name.c_str(),
+                  d.loss, d.weight);
+    }
+  }
+
+  ImportedModel model_;
+  Dataset data_;
+  Trained alone_;
+  std::map<std::string, Difference> worst_;
+};
+
+TEST_F(EverySchedule, EveryDepthAndMicroBatchCountTrainsTheOneProcessModel) {
+  for (int stages = 2; stages <= 4; ++stages) {
+    for (int micro_batches : {stages, 2 * stages}) train_every_schedule({stages, 1, 1}, micro_batches);
+  }
+}
+
+TEST_F(EverySchedule, WithReplicasAndWithShards) {
+  for (int micro_batches : {2, 4}) {
+    train_every_schedule({2, 2, 1}, micro_batches);
+    train_every_schedule({2, 1, 2}, micro_batches);
+  }
+}
+
+}  // namespace
+}  // namespace pipeshard
