@@ -45,6 +45,18 @@ int64_t in_flight(const PartitionOptions& o, int k) {
   return find_schedule(o.schedule)->in_flight(o.stages, m, k);
 }
 
+// Whether the schedule runs backwards as an input half and a weight half (I, W): then
+// each Linear keeps its output's gradient per slot from I to W (program/program_plan.cc).
+bool splits_backward(const PartitionOptions& o) {
+  const int m = o.micro_batches > 0 ? o.micro_batches : o.stages;
+  for (const std::vector<Action>& stage : find_schedule(o.schedule)->build(o.stages, m)) {
+    for (const Action& a : stage) {
+      if (a.kind == ActionKind::kBackwardInput) return true;
+    }
+  }
+  return false;
+}
+
 int64_t micro_batch_size(const PartitionOptions& o) {
   const int m = o.micro_batches > 0 ? o.micro_batches : o.stages;
   return (o.batch_size + m - 1) / m;
@@ -84,8 +96,8 @@ LayerFigures layer_figures(const Graph& g, const std::vector<int>& layer, int la
 }
 
 // Estimate per rank of stage `k`: parameters, their gradients and optimizer state; what
-// its nodes keep for backward in every slot in flight (node_kept_bytes()); and the working set
-// beside them:
+// its nodes keep for backward in every slot in flight (node_kept_bytes()), and with a
+// split backward each Linear's output gradient there too; and the working set beside them:
 // - the stage's inputs in every slot, and their gradients when an earlier stage made
 //   them; its outputs' gradients there too, and recomputed values that leave the stage
 //   (kept, since the next stage or the loss reads them);
@@ -112,6 +124,7 @@ int64_t memory_bytes(const Graph& g, const PartitionOptions& o, int k, const Sta
     if (output_aliases_input(n.kind) && outputs.count(n.outputs[0])) outputs.insert(n.inputs[0]);
   }
   const int shards = o.tensor_parallel;
+  const bool split = splits_backward(o);
   std::vector<int64_t> values, recomputed_values;  // per sample, in shared buffers
   int64_t scratch = 0;                             // per sample, one micro-batch
   for (size_t i = 0; i < s.nodes.size(); ++i) {
@@ -124,7 +137,12 @@ int64_t memory_bytes(const Graph& g, const PartitionOptions& o, int k, const Sta
       scratch += value_bytes(g, y);
     }
     if (role == ShardRole::kColumn || role == ShardRole::kColumnGather) scratch += value_bytes(g, n.inputs[0]);
-    if (outputs.count(y)) continue;  // their own buffers, above
+    if (outputs.count(y)) continue;              // their own buffers, above
+    if (output_aliases_input(n.kind)) continue;  // a Reshape's gradient is its input's
+    if (split && n.kind == OpKind::kLinear) {    // its output gradient waits for W in every slot
+      per_slot += value_bytes(g, y) / output_parts(role, shards);
+      continue;
+    }
     values.push_back(value_bytes(g, y) / output_parts(role, shards));
     if (recomputed[y]) recomputed_values.push_back(values.back());
   }

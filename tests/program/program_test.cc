@@ -18,6 +18,7 @@
 #include "partitioner/stage_writer.h"
 #include "program/loss.h"
 #include "program/program.h"
+#include "schedule/registry.h"
 #include "testing/recording_backend.h"
 #include "testing/reference_forward.h"
 #include "tests/model_builder.h"
@@ -454,43 +455,49 @@ TEST_P(EveryModel, MemoryAccountsForEveryBuffer) {
 }
 
 // The partitioner's memory estimate (Adam: two state slots) against what each stage's
-// Program holds, plus that optimizer state, in one stage and in two under 1F1B with four
-// micro-batches (stage 0 keeps two in flight), whole and in two tensor-parallel shards
-// where the model's widths divide. Exact but for a few bytes (the Program's placeholder
-// for absent running statistics) or, where Reshapes and Dropout masks make it coarser, a
-// little over: the memory check must not let through what cannot fit.
+// Program holds, plus that optimizer state, in one stage and in two with four
+// micro-batches, under 1F1B (stage 0 keeps two in flight) and under ZB-H1 (both keep two,
+// and each Linear's output gradient waits for W in every slot), whole and in two
+// tensor-parallel shards where the model's widths divide. Exact but for a few bytes (the
+// Program's placeholder for absent running statistics) or, where Reshapes and Dropout
+// masks make it coarser, a little over: the memory check must not let through what
+// cannot fit.
 TEST_P(EveryModel, MemoryEstimateMatchesWhatTheProgramsHold) {
   ImportedModel m = load_model(GetParam());
   const int layers = layer_of_nodes(m.graph).back() + 1;
-  for (int shards = 1; shards <= 2; ++shards) {
-    for (int stages = 1; stages <= std::min(2, layers); ++stages) {
-      PartitionOptions o;
-      o.stages = stages;
-      o.tensor_parallel = shards;
-      o.batch_size = 64;
-      o.micro_batches = 4;
-      Result<Plan> plan = make_plan(m.graph, "", o);
-      if (shards > 1 && !plan.is_ok()) continue;  // a width that does not divide in two
-      ASSERT_TRUE(plan.is_ok()) << plan.status().message();
-      for (int k = 0; k < stages; ++k) {
-        Result<std::shared_ptr<onnx::ModelProto>> proto = build_stage_model(m, *plan, k, shards - 1);
-        ASSERT_TRUE(proto.is_ok()) << proto.status().message();
-        Result<ImportedModel> stage = import_onnx_model(*proto, ".", "stage");
-        ASSERT_TRUE(stage.is_ok()) << stage.status().message();
-        std::unique_ptr<Backend> backend = make_cpu_backend();
-        std::unique_ptr<Communicator> tensor = make_placeholder_communicator(0, shards, "a measured program's group");
-        ProgramOptions options;
-        options.slots = std::min(4, stages - k);
-        options.input_needs_grad.assign(stage->graph.inputs.size(), k > 0);
-        options.tensor = tensor.get();
-        auto p = Program::create(stage->graph, *backend, 64 / 4, options);
-        ASSERT_TRUE(p.is_ok()) << p.status().message();
-        const int64_t held = (*p)->memory().total() + 2 * (*p)->memory().gradients;
-        const int64_t estimate = plan->stages[k].memory_bytes;
-        const std::string where = "stage " + std::to_string(k) + " of " + std::to_string(stages) + ", " +
-                                  std::to_string(shards) + " shard(s)";
-        EXPECT_GE(estimate, held - 8) << where;
-        EXPECT_LE(estimate, held + held / 10) << where;
+  for (const std::string schedule : {"1f1b", "zb-h1"}) {
+    for (int shards = 1; shards <= 2; ++shards) {
+      for (int stages = 1; stages <= std::min(2, layers); ++stages) {
+        PartitionOptions o;
+        o.stages = stages;
+        o.tensor_parallel = shards;
+        o.batch_size = 64;
+        o.micro_batches = 4;
+        o.schedule = schedule;
+        Result<Plan> plan = make_plan(m.graph, "", o);
+        if (shards > 1 && !plan.is_ok()) continue;  // a width that does not divide in two
+        ASSERT_TRUE(plan.is_ok()) << plan.status().message();
+        for (int k = 0; k < stages; ++k) {
+          Result<std::shared_ptr<onnx::ModelProto>> proto = build_stage_model(m, *plan, k, shards - 1);
+          ASSERT_TRUE(proto.is_ok()) << proto.status().message();
+          Result<ImportedModel> stage = import_onnx_model(*proto, ".", "stage");
+          ASSERT_TRUE(stage.is_ok()) << stage.status().message();
+          std::unique_ptr<Backend> backend = make_cpu_backend();
+          std::unique_ptr<Communicator> tensor = make_placeholder_communicator(0, shards, "a measured program's group");
+          ProgramOptions options;
+          options.slots = find_schedule(schedule)->in_flight(stages, 4, k);
+          options.split_backward = schedule == "zb-h1";
+          options.input_needs_grad.assign(stage->graph.inputs.size(), k > 0);
+          options.tensor = tensor.get();
+          auto p = Program::create(stage->graph, *backend, 64 / 4, options);
+          ASSERT_TRUE(p.is_ok()) << p.status().message();
+          const int64_t held = (*p)->memory().total() + 2 * (*p)->memory().gradients;
+          const int64_t estimate = plan->stages[k].memory_bytes;
+          const std::string where = schedule + ", stage " + std::to_string(k) + " of " + std::to_string(stages) + ", " +
+                                    std::to_string(shards) + " shard(s)";
+          EXPECT_GE(estimate, held - 8) << where;
+          EXPECT_LE(estimate, held + held / 10) << where;
+        }
       }
     }
   }
