@@ -45,11 +45,6 @@ int64_t in_flight(const PartitionOptions& o, int k) {
   return find_schedule(o.schedule)->in_flight(o.stages, m, k);
 }
 
-int64_t micro_batch_size(const PartitionOptions& o) {
-  const int m = o.micro_batches > 0 ? o.micro_batches : o.stages;
-  return (o.batch_size + m - 1) / m;
-}
-
 // Into how many parts a node running as `role` splits its output: a column-parallel,
 // shard-local or column-gather node makes one shard's features.
 int64_t output_parts(ShardRole role, int shards) {
@@ -190,6 +185,11 @@ Status check_options(const PartitionOptions& o) {
 }
 
 }  // namespace
+
+int64_t micro_batch_size(const PartitionOptions& o) {
+  const int m = o.micro_batches > 0 ? o.micro_batches : o.stages;
+  return (o.batch_size + m - 1) / m;
+}
 
 int64_t node_kept_bytes(const Graph& g, const Node& n, const std::vector<bool>& recomputed, ShardRole role,
                         int shards) {
