@@ -1,7 +1,8 @@
 // The timed prediction (schedule/predict.h) against timelines derived by hand: GPipe and
 // 1F1B with and without transfer time, an uneven stage, split backwards with W right
 // after I or all at the end, two chunks per stage; the bubble as train measures it; the
-// activations in flight as max_in_flight() counts them.
+// activations in flight as max_in_flight() counts them; and partition --show-schedule's
+// predictions for a real plan.
 //
 // Unless a test says otherwise the costs are F = 1, I = W = 1 (so B = 2) on every chunk,
 // and times are exact in binary, so they are compared exactly.
@@ -9,10 +10,14 @@
 
 #include <gtest/gtest.h>
 
+#include <cstdio>
 #include <string>
 #include <vector>
 
+#include <nlohmann/json.hpp>
+
 #include "schedule/registry.h"
+#include "tests/test_util.h"
 
 namespace pipeshard {
 namespace {
@@ -129,8 +134,15 @@ TEST(SchedulePredict, BubbleIsTheMeanIdleShareOfTheStages) {
   EXPECT_EQ(p.busy, (std::vector<double>{6, 6}));
   EXPECT_DOUBLE_EQ(p.bubble, (3.0 / 9 + 1.0 / 7) / 2);
   // Not the registry's (P−1)/(M+P−1) = 1/3, which is stage 0's share alone: the last
-  // stage finishes earlier and idles less of its own time, as train measures it.
+  // stage finishes earlier and idles less of its own time, as train measures it. For any
+  // M on two stages (ends 3(M + 1) and 3M + 1, busy 3M): ½[1/(M + 1) + 1/(3M + 1)].
   EXPECT_LT(p.bubble, find_schedule("1f1b")->bubble(2, 2));
+  for (int m = 1; m <= 6; ++m) {
+    for (const char* name : {"gpipe", "1f1b"}) {
+      const SchedulePrediction pm = predict_schedule(make_pipeline_schedule(name, 2, m), unit_costs(2));
+      EXPECT_DOUBLE_EQ(pm.bubble, (1.0 / (m + 1) + 1.0 / (3 * m + 1)) / 2) << name << " M=" << m;
+    }
+  }
 }
 
 // GPipe with transfer time t: the forwards flow without waits, each stage's activation
@@ -326,6 +338,66 @@ TEST(SchedulePredictDeathTest, RefusesWrongCostsAndDeadlocks) {
   const PipelineSchedule stuck = lower_schedule("crossed", 2, 2, {0, 1}, crossed);
   EXPECT_DEATH(predict_schedule(stuck, unit_costs(2)),
                "schedule 'crossed' deadlocks: stage 0 waits at rG0, stage 1 waits at rA1");
+}
+
+// ---- partition --show-schedule ----
+
+// The numbers of the line partition prints for schedule `name`: "  NAME  bubble B  step S (...)".
+struct PrintedPrediction {
+  double bubble = -1, step = -1;
+};
+PrintedPrediction printed_prediction(const std::string& out, const std::string& name) {
+  const size_t at = out.find("\n  " + name + " ");
+  if (at == std::string::npos) return {};
+  const std::string line = out.substr(at + 1, out.find('\n', at + 1) - at - 1);
+  PrintedPrediction p;
+  char step[64] = {};
+  if (std::sscanf(line.c_str(), " %*s bubble %lf step %63s", &p.bubble, step) != 2) return {};
+  std::string digits;
+  for (const char* c = step; *c; ++c) {
+    if (*c != ',') digits += *c;
+  }
+  p.step = std::stod(digits);
+  return p;
+}
+
+// partition --show-schedule predicts every registered schedule on its plan, with F from the
+// flops estimate for a micro-batch (batch 32 in 4: 8 samples) and I = W = F. simple.onnx cut
+// in two by parameters puts more multiply-adds on stage 1: F = a on stage 0, b ≥ a on stage
+// 1, B = 2F. Under GPipe and 1F1B alike stage 1 then never waits once its first activation
+// is there at a (each later one arrives before it wants it, since a ≤ b), ends at a + 3bM,
+// and stage 0 ends 2a later with its last B: step 3a + 3bM, bubble
+// ½[(3a + 3bM − 3aM)/(3a + 3bM) + a/(a + 3bM)]. With a = b that is ½[1/(M + 1) + 1/(3M + 1)]:
+// stage 0's share is the registry's (P−1)/(M+P−1), the last stage's is smaller.
+TEST(SchedulePredictCli, PartitionPredictsEveryRegisteredSchedule) {
+  testing::ScratchDir dir("show-schedule-predict");
+  const int m = 4;
+  const testing::CommandResult r = testing::run_command(
+      testing::quote(testing::tool_path("partition")) + " " +
+      testing::quote(testing::source_path("models/simple.onnx")) +
+      " --stages 2 --batch-size 32 --micro-batches 4 --show-schedule --out " + testing::quote(dir.path()));
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  const nlohmann::json plan = nlohmann::json::parse(testing::read_text(dir / "plan.json"));
+  const double a = plan["stages"][0]["flops_per_sample"].get<double>() * 8;
+  const double b = plan["stages"][1]["flops_per_sample"].get<double>() * 8;
+  ASSERT_GT(a, 0);
+  ASSERT_GE(b, a);
+  const double step = 3 * a + 3 * b * m;
+  const double bubble = ((3 * a + 3 * b * m - 3 * a * m) / (3 * a + 3 * b * m) + a / (a + 3 * b * m)) / 2;
+  EXPECT_NE(r.out.find("predicted for 2 stages and 4 micro-batches"), std::string::npos) << r.out;
+  for (const std::string& name : schedule_names()) {
+    SCOPED_TRACE(name);
+    const PrintedPrediction p = printed_prediction(r.out, name);
+    EXPECT_EQ(p.step, step) << r.out;
+    EXPECT_NEAR(p.bubble, bubble, 0.00005) << r.out;  // printed to 4 decimals
+  }
+  EXPECT_NE(r.out.find("costs assumed: F per stage from the flops estimate ("), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("multiply-adds for a micro-batch of 8 samples; times are in multiply-adds), I = W = F, "
+                       "transfers free\n"),
+            std::string::npos)
+      << r.out;
+  // The grid of the chosen schedule is still there.
+  EXPECT_NE(r.out.find(format_pipeline_schedule(make_pipeline_schedule("1f1b", 2, 4))), std::string::npos) << r.out;
 }
 
 }  // namespace
