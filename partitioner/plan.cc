@@ -57,11 +57,6 @@ bool splits_backward(const PartitionOptions& o) {
   return false;
 }
 
-int64_t micro_batch_size(const PartitionOptions& o) {
-  const int m = o.micro_batches > 0 ? o.micro_batches : o.stages;
-  return (o.batch_size + m - 1) / m;
-}
-
 // Into how many parts a node running as `role` splits its output: a column-parallel,
 // shard-local or column-gather node makes one shard's features.
 int64_t output_parts(ShardRole role, int shards) {
@@ -208,6 +203,11 @@ Status check_options(const PartitionOptions& o) {
 }
 
 }  // namespace
+
+int64_t micro_batch_size(const PartitionOptions& o) {
+  const int m = o.micro_batches > 0 ? o.micro_batches : o.stages;
+  return (o.batch_size + m - 1) / m;
+}
 
 int64_t node_kept_bytes(const Graph& g, const Node& n, const std::vector<bool>& recomputed, ShardRole role,
                         int shards) {

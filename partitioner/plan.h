@@ -107,6 +107,10 @@ nlohmann::json plan_to_json(const Plan& plan, const Graph& graph);
 // of the bad bytes instead of failing.
 std::string plan_json_text(const Plan& plan, const Graph& graph);
 
+// Samples in one micro-batch as the memory estimate assumes them: batch_size over the
+// micro-batches (as many as stages when 0), rounded up.
+int64_t micro_batch_size(const PartitionOptions& options);
+
 // Largest --batch-size the memory estimate accepts.
 inline constexpr int64_t kMaxBatchSize = int64_t{1} << 24;
 

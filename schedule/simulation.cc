@@ -4,13 +4,9 @@
 #include <algorithm>
 #include <map>
 #include <sstream>
-#include <tuple>
 
 namespace pipeshard {
 namespace {
-
-// A message in flight: (the send's kind, the sending chunk, the micro-batch).
-using Message = std::tuple<ActionKind, int, int>;
 
 class Simulator {
  public:
@@ -48,53 +44,33 @@ class Simulator {
     if (s < 0 || s >= static_cast<int>(next_.size()) || next_[s] >= sc_.actions[s].size()) return nullptr;
     return &sc_.actions[s][next_[s]];
   }
-  // The model chunk of stage s's action `a`; -1 when `a` names no chunk of s (a schedule
-  // the structural check would refuse still prints as far as it runs).
-  int model_chunk(int s, const Action& a) const {
-    const auto& held = sc_.stage_chunks[s];
-    return a.chunk >= 0 && a.chunk < static_cast<int>(held.size()) ? held[a.chunk] : -1;
+  // Whether stage `s` is about to run the `role` end of message `m`.
+  bool is_at(int s, const Message& m, ActionRole role) const {
+    const Action* a = pending(s);
+    return a && action_kind_info(a->kind).role == role && message_of(sc_, s, *a) == m;
   }
-  // Whether the stage holding model chunk `chunk` is about to run `kind` of it for micro-batch k.
-  bool chunk_is_at(int chunk, ActionKind kind, int k) const {
-    const PipelineSchedule::Place p = sc_.place_of(chunk);
-    const Action* a = pending(p.stage);
-    return a && *a == Action{kind, k, p.j};
-  }
+  int stage_of(int chunk) const { return sc_.place_of(chunk).stage; }
 
   bool can_run(int s) const {
     const Action* a = pending(s);
     if (!a) return false;
-    const int k = a->micro_batch, c = model_chunk(s, *a);
-    switch (a->kind) {
-      case ActionKind::kSendActivation:
-        return mode_ == SendMode::kBuffered || chunk_is_at(c + 1, ActionKind::kRecvActivation, k);
-      case ActionKind::kSendGradient:
-        return mode_ == SendMode::kBuffered || chunk_is_at(c - 1, ActionKind::kRecvGradient, k);
-      case ActionKind::kRecvActivation: return can_receive({ActionKind::kSendActivation, c - 1, k});
-      case ActionKind::kRecvGradient: return can_receive({ActionKind::kSendGradient, c + 1, k});
-      default: return true;  // compute and R
+    const std::optional<Message> m = message_of(sc_, s, *a);
+    if (!m) return true;  // compute and R
+    if (action_kind_info(a->kind).role == ActionRole::kSend) {
+      return mode_ == SendMode::kBuffered || is_at(stage_of(m->to), *m, ActionRole::kRecv);
     }
-  }
-  // A receive completes with a send issued in an earlier step (buffered only) or one its
-  // peer issues in this step.
-  bool can_receive(const Message& send) const {
-    const auto& [kind, chunk, k] = send;
-    if (c_in_range(chunk) && chunk_is_at(chunk, kind, k)) return true;
+    // A receive completes with a send issued in an earlier step (buffered only) or one its
+    // peer issues in this step.
+    if (is_at(stage_of(m->from), *m, ActionRole::kSend)) return true;
     if (mode_ == SendMode::kRendezvous) return false;
-    auto it = in_transit_.find(send);
+    auto it = in_transit_.find(*m);
     return it != in_transit_.end() && it->second > 0;
   }
-  bool c_in_range(int chunk) const { return chunk >= 0 && chunk < sc_.chunks(); }
 
   void complete(int s) {
     const Action& a = *pending(s);
-    const int c = model_chunk(s, a);
-    switch (a.kind) {
-      case ActionKind::kSendActivation:
-      case ActionKind::kSendGradient: ++in_transit_[{a.kind, c, a.micro_batch}]; break;
-      case ActionKind::kRecvActivation: --in_transit_[{ActionKind::kSendActivation, c - 1, a.micro_batch}]; break;
-      case ActionKind::kRecvGradient: --in_transit_[{ActionKind::kSendGradient, c + 1, a.micro_batch}]; break;
-      default: break;
+    if (const std::optional<Message> m = message_of(sc_, s, a)) {
+      in_transit_[*m] += action_kind_info(a.kind).role == ActionRole::kSend ? 1 : -1;
     }
     ++next_[s];
   }
@@ -156,6 +132,19 @@ std::string render_grid(const PipelineSchedule& sc, const Simulation& sim) {
 }
 
 }  // namespace
+
+std::optional<Message> message_of(const PipelineSchedule& schedule, int stage, const Action& a) {
+  const auto& held = schedule.stage_chunks[stage];
+  const int c = a.chunk >= 0 && a.chunk < static_cast<int>(held.size()) ? held[a.chunk] : -1;
+  const int k = a.micro_batch;
+  switch (a.kind) {
+    case ActionKind::kSendActivation: return Message{ActionKind::kSendActivation, c, c + 1, k};
+    case ActionKind::kRecvActivation: return Message{ActionKind::kSendActivation, c - 1, c, k};
+    case ActionKind::kSendGradient: return Message{ActionKind::kSendGradient, c, c - 1, k};
+    case ActionKind::kRecvGradient: return Message{ActionKind::kSendGradient, c + 1, c, k};
+    default: return std::nullopt;
+  }
+}
 
 Simulation simulate(const PipelineSchedule& schedule, SendMode mode) { return Simulator(schedule, mode).run(); }
 

@@ -1,6 +1,8 @@
 // partition: cut an ONNX MLP into pipeline stages (and tensor-parallel shards) balanced
 // by parameter count, print the per-stage table, and write the stage files and
 // plan.json. Bad arguments and bad models: one line on stderr, exit status 2.
+#include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <filesystem>
 #include <string>
@@ -13,6 +15,7 @@
 #include "importer/onnx_importer.h"
 #include "partitioner/plan.h"
 #include "partitioner/stage_writer.h"
+#include "schedule/predict.h"
 #include "schedule/registry.h"
 #include "schedule/schedule.h"
 #include "tools/plot/pictures.h"
@@ -119,7 +122,7 @@ void define(CLI::App& app, Args& a) {
   app.add_option("--chart", a.chart, "draw parameters and memory per stage to this .svg or .png (needs matplotlib)");
   app.add_flag("--show-schedule", a.show_schedule,
                "print the pipeline schedule (--schedule, --micro-batches) as a step x stage grid, checked for "
-               "deadlock, as train runs it");
+               "deadlock, as train runs it, and the predicted bubble and step time of every schedule");
   auto* est = "memory estimate";
   app.add_option("--batch-size", o.batch_size, "samples per step per replica (memory estimate; default 32)")
       ->group(est);
@@ -138,8 +141,54 @@ void define(CLI::App& app, Args& a) {
       ->group(est);
 }
 
-// --show-schedule: the schedule as a step × stage grid, and what each stage keeps alive.
-void print_schedule(const PartitionOptions& o) {
+// Each stage's passes for one micro-batch, from the flops estimate: F its forward
+// multiply-adds, and I = W = F, since a Linear's input gradient and its weight gradient
+// each take as many multiply-adds as its forward. Transfers free.
+PassCosts costs_from_flops(const Plan& plan) {
+  const int64_t samples = micro_batch_size(plan.options);
+  PassCosts costs;
+  for (const StagePlan& s : plan.stages) costs.forward.push_back(static_cast<double>(s.flops_per_sample * samples));
+  costs.backward_input = costs.forward;
+  costs.backward_weight = costs.forward;
+  return costs;
+}
+
+// What every registered schedule would take on this plan (schedule/predict.h), so that
+// they can be compared before one is chosen.
+void print_predictions(const Plan& plan, int micro_batches) {
+  const PartitionOptions& o = plan.options;
+  const PassCosts costs = costs_from_flops(plan);
+  const double busiest = 3 * micro_batches * *std::max_element(costs.forward.begin(), costs.forward.end());
+  fmt::print(
+      "\npredicted for {} stage{} and {} micro-batch{} (bubble: the stages' mean idle share of their own time, as "
+      "train measures it):\n",
+      o.stages, o.stages == 1 ? "" : "s", micro_batches, micro_batches == 1 ? "" : "es");
+  size_t width = 0;
+  for (const std::string& name : schedule_names()) width = std::max(width, name.size());
+  for (const std::string& name : schedule_names()) {
+    const PipelineSchedule sc = make_pipeline_schedule(name, o.stages, micro_batches);
+    if (sc.chunks() != o.stages) {  // the plan has one flops figure per stage, not per chunk
+      fmt::print("  {:<{}}  not predicted: it cuts the model into {} chunks, this plan into {}\n", name, width,
+                 sc.chunks(), o.stages);
+      continue;
+    }
+    const SchedulePrediction p = predict_schedule(sc, costs);
+    fmt::print("  {:<{}}  bubble {:.4f}  step {} ({:.3f}x the busiest stage's compute)\n", name, width, p.bubble,
+               with_commas(std::llround(p.step)), busiest > 0 ? p.step / busiest : 1.0);
+  }
+  std::string forwards;
+  for (double f : costs.forward) forwards += (forwards.empty() ? "" : ", ") + with_commas(std::llround(f));
+  const int64_t samples = micro_batch_size(o);
+  fmt::print(
+      "costs assumed: F per stage from the flops estimate ({} multiply-adds for a micro-batch of {} sample{}; times "
+      "are in multiply-adds), I = W = F, transfers free\n",
+      forwards, samples, samples == 1 ? "" : "s");
+}
+
+// --show-schedule: the schedule as a step × stage grid, what each stage keeps alive, and
+// the predicted time of every registered schedule.
+void print_schedule(const Plan& plan) {
+  const PartitionOptions& o = plan.options;
   const int m_batches = o.micro_batches > 0 ? o.micro_batches : o.stages;
   const PipelineSchedule sc = make_pipeline_schedule(o.schedule, o.stages, m_batches);
   fmt::print(
@@ -150,6 +199,7 @@ void print_schedule(const PartitionOptions& o) {
     fmt::print("stage {}: at most {} micro-batch{} alive\n", st, max_in_flight(sc, st),
                max_in_flight(sc, st) == 1 ? "" : "es");
   }
+  print_predictions(plan, m_batches);
 }
 
 }  // namespace
@@ -196,6 +246,6 @@ int main(int argc, char** argv) {
     if (Status s = draw_picture(partition_chart_data(*plan), a.chart); !s) return fail("--chart: " + s.message());
     if (!a.json) fmt::print("wrote the chart to {}\n", a.chart);
   }
-  if (a.show_schedule && !a.json) print_schedule(o);
+  if (a.show_schedule && !a.json) print_schedule(*plan);
   return 0;
 }
