@@ -14,8 +14,10 @@ Model B of cpu_vs_pytorch.py (4 x (Linear(1024, 1024) + ReLU), batch 256, SGD lr
             100000 MiB (one all-reduce after backward)
   ddp       the peer: PyTorch DistributedDataParallel on gloo, 2 processes x 1 thread, each rank
             128 samples (its half of 256), the same OpenBLAS file as train
-  pipeline  mpirun -np 2 train --stages 2 --micro-batches M (1f1b, and gpipe for some M) against
-            one process with 1 thread, next to the ideal P*M/(M+P-1)
+  pipeline  mpirun -np 2 train --stages 2 --micro-batches M (1f1b, and gpipe and zb-h1 for some M)
+            against one process with 1 thread, next to the ideal P*M/(M+P-1); each run's pipeline
+            bubble as train measures it, as it predicts it from the passes' mean times, and in
+            theory; and zb-h1's throughput over 1f1b's at the same M
   tp        (not in the default) mpirun -np 2 train --tensor-parallel 2 against one process with
             1 thread and with 2 threads
 Every configuration the chosen sections need runs once per round, in one order on even rounds
@@ -31,6 +33,7 @@ import argparse
 import glob
 import json
 import os
+import re
 import shutil
 import signal
 import statistics
@@ -47,6 +50,8 @@ MODEL = "B"
 SPEC = cvp.MODELS[MODEL]
 P = 2  # ranks in every multi-process run: data-parallel replicas or pipeline stages
 TARGET_DP_RATIO = 0.6  # T(2 ranks x 1 thread) / T(1 rank x 2 threads)
+TARGET_ZB_H1_GAIN, ZB_H1_TARGET_M = 1.10, 4  # T(1f1b) / T(zb-h1) at M = 4, model B
+TARGET_BUBBLE_GAP = 5.0  # percentage points between the measured and the predicted bubble
 DEFAULT_BUCKET_MB, SMALL_BUCKET_MB, ONE_SHOT_BUCKET_MB = 25, 4, 100000
 CHILD_TIMEOUT_S = 600
 
@@ -80,7 +85,7 @@ def pipeline_config(m, schedule):
                   ("--stages", str(P), "--micro-batches", str(m), "--schedule", schedule))
 
 
-def configs_for(sections, micro_batches, gpipe_micro_batches):
+def configs_for(sections, micro_batches, gpipe_micro_batches, zb_h1_micro_batches=()):
     """The configurations the sections need, each once, in run order."""
     wanted = []
     if "dp" in sections:
@@ -92,6 +97,7 @@ def configs_for(sections, micro_batches, gpipe_micro_batches):
     if "pipeline" in sections:
         wanted += [ONE_1T, ONE_2T] + [pipeline_config(m, "1f1b") for m in micro_batches]
         wanted += [pipeline_config(m, "gpipe") for m in gpipe_micro_batches]
+        wanted += [pipeline_config(m, "zb-h1") for m in zb_h1_micro_batches]
     if "tp" in sections:
         wanted += [ONE_1T, ONE_2T, TP]
     return list(dict.fromkeys(wanted))
@@ -152,6 +158,7 @@ class RunResult:
     last_loss: float
     blas: list
     torch_version: str = None  # the peer's
+    bubble: tuple = None  # a pipelined run's (measured, predicted, theory) in %, from train's last lines
 
 
 def descendants(pid):
@@ -205,7 +212,19 @@ def run_ours(config, args, paths, env, folder, tag):
     wait_all([proc], f"train ({config.label})", [log])
     rows = [json.loads(line) for line in open(metrics)]
     times = [SPEC["batch"] / row["samples_per_s"] for row in rows]
-    return RunResult(times[args.warmup:], rows[0]["loss"], rows[-1]["loss"], libs)
+    return RunResult(times[args.warmup:], rows[0]["loss"], rows[-1]["loss"], libs, bubble=read_bubble(log))
+
+
+BUBBLE_LINE = re.compile(r"pipeline bubble: stages idle ([0-9.]+)% .*?, ([0-9.]+)% predicted .*? = ([0-9.]+)% for P=")
+
+
+def read_bubble(log_path):
+    """train's "pipeline bubble: stages idle X% ..., Y% predicted ...; theory F = Z% ..." as (X, Y, Z)."""
+    for line in open(log_path):
+        m = BUBBLE_LINE.search(line)
+        if m:
+            return tuple(float(g) for g in m.groups())
+    return None
 
 
 def run_ddp(config, args, paths, env, folder, tag):
@@ -248,6 +267,8 @@ def measure(configs, args, paths, folder):
             entry["round_medians"].append(statistics.median(res.step_s))
             entry.update(first_loss=res.first_loss, last_loss=res.last_loss, blas=res.blas,
                          torch_version=res.torch_version)
+            if res.bubble:
+                entry.setdefault("bubbles", []).append(res.bubble)
         print(f"  round {r + 1}/{args.rounds} done, load average {os.getloadavg()[0]:.2f}", flush=True)
     for entry in results.values():
         entry["median"] = statistics.median(entry["step_s"])
@@ -340,18 +361,31 @@ def report_pipeline(configs, res):
     t11, t12 = res[ONE_1T.key]["median"], res[ONE_2T.key]["median"]
     print(f"\n### Pipeline, 2 stages x 1 thread, against 1 rank x 1 thread ({ms(t11)} ms) "
           f"and 1 rank x 2 threads ({ms(t12)} ms)\n")
-    rows = []
+    rows, gaps = [], []
     for c in configs:
         if not c.key.startswith("pp-"):
             continue
-        _, schedule, m = c.key.split("-")
+        _, schedule, m = c.key.split("-", 2)
         m = int(m)
         t = res[c.key]["median"]
         ideal = P * m / (m + P - 1)
-        rows.append([m, schedule, ms(t), f"{t11 / t:.3f}", f"{ideal:.3f}", f"{t11 / t / ideal:.1%}", f"{t12 / t:.3f}"])
+        bubbles = res[c.key].get("bubbles") or [(float("nan"),) * 3]
+        measured, predicted, theory = (statistics.median(b[i] for b in bubbles) for i in range(3))
+        gaps.append(abs(measured - predicted))
+        rows.append([m, schedule, ms(t), f"{t11 / t:.3f}", f"{ideal:.3f}", f"{t11 / t / ideal:.1%}", f"{t12 / t:.3f}",
+                     f"{measured:.1f}%", f"{predicted:.1f}%", f"{measured - predicted:+.1f}", f"{theory:.1f}%"])
     rows.sort(key=lambda row: (row[0], row[1]))
     table(["M", "schedule", "ms/step", "speedup = T(1r x 1t) / T", "ideal P*M/(M+P-1)", "measured / ideal",
-           "vs 1r x 2t = T(1r x 2t) / T"], rows)
+           "vs 1r x 2t = T(1r x 2t) / T", "bubble measured", "predicted", "gap (pp)", "theory"], rows)
+    if gaps:
+        worst = max(gaps)
+        print(f"\nworst gap between the measured and the predicted bubble: {worst:.1f} percentage points "
+              f"(target <= {TARGET_BUBBLE_GAP:.0f}: {verdict(worst <= TARGET_BUBBLE_GAP)})")
+    zb, one = f"pp-zb-h1-{ZB_H1_TARGET_M}", f"pp-1f1b-{ZB_H1_TARGET_M}"
+    if zb in res and one in res:
+        gain = res[one]["median"] / res[zb]["median"]
+        print(f"zb-h1 throughput over 1f1b at M={ZB_H1_TARGET_M}: T(1f1b) / T(zb-h1) = {gain:.3f} "
+              f"(target >= {TARGET_ZB_H1_GAIN:.2f}: {verdict(gain >= TARGET_ZB_H1_GAIN)})")
 
 
 def report_tp(res):
@@ -387,6 +421,7 @@ def parse_args():
                     help=f"any of {','.join(SECTIONS)} (default {DEFAULT_SECTIONS})")
     ap.add_argument("--micro-batches", default="1,2,4,8,16", help="pipeline M values, 1f1b (default 1,2,4,8,16)")
     ap.add_argument("--gpipe", default="2,4,8,16", help="M values also run with --schedule gpipe (default 2,4,8,16; '' for none)")
+    ap.add_argument("--zb-h1", default="2,4,8", help="M values also run with --schedule zb-h1 (default 2,4,8; '' for none)")
     ap.add_argument("--bind-to", default="core", choices=("core", "none"),
                     help="mpirun --bind-to for our ranks; DDP ranks pin themselves alike (default core)")
     ap.add_argument("--seed", type=int, default=0)
@@ -412,6 +447,7 @@ def main():
         return cannot_run("--warmup must be below --steps")
     micro_batches = [int(m) for m in args.micro_batches.split(",") if m]
     gpipe = [int(m) for m in args.gpipe.split(",") if m]
+    zb_h1 = [int(m) for m in args.zb_h1.split(",") if m]
     args.train = os.path.join(args.build_dir, "bin", "train")
     args.mpirun = shutil.which("mpirun")
     if not os.access(args.train, os.X_OK):
@@ -420,7 +456,7 @@ def main():
         return cannot_run("mpirun is missing (Debian openmpi-bin)")
     if subprocess.run([sys.executable, "-c", "import torch, onnx, numpy"], capture_output=True).returncode != 0:
         return cannot_run("needs torch, onnx and numpy (Debian python3-torch, python3-onnx); run with /usr/bin/python3")
-    configs = configs_for(sections, micro_batches, gpipe)
+    configs = configs_for(sections, micro_batches, gpipe, zb_h1)
     mpi_version = subprocess.run([args.mpirun, "--version"], capture_output=True, text=True).stdout.splitlines()[0]
     print(f"distributed: {os.uname().nodename}, {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f} "
           f"at start; model {MODEL}: {SPEC['title']}; {mpi_version}, mpirun --oversubscribe --bind-to "

@@ -206,9 +206,15 @@ void StageRunner::run_action(size_t index, const Action& a, const MicroStep& ms,
       break;
     case ActionKind::kReduceGradients: break;
   }
-  if (info.role == ActionRole::kCompute) {
-    if (time_device_work_) backend_.synchronize();  // a GPU's queued kernels count as this action's time
-    tracer_.add_busy(tracer_.now_us() - begin);
+  // A GPU's queued kernels count as this action's time.
+  if (info.role == ActionRole::kCompute && time_device_work_) backend_.synchronize();
+  const double took = tracer_.now_us() - begin;
+  if (info.role == ActionRole::kCompute) tracer_.add_busy(took);
+  pass_times_.us[static_cast<int>(a.kind)] += took;
+  pass_times_.count[static_cast<int>(a.kind)] += 1;
+  if (info.role == ActionRole::kRecv &&
+      (pass_times_.fastest_receive_us == 0 || took < pass_times_.fastest_receive_us)) {
+    pass_times_.fastest_receive_us = took;
   }
   tracer_.add(info.trace_name, category(info.role), begin, ms.step, k);
 }

@@ -20,6 +20,7 @@
 #ifndef PIPESHARD_RUNTIME_STAGE_RUNNER_H_
 #define PIPESHARD_RUNTIME_STAGE_RUNNER_H_
 
+#include <array>
 #include <cstdint>
 #include <functional>
 #include <map>
@@ -82,6 +83,20 @@ class StageRunner {
   // pipeline bubble time the work itself (start_trace(): only where the figures are shown).
   void set_time_device_work(bool on) { time_device_work_ = on; }
 
+  // How long this stage's actions took, by kind (R aside), since reset_pass_times(), summed
+  // in µs with their counts: what the predicted bubble is computed from
+  // (Trainer::pipeline_bubble).
+  struct PassTimes {
+    std::array<double, kActionKindCount> us{}, count{};
+    double fastest_receive_us = 0;  // the quickest receive: a message already there, its copy alone; 0 if none
+    double mean_us(ActionKind kind) const {
+      const int i = static_cast<int>(kind);
+      return count[i] > 0 ? us[i] / count[i] : 0.0;
+    }
+  };
+  const PassTimes& pass_times() const { return pass_times_; }
+  void reset_pass_times() { pass_times_ = {}; }
+
  private:
   struct Carried {             // a value this stage passes on without reading it
     DeviceBuffer value, grad;  // [slots][micro-batch rows, per_sample]
@@ -119,6 +134,7 @@ class StageRunner {
   std::map<std::tuple<ActionKind, int64_t, int>, std::unique_ptr<RecordedWork>> recorded_;
   bool time_device_work_ = false;
   double reduce_us_ = 0;  // time spent at R in this run: not the schedule's own
+  PassTimes pass_times_;
 };
 
 }  // namespace pipeshard

@@ -33,6 +33,7 @@
 #include "runtime/rank_model.h"
 #include "runtime/stage_runner.h"
 #include "runtime/train_config.h"
+#include "schedule/predict.h"
 #include "schedule/schedule.h"
 
 namespace pipeshard {
@@ -138,11 +139,14 @@ class Trainer {
   // chrome://tracing) to `path` on rank 0. Collective.
   Status write_trace(const std::string& path);
   // The pipeline bubble: the fraction of the schedule's time stages spent not
-  // computing, measured (mean over ranks) and in theory, by the schedule's formula
-  // (schedule/registry.h; `formula` is its text, "(P-1)/(M+P-1)"). Collective;
-  // meaningful with more than one stage.
+  // computing, measured (mean over ranks); predicted (schedule/predict.h) from what each
+  // stage's passes took on average since start_trace() (mean over its ranks) and the
+  // quickest receive as the transfer time, which `costs` holds; and in theory, by the
+  // schedule's formula (schedule/registry.h; `formula` is its text, "(P-1)/(M+P-1)").
+  // Collective; meaningful with more than one stage.
   struct Bubble {
-    double measured = 0, theoretical = 0;
+    double measured = 0, predicted = 0, theoretical = 0;
+    PassCosts costs;  // µs per micro-batch and model chunk
     std::string formula;
   };
   Bubble pipeline_bubble();
@@ -185,6 +189,9 @@ class Trainer {
   bool skip_non_finite(StepResult& r);
   Program& eval_program(const Graph& graph);
   double clip_gradients();
+  // Each chunk's mean pass costs and the transfer time, as pipeline_bubble() predicts
+  // from them. Collective over the world.
+  PassCosts measured_pass_costs();
   // Whether any rank holds an inf or NaN gradient. Collective over the world.
   bool gradients_non_finite_anywhere();
   // Host copies of this rank's parameters (values) or of optimizer slot s.

@@ -2,6 +2,7 @@
 // read off it: the pipeline bubble and each stage's compute and schedule time.
 #include "common/atomic_file.h"
 #include "runtime/trainer.h"
+#include "schedule/predict.h"
 #include "schedule/registry.h"
 
 namespace pipeshard {
@@ -9,6 +10,7 @@ namespace pipeshard {
 void Trainer::start_trace(bool record) {
   if (world_) world_->barrier();
   tracer_.start(record);
+  runner_->reset_pass_times();
   // The trace and the pipeline bubble time forward and backward on the host clock; on a
   // backend that queues work (a GPU) that is when the work was queued, unless the action
   // waits for it. Waiting costs the host's run-ahead, so only where the figures are shown.
@@ -28,10 +30,43 @@ Status Trainer::write_trace(const std::string& path) {
   return write_file_atomically(path, chrome_trace_json(all));
 }
 
+// What each model chunk's passes took on average (µs per micro-batch), from every stage's
+// StageRunner::pass_times() averaged over its ranks, and the quickest receive of any stage
+// as the transfer time. A whole backward counts as an input half with a free weight half.
+// Collective: one all-reduce of 5·P doubles.
+PassCosts Trainer::measured_pass_costs() {
+  const ProcessLayout& l = rank_.layout();
+  enum { kF, kI, kW, kB, kReceive, kFields };
+  std::vector<double> sums(kFields * l.stages, 0.0);  // [stage][field]
+  const StageRunner::PassTimes& t = runner_->pass_times();
+  double* mine = sums.data() + kFields * l.stage;
+  mine[kF] = t.mean_us(ActionKind::kForward);
+  mine[kI] = t.mean_us(ActionKind::kBackwardInput);
+  mine[kW] = t.mean_us(ActionKind::kBackwardWeight);
+  mine[kB] = t.mean_us(ActionKind::kBackward);
+  mine[kReceive] = t.fastest_receive_us;
+  if (world_) world_->all_reduce_sum(sums.data(), static_cast<int64_t>(sums.size()));
+  const double ranks_per_stage = static_cast<double>(l.replicas) * l.shards;
+  PassCosts costs;
+  for (int c = 0; c < schedule_.chunks(); ++c) {
+    const double* stage = sums.data() + kFields * schedule_.place_of(c).stage;
+    costs.forward.push_back(stage[kF] / ranks_per_stage);
+    costs.backward_input.push_back((stage[kI] + stage[kB]) / ranks_per_stage);
+    costs.backward_weight.push_back(stage[kW] / ranks_per_stage);
+  }
+  for (int p = 0; p < l.stages; ++p) {
+    const double fastest = sums[kFields * p + kReceive] / ranks_per_stage;
+    if (fastest > 0 && (costs.transfer == 0 || fastest < costs.transfer)) costs.transfer = fastest;
+  }
+  return costs;
+}
+
 Trainer::Bubble Trainer::pipeline_bubble() {
   Bubble b;
   const double idle = tracer_.schedule_us() > 0 ? 1.0 - tracer_.busy_us() / tracer_.schedule_us() : 0.0;
   b.measured = world_ ? world_->all_reduce_sum(idle) / world_->size() : idle;
+  b.costs = measured_pass_costs();
+  b.predicted = predict_schedule(schedule_, b.costs).bubble;
   const ScheduleInfo& info = *find_schedule(schedule_.name);
   b.theoretical = info.bubble(schedule_.stages, schedule_.micro_batches);
   b.formula = info.bubble_formula;

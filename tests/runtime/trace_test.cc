@@ -4,6 +4,7 @@
 
 #include <map>
 #include <string>
+#include <vector>
 
 #include <nlohmann/json.hpp>
 
@@ -60,6 +61,33 @@ TEST(Trace, EveryRankOfAPipelineIsOnOneTimeline) {
   }
   EXPECT_NE(r.err.find("pipeline bubble: stages idle"), std::string::npos) << r.err;
   EXPECT_NE(r.err.find("theory (P-1)/(M+P-1) = 20.0% for P=2, M=4"), std::string::npos) << r.err;
+}
+
+// ZB-H1's input and weight halves are events of their own, so the W's that fill the
+// bubble show in Perfetto; the W's run in micro-batch order on every stage.
+TEST(Trace, ZeroBubbleShowsInputAndWeightHalves) {
+  ScratchDir dir("trace-zb");
+  const testing::CommandResult r = run_traced(dir, 2, "--stages 2 --micro-batches 4 --schedule zb-h1");
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  const nlohmann::json trace = nlohmann::json::parse(testing::read_text(dir / "trace.json"), nullptr, false);
+  ASSERT_FALSE(trace.is_discarded());
+  std::map<int, std::map<std::string, int>> count;  // pid -> event name -> events
+  std::map<int, std::vector<int>> weights;          // pid -> micro-batches of its W's, in order
+  for (const auto& e : trace["traceEvents"]) {
+    if (e["ph"] != "X") continue;
+    const int pid = e["pid"].get<int>();
+    ++count[pid][e["name"].get<std::string>()];
+    if (e["name"] == "backward weight") weights[pid].push_back(e["args"]["micro_batch"].get<int>());
+  }
+  for (int rank = 0; rank < 2; ++rank) {
+    SCOPED_TRACE("rank " + std::to_string(rank));
+    EXPECT_EQ(count[rank]["backward input"], 24);
+    EXPECT_EQ(count[rank]["backward weight"], 24);
+    EXPECT_EQ(count[rank]["backward"], 0);
+    ASSERT_EQ(weights[rank].size(), 24u);
+    for (size_t i = 0; i < 24; ++i) EXPECT_EQ(weights[rank][i], static_cast<int>(i % 4)) << "W number " << i;
+  }
+  EXPECT_NE(r.err.find("theory (P-1)/(3M+P-1) = 7.7% for P=2, M=4"), std::string::npos) << r.err;
 }
 
 TEST(Trace, DataParallelRunsTraceTheirAllReduce) {

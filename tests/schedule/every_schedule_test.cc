@@ -70,8 +70,8 @@ class EverySchedule : public ::testing::Test {
     for (const std::string& name : schedule_names()) {
       SCOPED_TRACE(name + " " + layout.name() + " M=" + std::to_string(micro_batches));
       ASSERT_TRUE(check_pipeline_schedule(make_pipeline_schedule(name, layout.stages, micro_batches)).is_ok());
-      const Trained trained = testing::train_layout(
-          model_, data_, testing::adamw_config(name, micro_batches, kBatch), ranks, layout.stages, layout.shards);
+      const Trained trained = testing::train_layout(model_, data_, testing::adamw_config(name, micro_batches, kBatch),
+                                                    ranks, layout.stages, layout.shards);
       testing::expect_bitwise(trained, one_f_one_b);
       const Difference d = testing::difference(trained, alone_);
       EXPECT_LE(d.loss, 1e-5);

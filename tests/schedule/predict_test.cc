@@ -11,6 +11,7 @@
 #include <gtest/gtest.h>
 
 #include <cstdio>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -266,6 +267,22 @@ TEST(SchedulePredict, SplitBackwardsSendTheGradientBeforeW) {
 // run [5,7] and [7,9]. Chunk 2 (stage 0, idle since 4) runs B0 [7,9] and B1 [9,11], chunk 1
 // (stage 1) [9,11] and [11,13], chunk 0 (stage 0) [11,13] and [13,15]. Each stage is busy
 // 2 chunks × 2 micro-batches × 3 = 12.
+// ZB-H1 at F = I = W = 1 without transfers: the bubble the paper promises, (P − 1)(F + I −
+// W) = P − 1 beside the 3M of work, against 1F1B's 3(P − 1), once there are enough
+// micro-batches to fill it (M ≥ P); the step is 1F1B's less 2(P − 1).
+TEST(SchedulePredict, ZeroBubbleH1TakesAThirdOfOneFOneBsBubble) {
+  for (int p = 2; p <= 6; ++p) {
+    for (int m = p; m <= 3 * p; ++m) {
+      SCOPED_TRACE("P=" + std::to_string(p) + " M=" + std::to_string(m));
+      const SchedulePrediction zb = predict_schedule(make_pipeline_schedule("zb-h1", p, m), unit_costs(p));
+      const SchedulePrediction one = predict_schedule(make_pipeline_schedule("1f1b", p, m), unit_costs(p));
+      EXPECT_EQ(zb.step, 3 * m + (p - 1));
+      EXPECT_EQ(one.step, 3 * m + 3 * (p - 1));
+      EXPECT_EQ(zb.peak_in_flight[0], one.peak_in_flight[0]);  // 1F1B's peak, on stage 0
+    }
+  }
+}
+
 TEST(SchedulePredict, TwoChunksPerStage) {
   const PipelineSchedule sc = two_chunks_per_stage(2);
   const SchedulePrediction p = predict_schedule(sc, unit_costs(4));
@@ -368,7 +385,11 @@ PrintedPrediction printed_prediction(const std::string& out, const std::string& 
 // is there at a (each later one arrives before it wants it, since a ≤ b), ends at a + 3bM,
 // and stage 0 ends 2a later with its last B: step 3a + 3bM, bubble
 // ½[(3a + 3bM − 3aM)/(3a + 3bM) + a/(a + 3bM)]. With a = b that is ½[1/(M + 1) + 1/(3M + 1)]:
-// stage 0's share is the registry's (P−1)/(M+P−1), the last stage's is smaller.
+// stage 0's share is the registry's (P−1)/(M+P−1), the last stage's is smaller. Under
+// ZB-H1 stage 1 still never waits after a and ends at a + 3bM, but its last input gradient
+// leaves 2b before its end (its two W's owed come after it), so stage 0 ends with that I and
+// its W at a + 3bM − 2b + 2a: step a + 3bM, bubble
+// ½[1 − 3aM/(3a + 3bM − 2b) + a/(a + 3bM)].
 TEST(SchedulePredictCli, PartitionPredictsEveryRegisteredSchedule) {
   testing::ScratchDir dir("show-schedule-predict");
   const int m = 4;
@@ -382,14 +403,21 @@ TEST(SchedulePredictCli, PartitionPredictsEveryRegisteredSchedule) {
   const double b = plan["stages"][1]["flops_per_sample"].get<double>() * 8;
   ASSERT_GT(a, 0);
   ASSERT_GE(b, a);
-  const double step = 3 * a + 3 * b * m;
-  const double bubble = ((3 * a + 3 * b * m - 3 * a * m) / (3 * a + 3 * b * m) + a / (a + 3 * b * m)) / 2;
+  struct Expected {
+    double step, bubble;
+  };
+  const std::map<std::string, Expected> expected = {
+      {"gpipe", {3 * a + 3 * b * m, ((3 * a + 3 * b * m - 3 * a * m) / (3 * a + 3 * b * m) + a / (a + 3 * b * m)) / 2}},
+      {"1f1b", {3 * a + 3 * b * m, ((3 * a + 3 * b * m - 3 * a * m) / (3 * a + 3 * b * m) + a / (a + 3 * b * m)) / 2}},
+      {"zb-h1", {a + 3 * b * m, (1 - 3 * a * m / (3 * a + 3 * b * m - 2 * b) + a / (a + 3 * b * m)) / 2}},
+  };
   EXPECT_NE(r.out.find("predicted for 2 stages and 4 micro-batches"), std::string::npos) << r.out;
   for (const std::string& name : schedule_names()) {
     SCOPED_TRACE(name);
+    ASSERT_TRUE(expected.count(name)) << "a new schedule: derive its figures here";
     const PrintedPrediction p = printed_prediction(r.out, name);
-    EXPECT_EQ(p.step, step) << r.out;
-    EXPECT_NEAR(p.bubble, bubble, 0.00005) << r.out;  // printed to 4 decimals
+    EXPECT_EQ(p.step, expected.at(name).step) << r.out;
+    EXPECT_NEAR(p.bubble, expected.at(name).bubble, 0.00005) << r.out;  // printed to 4 decimals
   }
   EXPECT_NE(r.out.find("costs assumed: F per stage from the flops estimate ("), std::string::npos) << r.out;
   EXPECT_NE(r.out.find("multiply-adds for a micro-batch of 8 samples; times are in multiply-adds), I = W = F, "

@@ -289,6 +289,9 @@ TEST(TrainTensorBoard, APipelineRecordsEachStageAndTheBubble) {
   std::smatch m;
   ASSERT_TRUE(std::regex_search(r.err, m, std::regex("stages idle ([0-9.]+)%"))) << r.err;
   EXPECT_NEAR(100 * measured, std::stod(m[1]), 0.05 + 1e-4);
+  ASSERT_TRUE(scalars.count("pipeline/bubble_predicted"));
+  ASSERT_TRUE(std::regex_search(r.err, m, std::regex("([0-9.]+)% predicted from the passes"))) << r.err;
+  EXPECT_NEAR(100 * scalars.at("pipeline/bubble_predicted").at(6), std::stod(m[1]), 0.05 + 1e-4);
 }
 
 TEST(TrainTensorBoard, RefusesAFolderItCannotCreate) {

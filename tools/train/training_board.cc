@@ -47,6 +47,7 @@ Status TrainingBoard::add_bubble(int64_t step, const Trainer::Bubble& b) {
   if (!writer_) return Status::ok();
   const double wall_time = unix_seconds_now();
   writer_->add_scalar("pipeline/bubble_measured", step, b.measured, wall_time);
+  writer_->add_scalar("pipeline/bubble_predicted", step, b.predicted, wall_time);
   writer_->add_scalar("pipeline/bubble_theoretical", step, b.theoretical, wall_time);
   return writer_->flush();
 }

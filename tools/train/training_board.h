@@ -10,7 +10,8 @@
 //   eval/loss, eval/accuracy                      after each epoch with --eval-data
 //                                                 (accuracy as a fraction, cross-entropy only)
 //   pipeline/bubble_measured,                     once, at the last step of a pipelined run
-//   pipeline/bubble_theoretical                   (fractions; Trainer::pipeline_bubble)
+//   pipeline/bubble_predicted,                    (fractions; Trainer::pipeline_bubble)
+//   pipeline/bubble_theoretical
 // Every call's events are flushed before it returns, so a crash loses at most the step
 // in progress.
 #ifndef PIPESHARD_OBSERVE_TRAINING_BOARD_H_
@@ -37,7 +38,7 @@ class TrainingBoard {
   Status add_step(Trainer& trainer, const StepResult& r, double samples_per_s);
   // eval/loss and eval/accuracy at `step`, from rank 0's EvalResult (Trainer::evaluate).
   Status add_eval(int64_t step, const EvalResult& e);
-  // pipeline/bubble_measured and pipeline/bubble_theoretical at `step`.
+  // pipeline/bubble_measured, _predicted and _theoretical at `step`.
   Status add_bubble(int64_t step, const Trainer::Bubble& b);
 
   // The event file; empty on ranks that do not write.
