@@ -365,7 +365,7 @@ def report_pipeline(configs, res):
     for c in configs:
         if not c.key.startswith("pp-"):
             continue
-        _, schedule, m = c.key.split("-", 2)
+        schedule, m = c.key[len("pp-"):].rsplit("-", 1)  # "pp-zb-h1-4"
         m = int(m)
         t = res[c.key]["median"]
         ideal = P * m / (m + P - 1)
