@@ -3,10 +3,11 @@
 
 How to run, from the repository root after building (cmake --build build --target train):
     /usr/bin/python3 bench/distributed.py [--rounds 3] [--steps 60] [--build-dir build]
-                                          [--sections dp,buckets,ddp,pipeline]
+                                          [--sections dp,buckets,ddp,pipeline] [--model B|B8]
 
 Model B of cpu_vs_pytorch.py (4 x (Linear(1024, 1024) + ReLU), batch 256, SGD lr 0.01 momentum
-0.9), exported by its own export(), the same weights and batches everywhere. Sections:
+0.9), or with --model B8 eight such layers, exported by its own export(), the same weights and
+batches everywhere. Sections:
   dp        mpirun -np 2 train (1 thread per rank) against train in one process with 2 threads,
             and against one process with 1 thread (the scaling efficiency)
   buckets   the 2-rank run with gradient buckets of 25 MiB (the default: one bucket on model B's
@@ -46,8 +47,13 @@ from dataclasses import dataclass
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import cpu_vs_pytorch as cvp  # noqa: E402  (model B, its export, the BLAS probe)
 
+# Model B of cpu_vs_pytorch.py, or (--model B8) the deeper 8 x (Linear(1024, 1024) + ReLU) at the
+# same batch, for pipelines with more layers per stage.
+MODEL_SPECS = {"B": cvp.MODELS["B"],
+               "B8": {"layers": [(1024, 1024)] * 8, "relu_last": True, "batch": 256,
+                      "title": "8 x (Linear(1024,1024) + ReLU), batch 256"}}
 MODEL = "B"
-SPEC = cvp.MODELS[MODEL]
+SPEC = MODEL_SPECS[MODEL]
 P = 2  # ranks in every multi-process run: data-parallel replicas or pipeline stages
 TARGET_DP_RATIO = 0.6  # T(2 ranks x 1 thread) / T(1 rank x 2 threads)
 TARGET_ZB_H1_GAIN, ZB_H1_TARGET_M = 1.10, 4  # T(1f1b) / T(zb-h1) at M = 4, model B
@@ -124,6 +130,8 @@ def gradient_bytes():
 # --------------------------------------------------------------------------- DDP child
 def ddp_worker(job):
     """One DDP rank in this process; prints one JSON line."""
+    global MODEL, SPEC
+    MODEL, SPEC = job["model"], MODEL_SPECS[job["model"]]
     import numpy as np
     import torch
     import torch.distributed as dist
@@ -233,7 +241,7 @@ def run_ddp(config, args, paths, env, folder, tag):
     for rank in range(config.ranks):
         job = {"rank": rank, "world": config.ranks, "threads": config.threads, "steps": args.steps,
                "data": paths["data"], "labels": paths["labels"], "weights": paths["weights"],
-               "rendezvous": rendezvous, "bind": args.bind_to}
+               "rendezvous": rendezvous, "bind": args.bind_to, "model": MODEL}
         logs.append(os.path.join(folder, f"{tag}.rank{rank}.log"))
         procs.append(start([sys.executable, os.path.abspath(__file__), "--ddp-worker", json.dumps(job)], env, logs[-1]))
     wait_all(procs, "PyTorch DDP", logs)
@@ -424,6 +432,8 @@ def parse_args():
     ap.add_argument("--zb-h1", default="2,4,8", help="M values also run with --schedule zb-h1 (default 2,4,8; '' for none)")
     ap.add_argument("--bind-to", default="core", choices=("core", "none"),
                     help="mpirun --bind-to for our ranks; DDP ranks pin themselves alike (default core)")
+    ap.add_argument("--model", default="B", choices=sorted(MODEL_SPECS),
+                    help="B: 4 x (Linear(1024) + ReLU) (default); B8: 8 of them; batch 256 both")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--keep", action="store_true", help="keep the temporary folder (model, data, logs, metrics)")
     ap.add_argument("--ddp-worker", help=argparse.SUPPRESS)
@@ -439,6 +449,8 @@ def main():
     args = parse_args()
     if args.ddp_worker:
         return ddp_worker(json.loads(args.ddp_worker))
+    global MODEL, SPEC
+    MODEL, SPEC = args.model, MODEL_SPECS[args.model]
     sections = [s for s in args.sections.split(",") if s]
     unknown = set(sections) - set(SECTIONS)
     if unknown or not sections:
@@ -465,7 +477,7 @@ def main():
     print(f"  {len(configs)} configurations x {args.rounds} rounds x {args.steps} steps: "
           + ", ".join(c.label for c in configs), flush=True)
     with tempfile.TemporaryDirectory(prefix="pipeshard-distributed-") as folder:
-        onnx_path = cvp.export(MODEL, folder, args.seed)
+        onnx_path = cvp.export(MODEL, folder, args.seed, spec=SPEC)
         paths = {"onnx": onnx_path, "data": os.path.join(folder, f"{MODEL}_x.npy"),
                  "labels": os.path.join(folder, f"{MODEL}_y.npy"), "weights": os.path.join(folder, f"{MODEL}.pt")}
         results = measure(configs, args, paths, folder)
