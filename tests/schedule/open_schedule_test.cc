@@ -15,6 +15,7 @@
 #include "schedule/registry.h"
 #include "tests/layout_training.h"
 #include "tests/model_util.h"
+#include "tests/schedule/split_one_f_one_b.h"
 #include "tests/test_util.h"
 
 namespace pipeshard {
@@ -37,44 +38,12 @@ void expect_equivalent(const Trained& layout, const Trained& alone) {
 
 // ---- the schedules, defined here and nowhere else ----
 
-Action with_kind(Action a, ActionKind kind) {
-  a.kind = kind;
-  return a;
-}
-
 ComputeOrder one_f_one_b_input_then_weight(int stages, int micro_batches) {
-  ComputeOrder order = find_schedule("1f1b")->build(stages, micro_batches);
-  for (auto& stage : order) {
-    std::vector<Action> split;
-    for (const Action& a : stage) {
-      if (a.kind != ActionKind::kBackward) {
-        split.push_back(a);
-        continue;
-      }
-      split.push_back(with_kind(a, ActionKind::kBackwardInput));
-      split.push_back(with_kind(a, ActionKind::kBackwardWeight));
-    }
-    stage = split;
-  }
-  return order;
+  return testing::one_f_one_b_split(stages, micro_batches, false);
 }
 
 ComputeOrder one_f_one_b_late_weights(int stages, int micro_batches) {
-  ComputeOrder order = find_schedule("1f1b")->build(stages, micro_batches);
-  for (auto& stage : order) {
-    std::vector<Action> split, weights;
-    for (const Action& a : stage) {
-      if (a.kind != ActionKind::kBackward) {
-        split.push_back(a);
-        continue;
-      }
-      split.push_back(with_kind(a, ActionKind::kBackwardInput));
-      weights.push_back(with_kind(a, ActionKind::kBackwardWeight));
-    }
-    split.insert(split.end(), weights.begin(), weights.end());
-    stage = split;
-  }
-  return order;
+  return testing::one_f_one_b_split(stages, micro_batches, true);
 }
 
 ComputeOrder gpipe_reversed(int stages, int micro_batches) {

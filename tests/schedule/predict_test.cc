@@ -18,6 +18,7 @@
 #include <nlohmann/json.hpp>
 
 #include "schedule/registry.h"
+#include "tests/schedule/split_one_f_one_b.h"
 #include "tests/test_util.h"
 
 namespace pipeshard {
@@ -32,29 +33,9 @@ std::vector<int> one_chunk_each(int stages) {
   return place;
 }
 
-Action with_kind(Action a, ActionKind kind) {
-  a.kind = kind;
-  return a;
-}
-
-// 1F1B with each B split into I and W: W right after its I, or every W after every I of
-// the stage (the zero-bubble idea without its memory bound). Lowering puts sG right after
-// I either way: the gradient leaves before W runs.
+// 1F1B with each B split into I and W (tests/schedule/split_one_f_one_b.h), lowered.
 PipelineSchedule one_f_one_b_split(int stages, int micro_batches, bool weights_last) {
-  ComputeOrder order = find_schedule("1f1b")->build(stages, micro_batches);
-  for (auto& stage : order) {
-    std::vector<Action> split, weights;
-    for (const Action& a : stage) {
-      if (a.kind != ActionKind::kBackward) {
-        split.push_back(a);
-        continue;
-      }
-      split.push_back(with_kind(a, ActionKind::kBackwardInput));
-      (weights_last ? weights : split).push_back(with_kind(a, ActionKind::kBackwardWeight));
-    }
-    split.insert(split.end(), weights.begin(), weights.end());
-    stage = split;
-  }
+  const ComputeOrder order = testing::one_f_one_b_split(stages, micro_batches, weights_last);
   PipelineSchedule sc =
       lower_schedule(weights_last ? "1f1b-late-w" : "1f1b-iw", stages, micro_batches, one_chunk_each(stages), order);
   EXPECT_TRUE(check_pipeline_schedule(sc).is_ok()) << check_pipeline_schedule(sc).message();
