@@ -17,6 +17,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "common/host_memory.h"
 #include "schedule/registry.h"
 #include "tests/schedule/split_one_f_one_b.h"
 #include "tests/test_util.h"
@@ -396,6 +397,18 @@ TEST(SchedulePredictCli, PartitionPredictsEveryRegisteredSchedule) {
   for (const std::string& name : schedule_names()) {
     SCOPED_TRACE(name);
     ASSERT_TRUE(expected.count(name)) << "a new schedule: derive its figures here";
+    // The memory each would need: the estimate of a plan made for it.
+    const testing::CommandResult own =
+        testing::run_command(testing::quote(testing::tool_path("partition")) + " " +
+                             testing::quote(testing::source_path("models/simple.onnx")) +
+                             " --stages 2 --batch-size 32 --micro-batches 4 --json --schedule " + name + " --out " +
+                             testing::quote(dir / name));
+    ASSERT_EQ(own.exit_code, 0) << own.err;
+    const nlohmann::json own_plan = nlohmann::json::parse(own.out);
+    const std::string memory = bytes_text(own_plan["stages"][0]["memory_bytes"].get<int64_t>()) + ", " +
+                               bytes_text(own_plan["stages"][1]["memory_bytes"].get<int64_t>());
+    EXPECT_NE(r.out.find("  " + name + " "), std::string::npos);
+    EXPECT_NE(r.out.find("memory per rank " + memory + "\n"), std::string::npos) << memory << "\n" << r.out;
     const PrintedPrediction p = printed_prediction(r.out, name);
     EXPECT_EQ(p.step, expected.at(name).step) << r.out;
     EXPECT_NEAR(p.bubble, expected.at(name).bubble, 0.00005) << r.out;  // printed to 4 decimals

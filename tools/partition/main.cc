@@ -153,9 +153,22 @@ PassCosts costs_from_flops(const Plan& plan) {
   return costs;
 }
 
-// What every registered schedule would take on this plan (schedule/predict.h), so that
-// they can be compared before one is chosen.
-void print_predictions(const Plan& plan, int micro_batches) {
+// Each stage's memory estimate per rank had the plan been made for schedule `name`
+// ("36.0 MiB, 36.5 MiB"): what the schedule's micro-batches in flight (and, splitting
+// backward, the output gradients kept from I to W) cost.
+std::string memory_under(const Graph& graph, const Plan& plan, const std::string& name) {
+  PartitionOptions o = plan.options;
+  o.schedule = name;
+  Result<Plan> other = make_plan(graph, "", o);
+  if (!other) return "?";
+  std::string text;
+  for (const StagePlan& s : other->stages) text += (text.empty() ? "" : ", ") + bytes_text(s.memory_bytes);
+  return text;
+}
+
+// What every registered schedule would take on this plan (schedule/predict.h), and the
+// memory per rank each would need, so that they can be compared before one is chosen.
+void print_predictions(const Graph& graph, const Plan& plan, int micro_batches) {
   const PartitionOptions& o = plan.options;
   const PassCosts costs = costs_from_flops(plan);
   const double busiest = 3 * micro_batches * *std::max_element(costs.forward.begin(), costs.forward.end());
@@ -173,8 +186,9 @@ void print_predictions(const Plan& plan, int micro_batches) {
       continue;
     }
     const SchedulePrediction p = predict_schedule(sc, costs);
-    fmt::print("  {:<{}}  bubble {:.4f}  step {} ({:.3f}x the busiest stage's compute)\n", name, width, p.bubble,
-               with_commas(std::llround(p.step)), busiest > 0 ? p.step / busiest : 1.0);
+    fmt::print("  {:<{}}  bubble {:.4f}  step {} ({:.3f}x the busiest stage's compute)  memory per rank {}\n", name,
+               width, p.bubble, with_commas(std::llround(p.step)), busiest > 0 ? p.step / busiest : 1.0,
+               memory_under(graph, plan, name));
   }
   std::string forwards;
   for (double f : costs.forward) forwards += (forwards.empty() ? "" : ", ") + with_commas(std::llround(f));
@@ -187,7 +201,7 @@ void print_predictions(const Plan& plan, int micro_batches) {
 
 // --show-schedule: the schedule as a step × stage grid, what each stage keeps alive, and
 // the predicted time of every registered schedule.
-void print_schedule(const Plan& plan) {
+void print_schedule(const Graph& graph, const Plan& plan) {
   const PartitionOptions& o = plan.options;
   const int m_batches = o.micro_batches > 0 ? o.micro_batches : o.stages;
   const PipelineSchedule sc = make_pipeline_schedule(o.schedule, o.stages, m_batches);
@@ -199,7 +213,7 @@ void print_schedule(const Plan& plan) {
     fmt::print("stage {}: at most {} micro-batch{} alive\n", st, max_in_flight(sc, st),
                max_in_flight(sc, st) == 1 ? "" : "es");
   }
-  print_predictions(plan, m_batches);
+  print_predictions(graph, plan, m_batches);
 }
 
 }  // namespace
@@ -246,6 +260,6 @@ int main(int argc, char** argv) {
     if (Status s = draw_picture(partition_chart_data(*plan), a.chart); !s) return fail("--chart: " + s.message());
     if (!a.json) fmt::print("wrote the chart to {}\n", a.chart);
   }
-  if (a.show_schedule && !a.json) print_schedule(*plan);
+  if (a.show_schedule && !a.json) print_schedule(m->graph, *plan);
   return 0;
 }
