@@ -33,6 +33,8 @@ Status Trainer::write_trace(const std::string& path) {
 // What each model chunk's passes took on average (µs per micro-batch), from every stage's
 // StageRunner::pass_times() averaged over its ranks, and the quickest receive of any stage
 // as the transfer time. A whole backward counts as an input half with a free weight half.
+// The runner times kinds per stage, not per chunk: a stage holding several chunks would
+// give each its stage's means.
 // Collective: one all-reduce of 5·P doubles.
 PassCosts Trainer::measured_pass_costs() {
   const ProcessLayout& l = rank_.layout();
