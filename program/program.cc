@@ -242,7 +242,12 @@ void Program::backward(int64_t batch, const std::function<void(size_t)>& after_n
 void Program::backward_input(int64_t batch) {
   PIPESHARD_CHECK(!plan_.forward_only, "backward_input() of a forward-only program");
   backward_nodes(batch, Part::kInput, {});
-  // Without deferred nodes this was the whole backward, Linears' parameter gradients included.
+  backward_input_replayed();
+}
+
+void Program::backward_input_replayed() {
+  // Without deferred nodes backward_input() was the whole backward, Linears' parameter
+  // gradients included.
   if (std::none_of(plan_.deferred_weight_grad.begin(), plan_.deferred_weight_grad.end(), [](bool d) { return d; })) {
     fresh_step_ = false;
   }

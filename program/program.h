@@ -126,9 +126,11 @@ class Program {
   // micro-batch in the same slot. Both halves of a micro-batch give backward()'s bits.
   void backward_input(int64_t batch);
   void backward_weight(int64_t batch, const std::function<void(size_t)>& after_node = {});
-  // What a backward leaves behind on the host, for one replayed from a recording
-  // (Backend::record), which runs no host code: later backwards of the step add.
+  // What a backward (or its weight half) leaves behind on the host, for one replayed from a
+  // recording (Backend::record), which runs no host code: later backwards of the step add.
   void backward_replayed() { fresh_step_ = false; }
+  // The same for backward_input(): only when no weight half follows (it was the whole backward).
+  void backward_input_replayed();
   // Zeroes the parameter gradients for a new step. Buffers that a single Linear writes
   // are not touched: its next backward overwrites them instead of adding.
   void zero_gradients();

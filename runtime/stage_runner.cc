@@ -236,8 +236,9 @@ void StageRunner::forward(const Action& a, const MicroStep& ms) {
 
 // B, I or W of one micro-batch. The pass that completes the step's gradients (the chunk's
 // last B or W, in the last micro-step) reports each node to the gradient sync, which
-// launches the buckets it completes. A split backward's halves run eagerly under
-// --cuda-graph (only F and B are recorded).
+// launches the buckets it completes. Replayed from a recording (--cuda-graph) a pass runs
+// no host code: the buckets then all go at R, and the program is told what the pass
+// would have left behind on the host.
 void StageRunner::backward(size_t index, const Action& a, const MicroStep& ms) {
   const int k = a.micro_batch;
   const bool completes = ms.last && static_cast<int>(index) == last_gradient_action_;
@@ -254,10 +255,22 @@ void StageRunner::backward(size_t index, const Action& a, const MicroStep& ms) {
       add_carried_gradients();
       return;
     case ActionKind::kBackwardInput:
-      program_.backward_input(micro_);
+      if (ms.replay) {
+        replay_or_record(ActionKind::kBackwardInput, ms, k, [&] { program_.backward_input(micro_); });
+        program_.backward_input_replayed();
+      } else {
+        program_.backward_input(micro_);
+      }
       add_carried_gradients();
       return;
-    case ActionKind::kBackwardWeight: program_.backward_weight(micro_, node_done); return;
+    case ActionKind::kBackwardWeight:
+      if (ms.replay) {
+        replay_or_record(ActionKind::kBackwardWeight, ms, k, [&] { program_.backward_weight(micro_); });
+        program_.backward_replayed();
+      } else {
+        program_.backward_weight(micro_, node_done);
+      }
+      return;
     default: PIPESHARD_CHECK(false, "not a backward pass: " + action_name(a));
   }
 }

@@ -12,7 +12,7 @@
 //   reused only after the sends reading it are done;
 // - the data-parallel gradient reduction's timing (runtime/gradient_sync.h): buckets fire
 //   during the chunk's last gradient pass of the step and the rest at R;
-// - --cuda-graph's recordings of forward and backward passes (Backend::record).
+// - --cuda-graph's recordings of forward and backward passes, halves included (Backend::record).
 // The trainer around it computes the loss, scales, clips and updates.
 //
 // A stage holds one chunk of the model today; schedules placing several chunks on a stage

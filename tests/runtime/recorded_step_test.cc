@@ -51,6 +51,7 @@ void expect_same_parameters(Trainer& want_trainer, Trainer& got_trainer, const G
 struct Case {
   std::string name, model, x, y;
   TrainConfig config;
+  int passes = 2;  // recorded per micro-batch: F and B, or F, I and W
 };
 
 std::vector<Case> cases() {
@@ -104,6 +105,16 @@ std::vector<Case> cases() {
     c.grad_accum = 3;
     all.push_back({"layernorm_gelu_adamw", "layernorm_opset18", small_x, small_y, c});
   }
+  {
+    TrainConfig c;  // a split backward: I and W recorded apart, W's owed across other I's
+    c.optimizer.kind = OptimizerKind::kAdamW;
+    c.optimizer.lr = 1e-3f;
+    c.batch_size = 32;
+    c.grad_accum = 2;
+    c.micro_batches = 4;
+    c.pipeline_schedule = "zb-h1";
+    all.push_back({"zb_h1_layernorm", "layernorm_opset18", small_x, small_y, c, 3});
+  }
   for (Case& c : all) {
     c.config.total_steps = 7;
     c.config.shuffle = true;
@@ -138,9 +149,9 @@ TEST_P(RecordedStep, IsTheEagerStepBitForBit) {
     EXPECT_EQ(got.grad_norm, want.grad_norm) << "step " << s + 1;
     EXPECT_EQ(got.lr, want.lr) << "step " << s + 1;
   }
-  // One forward and one backward recording per micro-step of the accumulation and
-  // micro-batch, made at the second step and replayed at every step from then on.
-  const int per_step = 2 * static_cast<int>(c.config.grad_accum) * c.config.micro_batches;
+  // One forward and one backward recording (or one of each half) per micro-step of the
+  // accumulation and micro-batch, made at the second step and replayed from then on.
+  const int per_step = c.passes * static_cast<int>(c.config.grad_accum) * c.config.micro_batches;
   EXPECT_EQ(recorder.recordings, per_step);
   EXPECT_EQ(recorder.replays, per_step * (steps - 1));
   EXPECT_GT(recorder.recorded_calls, 2 * per_step) << "the recordings hold the layers' calls";
