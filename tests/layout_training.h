@@ -24,6 +24,7 @@ namespace pipeshard::testing {
 struct Trained {
   std::vector<double> losses;  // per step, as rank 0 reports them
   Graph weights;               // the whole trained model
+  std::vector<int64_t> peaks;  // [world rank] the most bytes its backend held at once
 };
 
 // AdamW with accumulation and clipping, as --check-equivalence runs it in the tests'
@@ -48,6 +49,7 @@ inline TrainConfig adamw_config(const std::string& schedule, int micro_batches, 
 inline Trained train_layout(const ImportedModel& model, const Dataset& data, const TrainConfig& config, int ranks,
                             int stages, int shards) {
   Trained result;
+  result.peaks.assign(static_cast<size_t>(ranks), 0);
   std::mutex mu;
   run_ranks(ranks, [&](Communicator& world) {
     ProcessGroups groups = make_layout_groups(world, stages, shards);
@@ -60,9 +62,11 @@ inline Trained train_layout(const ImportedModel& model, const Dataset& data, con
     for (int64_t s = 0; s < config.total_steps; ++s) losses.push_back((*t)->step().loss);
     Graph weights = model.graph;
     (*t)->download_parameters(weights);
-    if (world.rank() != 0) return;
     std::lock_guard<std::mutex> lock(mu);
-    result = Trained{losses, weights};
+    result.peaks[static_cast<size_t>(world.rank())] = backend->memory_use().peak;
+    if (world.rank() != 0) return;
+    result.losses = losses;
+    result.weights = weights;
   });
   return result;
 }
