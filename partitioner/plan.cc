@@ -41,14 +41,14 @@ int64_t value_bytes(const Graph& g, int v) { return g.values[v].shape.per_sample
 
 // In-flight micro-batches on stage k, whose activations it must keep for backward.
 int64_t in_flight(const PartitionOptions& o, int k) {
-  const int m = o.micro_batches > 0 ? o.micro_batches : o.stages;
+  const int m = micro_batch_count(o);
   return find_schedule(o.schedule)->in_flight(o.stages, m, k);
 }
 
 // Whether the schedule runs backwards as an input half and a weight half (I, W): then
 // each Linear keeps its output's gradient per slot from I to W (program/program_plan.cc).
 bool splits_backward(const PartitionOptions& o) {
-  const int m = o.micro_batches > 0 ? o.micro_batches : o.stages;
+  const int m = micro_batch_count(o);
   for (const std::vector<Action>& stage : find_schedule(o.schedule)->build(o.stages, m)) {
     for (const Action& a : stage) {
       if (a.kind == ActionKind::kBackwardInput) return true;
@@ -204,8 +204,10 @@ Status check_options(const PartitionOptions& o) {
 
 }  // namespace
 
+int micro_batch_count(const PartitionOptions& o) { return o.micro_batches > 0 ? o.micro_batches : o.stages; }
+
 int64_t micro_batch_size(const PartitionOptions& o) {
-  const int m = o.micro_batches > 0 ? o.micro_batches : o.stages;
+  const int m = micro_batch_count(o);
   return (o.batch_size + m - 1) / m;
 }
 
@@ -357,7 +359,7 @@ nlohmann::json plan_to_json(const Plan& plan, const Graph& g) {
   j["tensor_parallel"] = o.tensor_parallel;
   j["crossing_bytes_per_sample"] = plan.crossing_bytes;
   j["memory_assumptions"] = {{"batch_size", o.batch_size},
-                             {"micro_batches", o.micro_batches > 0 ? o.micro_batches : o.stages},
+                             {"micro_batches", micro_batch_count(o)},
                              {"schedule", o.schedule},
                              {"optimizer_slots", o.optimizer_slots}};
   j["stages"] = nlohmann::json::array();

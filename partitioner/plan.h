@@ -107,8 +107,10 @@ nlohmann::json plan_to_json(const Plan& plan, const Graph& graph);
 // of the bad bytes instead of failing.
 std::string plan_json_text(const Plan& plan, const Graph& graph);
 
-// Samples in one micro-batch as the memory estimate assumes them: batch_size over the
-// micro-batches (as many as stages when 0), rounded up.
+// Micro-batches per step as the memory estimate assumes them: `micro_batches`, or as many
+// as stages when that is 0.
+int micro_batch_count(const PartitionOptions& options);
+// Samples in one micro-batch: batch_size over micro_batch_count(), rounded up.
 int64_t micro_batch_size(const PartitionOptions& options);
 
 // Largest --batch-size the memory estimate accepts.

@@ -83,7 +83,7 @@ void print_table(const ImportedModel& m, const Plan& plan, const std::string& di
   fmt::print("{:>5}  {:>7}  {:>12}  {:>5.1f}%\n\n", "total", plan.layers, with_commas(plan.total_parameters), 100.0);
   fmt::print("balance: largest / mean stage {} = {:.3f}; activations crossing cuts: {} per sample\n",
              balance_name(o.balance), plan.balance, bytes_text(plan.crossing_bytes));
-  const int m_batches = o.micro_batches > 0 ? o.micro_batches : o.stages;
+  const int m_batches = micro_batch_count(o);
   fmt::print(
       "memory: per rank, fp32 weights + grads + {} optimizer slot{}, activations of batch {} in {} "
       "micro-batch{} under {}{}\n",
@@ -203,7 +203,7 @@ void print_predictions(const Graph& graph, const Plan& plan, int micro_batches) 
 // the predicted time of every registered schedule.
 void print_schedule(const Graph& graph, const Plan& plan) {
   const PartitionOptions& o = plan.options;
-  const int m_batches = o.micro_batches > 0 ? o.micro_batches : o.stages;
+  const int m_batches = micro_batch_count(o);
   const PipelineSchedule sc = make_pipeline_schedule(o.schedule, o.stages, m_batches);
   fmt::print(
       "\n{} schedule, {} stage{}, {} micro-batch{} (F/B: forward/backward of micro-batch k; "

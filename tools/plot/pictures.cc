@@ -21,7 +21,7 @@ nlohmann::json partition_chart_data(const Plan& plan) {
           {"balance_by", balance_name(o.balance)},
           {"balance", plan.balance},
           {"batch_size", o.batch_size},
-          {"micro_batches", o.micro_batches > 0 ? o.micro_batches : o.stages},
+          {"micro_batches", micro_batch_count(o)},
           {"schedule", find_schedule(o.schedule)->title},
           {"optimizer_slots", o.optimizer_slots},
           {"stages", stages}};
