@@ -45,16 +45,10 @@ int64_t in_flight(const PartitionOptions& o, int k) {
   return find_schedule(o.schedule)->in_flight(o.stages, m, k);
 }
 
-// Whether the schedule runs backwards as an input half and a weight half (I, W): then
+// Whether stage k's list runs backwards as halves (I, W), as the trainer decides it: then
 // each Linear keeps its output's gradient per slot from I to W (program/program_plan.cc).
-bool splits_backward(const PartitionOptions& o) {
-  const int m = micro_batch_count(o);
-  for (const std::vector<Action>& stage : find_schedule(o.schedule)->build(o.stages, m)) {
-    for (const Action& a : stage) {
-      if (a.kind == ActionKind::kBackwardInput) return true;
-    }
-  }
-  return false;
+bool stage_splits_backward(const PartitionOptions& o, int k) {
+  return splits_backward(find_schedule(o.schedule)->build(o.stages, micro_batch_count(o))[k]);
 }
 
 // Into how many parts a node running as `role` splits its output: a column-parallel,
@@ -119,7 +113,7 @@ int64_t memory_bytes(const Graph& g, const PartitionOptions& o, int k, const Sta
     if (output_aliases_input(n.kind) && outputs.count(n.outputs[0])) outputs.insert(n.inputs[0]);
   }
   const int shards = o.tensor_parallel;
-  const bool split = splits_backward(o);
+  const bool split = stage_splits_backward(o, k);
   std::vector<int64_t> values, recomputed_values;  // per sample, in shared buffers
   int64_t scratch = 0;                             // per sample, one micro-batch
   for (size_t i = 0; i < s.nodes.size(); ++i) {

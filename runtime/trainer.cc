@@ -118,9 +118,7 @@ Status Trainer::build(const TrainConfig& config, Communicator* device_replicas, 
   options.tensor = device_tensor;
   options.model_node_ids = rank_.model_node_ids();
   options.recompute_activations = !config.keep_activations;
-  for (const Action& a : schedule_.actions[layout.stage]) {
-    options.split_backward = options.split_backward || a.kind == ActionKind::kBackwardInput;
-  }
+  options.split_backward = splits_backward(schedule_.actions[layout.stage]);
   if (config.sync_batchnorm && device_replicas) {
     options.batchnorm_reducer = [device_replicas](double* data, int64_t n) {
       device_replicas->all_reduce_sum(data, n);

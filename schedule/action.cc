@@ -45,4 +45,11 @@ std::string action_name(const Action& action, bool with_chunk) {
   return name;
 }
 
+bool splits_backward(const std::vector<Action>& actions) {
+  for (const Action& a : actions) {
+    if (a.kind == ActionKind::kBackwardInput) return true;
+  }
+  return false;
+}
+
 }  // namespace pipeshard

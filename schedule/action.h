@@ -17,6 +17,7 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 namespace pipeshard {
 
@@ -54,6 +55,10 @@ struct ActionKindInfo {
 
 // The row of `kind`; every kind has exactly one (a test checks the table).
 const ActionKindInfo& action_kind_info(ActionKind kind);
+
+// Whether a stage's `actions` run backwards as halves (I, then W): its program then keeps
+// each Linear's output gradient per slot from I to W.
+bool splits_backward(const std::vector<Action>& actions);
 
 // "F3", "B3", "I3", "W3", "sA3", "rA3", "sG3", "rG3", "R"; with `with_chunk` the chunk
 // goes first, as PyTorch's pipelining prints actions: "1F3", "1R" (action_label() in
