@@ -42,8 +42,32 @@ Result<std::unique_ptr<Program>> Program::create(const Graph& g, Backend& backen
   if (p->model_node_ids_.empty()) {
     for (size_t i = 0; i < g.nodes.size(); ++i) p->model_node_ids_.push_back(i);
   }
+  p->assign_chunks(options.node_chunk);
+  p->chunk_slots_ = options.chunk_slots;
   p->allocate();
   return p;
+}
+
+// Each node's chunk, and each cleared gradient's (ProgramPlan::value_chunk).
+void Program::assign_chunks(const std::vector<int>& node_chunk) {
+  node_chunk_ = node_chunk.empty() ? std::vector<int>(graph_.nodes.size(), 0) : node_chunk;
+  int chunks = 1;
+  for (int c : node_chunk_) chunks = std::max(chunks, c + 1);
+  fresh_step_.assign(static_cast<size_t>(chunks), false);
+  for (int v : plan_.cleared_values) cleared_chunk_.push_back(plan_.value_chunk[v]);
+}
+
+void Program::select_chunk(int chunk) {
+  PIPESHARD_CHECK(chunk >= -1 && chunk < chunks(), "chunk " + std::to_string(chunk));
+  chunk_ = chunk;
+}
+
+void Program::set_fresh(bool fresh) {
+  if (chunk_ >= 0) {
+    fresh_step_[chunk_] = fresh;
+  } else {
+    fresh_step_.assign(fresh_step_.size(), fresh);
+  }
 }
 
 // The buffers the plan lists, and where each value's activation and gradient start.
@@ -117,7 +141,8 @@ void Program::download_parameters(Graph& g) const {
 }
 
 void Program::select_slot(int slot) {
-  PIPESHARD_CHECK(slot >= 0 && slot < plan_.slots, "slot " + std::to_string(slot));
+  const int slots = chunk_ >= 0 && !chunk_slots_.empty() ? chunk_slots_[chunk_] : plan_.slots;
+  PIPESHARD_CHECK(slot >= 0 && slot < slots, "slot " + std::to_string(slot) + " of " + std::to_string(slots));
   slot_ = slot;
 }
 
@@ -131,6 +156,7 @@ void Program::upload_inputs(const std::vector<const float*>& host_inputs, int64_
   PIPESHARD_CHECK(batch >= 1 && batch <= plan_.max_batch, "batch " + std::to_string(batch));
   PIPESHARD_CHECK(host_inputs.size() == graph_.inputs.size());
   for (size_t k = 0; k < host_inputs.size(); ++k) {
+    if (host_inputs[k] == nullptr) continue;  // resident already (another chunk's input)
     const int v = graph_.inputs[k];
     backend_.upload(val(v), host_inputs[k], batch * per_sample(graph_, v));
   }
@@ -138,10 +164,15 @@ void Program::upload_inputs(const std::vector<const float*>& host_inputs, int64_
 
 void Program::forward_resident(int64_t batch, Mode mode, uint64_t seed, int64_t first_sample) {
   PIPESHARD_CHECK(batch >= 1 && batch <= plan_.max_batch, "batch " + std::to_string(batch));
-  for (size_t i = 0; i < graph_.nodes.size(); ++i) forward_node(i, batch, mode, seed, first_sample);
+  for (size_t i = 0; i < graph_.nodes.size(); ++i) {
+    if (selected(i)) forward_node(i, batch, mode, seed, first_sample);
+  }
   if (mode == Mode::kTrain) {
     // Backward adds into value gradients: start from zero (see plan_.cleared_values).
-    for (int v : plan_.cleared_values) backend_.fill(grad(v), 0.0f, batch * per_sample(graph_, v));
+    for (size_t c = 0; c < plan_.cleared_values.size(); ++c) {
+      const int v = plan_.cleared_values[c];
+      if (chunk_ < 0 || cleared_chunk_[c] == chunk_) backend_.fill(grad(v), 0.0f, batch * per_sample(graph_, v));
+    }
   }
 }
 
@@ -236,7 +267,7 @@ void Program::forward_node(size_t i, int64_t batch, Mode mode, uint64_t seed, in
 void Program::backward(int64_t batch, const std::function<void(size_t)>& after_node) {
   PIPESHARD_CHECK(!plan_.forward_only, "backward() of a forward-only program");
   backward_nodes(batch, Part::kWhole, after_node);
-  fresh_step_ = false;  // further backwards (accumulation) add
+  set_fresh(false);  // further backwards (accumulation) add
 }
 
 void Program::backward_input(int64_t batch) {
@@ -249,18 +280,19 @@ void Program::backward_input_replayed() {
   // Without deferred nodes backward_input() was the whole backward, Linears' parameter
   // gradients included.
   if (std::none_of(plan_.deferred_weight_grad.begin(), plan_.deferred_weight_grad.end(), [](bool d) { return d; })) {
-    fresh_step_ = false;
+    set_fresh(false);
   }
 }
 
 void Program::backward_weight(int64_t batch, const std::function<void(size_t)>& after_node) {
   PIPESHARD_CHECK(!plan_.forward_only, "backward_weight() of a forward-only program");
   backward_nodes(batch, Part::kWeight, after_node);
-  fresh_step_ = false;
+  set_fresh(false);
 }
 
 void Program::backward_nodes(int64_t batch, Part part, const std::function<void(size_t)>& after_node) {
   for (size_t i = graph_.nodes.size(); i-- > 0;) {
+    if (!selected(i)) continue;
     if (part == Part::kWeight) {
       if (plan_.deferred_weight_grad[i]) weight_backward(i, batch);
     } else {
@@ -355,7 +387,7 @@ void Program::linear_backward(size_t i, int64_t batch, Part part) {
   float* dx = plan_.needs_grad[x] ? grad(x) : nullptr;
   float* dw = weights ? param_grad(n.weight) : nullptr;
   float* db = weights ? param_grad(n.bias) : nullptr;
-  const GradWrite params = fresh_step_ && plan_.owns_param_grads[i] ? GradWrite::kOverwrite : GradWrite::kAdd;
+  const GradWrite params = fresh() && plan_.owns_param_grads[i] ? GradWrite::kOverwrite : GradWrite::kAdd;
   const GradWrite input = plan_.overwritten[x] ? GradWrite::kOverwrite : GradWrite::kAdd;
   if (!plan_.partial_input_grad[i] || dx == nullptr) {
     if (dx || dw || db) backend_.linear_backward(dx, dw, db, grad(y), val(x), param(n.weight), s, params, input);
@@ -386,14 +418,14 @@ void Program::weight_backward(size_t i, int64_t batch) {
   if (dw == nullptr && db == nullptr) return;
   if (plan_.recomputed[x]) recompute(x, batch);
   const LinearShape s{batch * rows_per_sample(graph_, x), n.in_features, n.out_features, n.layout, n.alpha, n.beta};
-  const GradWrite params = fresh_step_ && plan_.owns_param_grads[i] ? GradWrite::kOverwrite : GradWrite::kAdd;
+  const GradWrite params = fresh() && plan_.owns_param_grads[i] ? GradWrite::kOverwrite : GradWrite::kAdd;
   backend_.linear_backward(nullptr, dw, db, grad(y), val(x), param(n.weight), s, params);
 }
 
 void Program::zero_gradients() {
   if (plan_.forward_only) return;
   for (const auto& [begin, end] : plan_.zeroed_ranges) backend_.fill(grads_.data() + begin, 0.0f, end - begin);
-  fresh_step_ = true;
+  fresh_step_.assign(fresh_step_.size(), true);
 }
 
 float* Program::value(int v) {

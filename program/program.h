@@ -76,10 +76,17 @@ class Program {
   // round trip). `from` must be built from the same Graph.
   void copy_parameters_from(const Program& from);
 
-  // Selects the micro-batch slot (0 .. slots − 1) that the calls below work on.
+  // Selects the micro-batch slot (0 .. slots − 1; of the selected chunk's slots when chunks
+  // have their own counts) that the calls below work on.
   void select_slot(int slot);
   int slots() const { return plan_.slots; }
   int slot() const { return slot_; }
+  // Selects the model chunk (ProgramOptions::node_chunk) that forward and backward run:
+  // its nodes alone, its model inputs' and outputs' gradients cleared, its parameter
+  // gradients overwritten by its own first backward of the step. -1: every chunk (the
+  // default). Chunks share the parameter and gradient buffers and the slots.
+  void select_chunk(int chunk);
+  int chunks() const { return static_cast<int>(fresh_step_.size()); }
 
   // Runs forward for `batch` samples. host_inputs[k] points at the k-th model input,
   // [batch, ...] float32 in host memory. In kTrain mode every BatchNorm uses batch
@@ -128,7 +135,7 @@ class Program {
   void backward_weight(int64_t batch, const std::function<void(size_t)>& after_node = {});
   // What a backward (or its weight half) leaves behind on the host, for one replayed from a
   // recording (Backend::record), which runs no host code: later backwards of the step add.
-  void backward_replayed() { fresh_step_ = false; }
+  void backward_replayed() { set_fresh(false); }
   // The same for backward_input(): only when no weight half follows (it was the whole backward).
   void backward_input_replayed();
   // Zeroes the parameter gradients for a new step. Buffers that a single Linear writes
@@ -148,6 +155,7 @@ class Program {
  private:
   Program(const Graph& graph, Backend& backend, ProgramPlan plan, const ProgramOptions& options);
   void allocate();
+  void assign_chunks(const std::vector<int>& node_chunk);
   // The parts of backward: which parameter gradients a node's backward writes.
   enum class Part { kWhole, kInput, kWeight };
   void backward_nodes(int64_t batch, Part part, const std::function<void(size_t)>& after_node);
@@ -162,11 +170,21 @@ class Program {
   // Value v's activation and gradient in the selected slot.
   float* val(int v) const { return value_[v] + slot_ * plan_.value_slot_stride[v]; }
   float* grad(int v) const { return grad_[v] + slot_ * plan_.grad_slot_stride[v]; }
+  bool selected(size_t node) const { return chunk_ < 0 || node_chunk_[node] == chunk_; }
+  // Whether the selected chunk's backwards of this step have not yet written its parameter
+  // gradients (zero_gradients() ran since); set_fresh() sets it for the selected chunk
+  // (or every chunk).
+  bool fresh() const { return fresh_step_[std::max(chunk_, 0)]; }
+  void set_fresh(bool fresh);
 
   const Graph& graph_;
   Backend& backend_;
   const ProgramPlan plan_;
   int slot_ = 0;
+  int chunk_ = -1;                  // the selected chunk; -1: all
+  std::vector<int> node_chunk_;     // [graph nodes]; all 0 without chunks
+  std::vector<int> cleared_chunk_;  // [plan_.cleared_values]: the chunk of each
+  std::vector<int> chunk_slots_;    // [chunks] (ProgramOptions::chunk_slots); empty: plan_.slots each
   Communicator* tensor_ = nullptr;
   std::vector<uint64_t> model_node_ids_;  // [graph nodes]
   ChannelReducer batchnorm_reducer_;      // empty: per-process statistics
@@ -176,7 +194,7 @@ class Program {
   std::vector<DeviceBuffer> saved_a_, saved_b_;  // [graph nodes]: mean/rstd, mask
   std::vector<DeviceBuffer> scratch_;            // [graph nodes]: AllGather's and partial dx's staging
   std::vector<float*> value_, grad_;             // [graph values]; aliases point at their owner's
-  bool fresh_step_ = false;                      // zero_gradients() ran and no backward since
+  std::vector<bool> fresh_step_;                 // [chunks]: zero_gradients() ran and no backward since
 };
 
 }  // namespace pipeshard

@@ -51,7 +51,16 @@ class Planner {
     p_.max_batch = max_batch;
     p_.slots = options.slots;
     p_.forward_only = options.forward_only;
+    p_.value_chunk.assign(g.values.size(), 0);
+    for (size_t v = 0; v < g.values.size() && !options.node_chunk.empty(); ++v) {
+      const Value& value = g.values[v];
+      const int node = value.producer >= 0 ? value.producer : value.consumers.empty() ? -1 : value.consumers[0];
+      if (node >= 0) p_.value_chunk[v] = options.node_chunk[node];
+    }
   }
+
+  // The slots of value v's chunk.
+  int64_t slots_of(int v) const { return o_.chunk_slots.empty() ? o_.slots : o_.chunk_slots[p_.value_chunk[v]]; }
 
   Result<ProgramPlan> run(int tensor_shards, const std::vector<ActivationKind>& kept_when_fused) {
     plan_parameters();
@@ -106,7 +115,7 @@ class Planner {
       // row, BatchNorm's per channel, Dropout's mask; a slot's worth per micro-batch.
       const std::span<const SavedBuffer> saved = saved_buffers(n.kind);
       for (size_t k = 0; k < saved.size(); ++k) {
-        (k == 0 ? p_.saved_a_size : p_.saved_b_size)[i] = o_.slots * saved_elements(g_, n, saved[k], p_.max_batch);
+        (k == 0 ? p_.saved_a_size : p_.saved_b_size)[i] = slots_of(y) * saved_elements(g_, n, saved[k], p_.max_batch);
       }
     }
     p_.fused_activation.assign(nn, -1);
@@ -130,7 +139,7 @@ class Planner {
     auto own = [&](int v) {
       p_.value_slot_stride[v] = p_.max_batch * per_sample(g_, v);
       p_.value_buffer[v] = static_cast<int>(p_.value_buffer_sizes.size());
-      p_.value_buffer_sizes.push_back(o_.slots * p_.value_slot_stride[v]);
+      p_.value_buffer_sizes.push_back(slots_of(v) * p_.value_slot_stride[v]);
       p_.owner[v] = v;
     };
     for (int v : g_.inputs) own(v);
@@ -304,7 +313,7 @@ class Planner {
       if (own[v]) {
         p_.grad_slot_stride[v] = p_.max_batch * per_sample(g_, static_cast<int>(v));
         p_.grad_buffer[v] = static_cast<int>(p_.grad_buffer_sizes.size());
-        p_.grad_buffer_sizes.push_back(o_.slots * p_.grad_slot_stride[v]);
+        p_.grad_buffer_sizes.push_back(slots_of(static_cast<int>(v)) * p_.grad_slot_stride[v]);
       } else {
         order.push_back(static_cast<int>(v));
       }
@@ -405,6 +414,15 @@ Result<ProgramPlan> plan_program(const Graph& graph, int64_t max_batch, const Pr
                                  int tensor_shards, const std::vector<ActivationKind>& kept_when_fused) {
   if (max_batch < 1) return Status::error("the batch size must be at least 1");
   if (options.slots < 1) return Status::error("a program needs at least one micro-batch slot");
+  if (!options.node_chunk.empty()) {
+    if (options.node_chunk.size() != graph.nodes.size()) return Status::error("node_chunk must name every node");
+    const int chunks = *std::max_element(options.node_chunk.begin(), options.node_chunk.end()) + 1;
+    const bool fits = options.chunk_slots.empty() ||
+                      (static_cast<int>(options.chunk_slots.size()) >= chunks &&
+                       *std::max_element(options.chunk_slots.begin(), options.chunk_slots.end()) == options.slots &&
+                       *std::min_element(options.chunk_slots.begin(), options.chunk_slots.end()) >= 1);
+    if (!fits) return Status::error("chunk_slots must give each chunk 1 to `slots` slots, and one `slots`");
+  }
   if (!options.input_needs_grad.empty() && options.input_needs_grad.size() != graph.inputs.size()) {
     return Status::error("input_needs_grad has " + std::to_string(options.input_needs_grad.size()) + " entries for " +
                          std::to_string(graph.inputs.size()) + " inputs");

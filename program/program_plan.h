@@ -62,11 +62,22 @@ struct ProgramOptions {
   // and W actions): the output gradient of every node whose weight gradient W computes is
   // kept per slot from one to the other. false: backward() only.
   bool split_backward = false;
+  // [graph nodes] the model chunk each node belongs to, for a pipeline rank that holds
+  // several (interleaved and V schedules, runtime/stage_runner.h): the graph is their
+  // union, each chunk's nodes contiguous and in chunk order, no value passing from one
+  // chunk to another inside it. Program::select_chunk() then runs one chunk's forward and
+  // backward at a time. Empty: one chunk.
+  std::vector<int> node_chunk;
+  // [chunks] the slots of each chunk's values and saved tensors (a chunk's values: its
+  // nodes' outputs, and the model inputs its nodes read); `slots` must be the largest.
+  // Empty: `slots` for every chunk.
+  std::vector<int> chunk_slots;
 };
 
 struct ProgramPlan {
   int64_t max_batch = 0;
-  int slots = 1;
+  int slots = 1;                 // the most any chunk has
+  std::vector<int> value_chunk;  // [values]: the chunk of the producer, or of a model input's first reader
   bool forward_only = false;
 
   // ---- parameters ----
