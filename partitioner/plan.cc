@@ -39,16 +39,26 @@ std::vector<LiveRange> live_ranges(const Graph& g, const std::vector<int>& layer
 
 int64_t value_bytes(const Graph& g, int v) { return g.values[v].shape.per_sample_elements() * kFloatBytes; }
 
-// In-flight micro-batches on stage k, whose activations it must keep for backward.
-int64_t in_flight(const PartitionOptions& o, int k) {
-  const int m = micro_batch_count(o);
-  return find_schedule(o.schedule)->in_flight(o.stages, m, k);
-}
+// What the memory estimate needs of the schedule, per chunk (a pipeline stage when each
+// holds one): the micro-batches it keeps alive at once (its program's slots, as the stage
+// runner assigns them), and whether its stage runs backwards as halves (I, W), as the
+// trainer decides it: then each Linear keeps its output's gradient per slot from I to W
+// (program/program_plan.cc).
+struct ChunkSchedule {
+  std::vector<int> holder, in_flight;  // [chunks]
+  std::vector<bool> split;             // [chunks]
+};
 
-// Whether stage k's list runs backwards as halves (I, W), as the trainer decides it: then
-// each Linear keeps its output's gradient per slot from I to W (program/program_plan.cc).
-bool stage_splits_backward(const PartitionOptions& o, int k) {
-  return splits_backward(find_schedule(o.schedule)->build(o.stages, micro_batch_count(o))[k]);
+ChunkSchedule chunk_schedule(const PartitionOptions& o) {
+  const PipelineSchedule sc = make_pipeline_schedule(o.schedule, o.stages, micro_batch_count(o), {}, o.virtual_stages);
+  ChunkSchedule c;
+  for (int k = 0; k < sc.chunks(); ++k) {
+    const PipelineSchedule::Place place = sc.place_of(k);
+    c.holder.push_back(place.stage);
+    c.in_flight.push_back(max_in_flight_of_chunk(sc, place.stage, place.j));
+    c.split.push_back(splits_backward(sc.actions[place.stage]));
+  }
+  return c;
 }
 
 // Into how many parts a node running as `role` splits its output: a column-parallel,
@@ -95,14 +105,14 @@ LayerFigures layer_figures(const Graph& g, const std::vector<int>& layer, int la
 //   (program/program.h; an MLP needs no more);
 // - one micro-batch of tensor-parallel scratch: an AllGather's whole output, and the
 //   input gradient a column-parallel Linear computes in part.
-int64_t memory_bytes(const Graph& g, const PartitionOptions& o, int k, const StagePlan& s, int64_t param_elements,
-                     const std::vector<bool>& recomputed) {
+int64_t memory_bytes(const Graph& g, const PartitionOptions& o, int in_flight, bool split, const StagePlan& s,
+                     int64_t param_elements, const std::vector<bool>& recomputed) {
   std::map<std::string, int> by_name;
   for (size_t v = 0; v < g.values.size(); ++v) by_name[g.values[v].name] = static_cast<int>(v);
   auto bytes = [](const TensorSpec& t) { return t.shape.per_sample_elements() * kFloatBytes; };
   int64_t per_slot = 0;
   std::set<int> outputs;
-  for (const TensorSpec& t : s.inputs) per_slot += bytes(t) * (k > 0 ? 2 : 1);
+  for (const TensorSpec& t : s.inputs) per_slot += bytes(t) * (s.stage > 0 ? 2 : 1);
   for (const TensorSpec& t : s.outputs) {
     const int v = by_name.at(t.name);
     outputs.insert(v);
@@ -113,7 +123,6 @@ int64_t memory_bytes(const Graph& g, const PartitionOptions& o, int k, const Sta
     if (output_aliases_input(n.kind) && outputs.count(n.outputs[0])) outputs.insert(n.inputs[0]);
   }
   const int shards = o.tensor_parallel;
-  const bool split = stage_splits_backward(o, k);
   std::vector<int64_t> values, recomputed_values;  // per sample, in shared buffers
   int64_t scratch = 0;                             // per sample, one micro-batch
   for (size_t i = 0; i < s.nodes.size(); ++i) {
@@ -140,13 +149,13 @@ int64_t memory_bytes(const Graph& g, const PartitionOptions& o, int k, const Sta
     return (b.empty() ? 0 : b[0]) + (b.size() < 2 ? 0 : b[1]);
   };
   const int64_t shared = two_largest(values) + two_largest(recomputed_values) + scratch;
-  return param_elements * kFloatBytes * (2 + o.optimizer_slots) +
-         micro_batch_size(o) * (in_flight(o, k) * per_slot + shared);
+  return param_elements * kFloatBytes * (2 + o.optimizer_slots) + micro_batch_size(o) * (in_flight * per_slot + shared);
 }
 
-PipelineSplitProblem make_problem(const PartitionOptions& o, const LayerFigures& f, std::vector<int64_t> cut_bytes) {
+PipelineSplitProblem make_problem(const PartitionOptions& o, const ChunkSchedule& chunks, const LayerFigures& f,
+                                  std::vector<int64_t> cut_bytes) {
   PipelineSplitProblem p;
-  p.stages = o.stages;
+  p.stages = static_cast<int>(chunks.holder.size());
   p.cut_bytes = std::move(cut_bytes);
   switch (o.balance) {
     case BalanceBy::kParams: p.unit_cost = f.params; break;
@@ -154,7 +163,7 @@ PipelineSplitProblem make_problem(const PartitionOptions& o, const LayerFigures&
     case BalanceBy::kMemory:
       for (int64_t e : f.all_param_elements) p.unit_cost.push_back(e * kFloatBytes * (2 + o.optimizer_slots));
       p.unit_activation = f.activation_bytes;
-      for (int k = 0; k < o.stages; ++k) p.stage_activation_factor.push_back(in_flight(o, k) * micro_batch_size(o));
+      for (int n : chunks.in_flight) p.stage_activation_factor.push_back(n * micro_batch_size(o));
       break;
   }
   return p;
@@ -193,10 +202,23 @@ Status check_options(const PartitionOptions& o) {
                                                 std::to_string(o.micro_batches));
   }
   if (Status s = check_schedule_name(o.schedule); !s) return Status::invalid("schedule", s.message());
+  const ScheduleInfo& schedule = *find_schedule(o.schedule);
+  if (o.virtual_stages < 0 || (o.virtual_stages > 0 && schedule.chunks_per_stage > 0)) {
+    return Status::invalid("virtual_stages", "schedule '" + schedule.name + "' holds " +
+                                                 std::to_string(schedule.chunks_per_stage) +
+                                                 " chunk(s) per stage; virtual stages apply to a schedule that lets "
+                                                 "them be chosen (interleaved)");
+  }
   return Status::ok();
 }
 
 }  // namespace
+
+std::vector<int64_t> memory_per_stage(const Plan& plan) {
+  std::vector<int64_t> bytes(static_cast<size_t>(plan.options.stages), 0);
+  for (const StagePlan& s : plan.stages) bytes[s.holder] += s.memory_bytes;
+  return bytes;
+}
 
 int micro_batch_count(const PartitionOptions& o) { return o.micro_batches > 0 ? o.micro_batches : o.stages; }
 
@@ -235,9 +257,16 @@ Result<Plan> make_plan(const Graph& g, const std::string& model_path, const Part
   PIPESHARD_RETURN_IF_ERROR(check_options(o));
   const std::vector<int> layer = layer_of_nodes(g);
   const int layers = layer.empty() ? 0 : layer.back() + 1;
-  if (o.stages > layers) {
+  const ChunkSchedule chunks = chunk_schedule(o);
+  const int pieces = static_cast<int>(chunks.holder.size());
+  if (pieces > layers && pieces == o.stages) {
     return Status::error("cannot make " + std::to_string(o.stages) + " non-empty stages from " +
                          std::to_string(layers) + " layers");
+  }
+  if (pieces > layers) {
+    return Status::error("cannot cut " + std::to_string(pieces) + " chunks (" + std::to_string(o.stages) +
+                         " stages of " + std::to_string(pieces / o.stages) + " for the " + o.schedule +
+                         " schedule) from " + std::to_string(layers) + " layers: use fewer stages or virtual stages");
   }
   const std::vector<LiveRange> live = live_ranges(g, layer, layers);
   std::vector<int64_t> cut_bytes(layers + 1, 0);
@@ -249,7 +278,7 @@ Result<Plan> make_plan(const Graph& g, const std::string& model_path, const Part
   const std::vector<bool> recomputed =
       o.recompute_activations ? recomputable_values(g, o.kept_when_fused) : std::vector<bool>(g.values.size(), false);
   const LayerFigures fig = layer_figures(g, layer, layers, recomputed);
-  const PipelineSplitProblem problem = make_problem(o, fig, cut_bytes);
+  const PipelineSplitProblem problem = make_problem(o, chunks, fig, cut_bytes);
   Result<PipelineSplit> split = split_pipeline(problem);
   if (!split) return split.status();
 
@@ -259,10 +288,13 @@ Result<Plan> make_plan(const Graph& g, const std::string& model_path, const Part
   plan.total_parameters = g.total_parameter_count();
   plan.layers = layers;
   plan.crossing_bytes = split->crossing_bytes;
+  plan.chunks_per_stage = pieces / o.stages;
+  const std::string file_prefix = pieces == o.stages ? "stage_" : "chunk_";
   int64_t cost_sum = 0;
-  for (int k = 0; k < o.stages; ++k) {
+  for (int k = 0; k < pieces; ++k) {
     StagePlan s;
     s.stage = k;
+    s.holder = chunks.holder[k];
     s.first_layer = split->stage_begin[k];
     s.end_layer = split->stage_begin[k + 1];
     int64_t elements = 0;
@@ -286,15 +318,15 @@ Result<Plan> make_plan(const Graph& g, const std::string& model_path, const Part
       PIPESHARD_RETURN_IF_ERROR(assign_shard_roles(g, o, s));
       elements = sharded_parameter_elements(g, o.tensor_parallel, s);
       for (int t = 0; t < o.tensor_parallel; ++t) {
-        s.files.push_back("stage_" + std::to_string(k) + "_tp" + std::to_string(t) + ".onnx");
+        s.files.push_back(file_prefix + std::to_string(k) + "_tp" + std::to_string(t) + ".onnx");
       }
     } else {
-      s.files.push_back("stage_" + std::to_string(k) + ".onnx");
+      s.files.push_back(file_prefix + std::to_string(k) + ".onnx");
     }
-    s.memory_bytes = memory_bytes(g, o, k, s, elements, recomputed);
+    s.memory_bytes = memory_bytes(g, o, chunks.in_flight[k], chunks.split[k], s, elements, recomputed);
     plan.stages.push_back(std::move(s));
   }
-  const double mean = static_cast<double>(cost_sum) / o.stages;
+  const double mean = static_cast<double>(cost_sum) / pieces;
   plan.balance = mean > 0 ? static_cast<double>(split->max_stage_cost) / mean : 1.0;
   return plan;
 }
@@ -355,11 +387,13 @@ nlohmann::json plan_to_json(const Plan& plan, const Graph& g) {
   j["memory_assumptions"] = {{"batch_size", o.batch_size},
                              {"micro_batches", micro_batch_count(o)},
                              {"schedule", o.schedule},
+                             {"chunks_per_stage", plan.chunks_per_stage},
                              {"optimizer_slots", o.optimizer_slots}};
   j["stages"] = nlohmann::json::array();
   for (const StagePlan& s : plan.stages) {
     nlohmann::json st;
     st["stage"] = s.stage;
+    if (plan.chunks_per_stage > 1) st["held_by_stage"] = s.holder;
     st["layers"] = {s.first_layer, s.end_layer};
     st["parameters"] = s.parameters;
     st["share"] = plan.total_parameters ? static_cast<double>(s.parameters) / plan.total_parameters : 0.0;

@@ -39,9 +39,12 @@ struct PartitionOptions {
   int tensor_parallel = 1;
   BalanceBy balance = BalanceBy::kParams;
   // Assumptions of the memory estimate (and of --balance memory):
-  int64_t batch_size = 32;            // samples per step on one data-parallel replica
-  int micro_batches = 0;              // 0: as many as stages
-  std::string schedule = "1f1b";      // a registered pipeline schedule (schedule/registry.h)
+  int64_t batch_size = 32;        // samples per step on one data-parallel replica
+  int micro_batches = 0;          // 0: as many as stages
+  std::string schedule = "1f1b";  // a registered pipeline schedule (schedule/registry.h)
+  // Chunks per stage for a schedule whose count the user chooses (interleaved's
+  // --virtual-stages); 0: the schedule's own (chunks_per_stage_of() in schedule/registry.h).
+  int virtual_stages = 0;
   int optimizer_slots = 2;            // float32 state per parameter (Adam: 2, SGD+momentum: 1)
   bool recompute_activations = true;  // training recomputes recomputable_values() (train --keep-activations: false)
   // Fused activations the backend keeps anyway (program/program.h's kept_when_fused():
@@ -56,15 +59,19 @@ struct TensorSpec {
   Shape shape;
 };
 
+// One piece the model is cut into: a pipeline stage, or where the schedule places several
+// model chunks on each stage (interleaved, V), one chunk. Pieces are numbered in model
+// order; `holder` is the pipeline stage that runs it.
 struct StagePlan {
-  int stage = 0;
+  int stage = 0;                       // the piece: stage, or model chunk
+  int holder = 0;                      // the pipeline stage holding it (== stage with one chunk per stage)
   std::vector<int> nodes;              // Graph node ids, in topological order
   int first_layer = 0, end_layer = 0;  // layers [first_layer, end_layer)
   int64_t parameters = 0;              // trainable elements (a shared tensor once)
   int64_t cost = 0;                    // what the balance minimised
   int64_t flops_per_sample = 0;        // multiply-accumulates, forward
   int64_t activation_bytes_out = 0;    // per sample, crossing the cut after this stage
-  int64_t memory_bytes = 0;            // estimate per rank: see PartitionOptions
+  int64_t memory_bytes = 0;            // estimate per rank (of this piece): see PartitionOptions
   std::vector<TensorSpec> inputs;      // values this stage's nodes read from earlier stages
   std::vector<TensorSpec> outputs;     // values it produces that later stages or the loss need
   std::vector<TensorSpec> carried;     // values passing through it to a later stage
@@ -77,9 +84,10 @@ struct Plan {
   PartitionOptions options;
   int64_t total_parameters = 0;
   int layers = 0;
-  std::vector<StagePlan> stages;
-  double balance = 1.0;        // largest stage cost / mean stage cost
-  int64_t crossing_bytes = 0;  // per sample, summed over the cuts
+  int chunks_per_stage = 1;       // v: stages.size() is stages × v
+  std::vector<StagePlan> stages;  // the pieces, in model order
+  double balance = 1.0;           // largest stage cost / mean stage cost
+  int64_t crossing_bytes = 0;     // per sample, summed over the cuts
 };
 
 // Layer index of every node ([nodes]); the number of layers is back() + 1.
@@ -106,6 +114,11 @@ nlohmann::json plan_to_json(const Plan& plan, const Graph& graph);
 // plan.json's text. Names that are not valid UTF-8 (corrupt files) get U+FFFD in place
 // of the bad bytes instead of failing.
 std::string plan_json_text(const Plan& plan, const Graph& graph);
+
+// The memory estimate per rank of each pipeline stage: its pieces' memory_bytes summed.
+// (A stage holding several chunks runs one program over them all; its shared buffers are
+// counted per chunk here, an estimate above the program's by at most their size.)
+std::vector<int64_t> memory_per_stage(const Plan& plan);
 
 // Micro-batches per step as the memory estimate assumes them: `micro_batches`, or as many
 // as stages when that is 0.

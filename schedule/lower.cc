@@ -96,7 +96,7 @@ PipelineSchedule lower_schedule(std::string name, int stages, int micro_batches,
 }
 
 PipelineSchedule make_pipeline_schedule(std::string_view name, int stages, int micro_batches,
-                                        const LowerOptions& options) {
+                                        const LowerOptions& options, int virtual_stages) {
   const ScheduleInfo* info = find_schedule(name);
   PIPESHARD_CHECK(info != nullptr, check_schedule_name(name).message());
   PIPESHARD_CHECK(stages >= 1 && micro_batches >= 1,
@@ -105,7 +105,8 @@ PipelineSchedule make_pipeline_schedule(std::string_view name, int stages, int m
   if (info->placement) {
     chunk_stage = info->placement(stages);
   } else {
-    for (int c = 0; c < stages * info->chunks_per_stage; ++c) chunk_stage.push_back(c % stages);
+    const int v = chunks_per_stage_of(*info, virtual_stages);
+    for (int c = 0; c < stages * v; ++c) chunk_stage.push_back(c % stages);
   }
   return lower_schedule(info->name, stages, micro_batches, chunk_stage, info->build(stages, micro_batches), options);
 }

@@ -99,6 +99,11 @@ std::list<ScheduleInfo>& table() {
 
 }  // namespace
 
+int chunks_per_stage_of(const ScheduleInfo& info, int virtual_stages) {
+  if (info.chunks_per_stage > 0) return info.chunks_per_stage;
+  return virtual_stages > 0 ? virtual_stages : 2;
+}
+
 const ScheduleInfo* find_schedule(std::string_view name) {
   for (const ScheduleInfo& row : table()) {
     if (row.name == name) return &row;

@@ -38,6 +38,10 @@ struct ScheduleInfo {
   std::string bubble_formula;
 };
 
+// The chunks per stage (v) the row runs: its fixed count, or for a row whose count the user
+// chooses (chunks_per_stage 0) `virtual_stages`, 2 when that is 0.
+int chunks_per_stage_of(const ScheduleInfo& info, int virtual_stages);
+
 // The row named `name`, or null.
 const ScheduleInfo* find_schedule(std::string_view name);
 // Every registered name, built-in ones first: "gpipe", "1f1b", ...
