@@ -51,38 +51,63 @@ RankModel RankModel::whole(const Graph& graph, const ProcessLayout& layout) {
   return r;
 }
 
-// What RankModel::create works from: the whole model, its plan, and the stage's graph.
+// What RankModel::create works from: the whole model, its plan, and which piece of the
+// plan (stage, or model chunk) each node is in.
 struct RankModel::Cut {
   const Graph& g;
   const Plan& plan;
-  const std::string& label;      // "model.onnx (stage 1, shard 0)", for messages
-  std::vector<int> stage_of;     // [whole-model nodes]
+  std::vector<int> piece_of;     // [whole-model nodes]
   std::vector<bool> needs_grad;  // [whole-model values]: a trainable parameter is upstream
 };
 
+namespace {
+
+// Appends `part` to `into`, every index moved past what `into` holds.
+void append_graph(Graph& into, const Graph& part) {
+  const int values = static_cast<int>(into.values.size()), nodes = static_cast<int>(into.nodes.size());
+  const int params = static_cast<int>(into.params.size());
+  if (into.values.empty()) {
+    into.name = part.name;
+    into.opset = part.opset;
+  }
+  for (Value v : part.values) {
+    if (v.producer >= 0) v.producer += nodes;
+    for (int& c : v.consumers) c += nodes;
+    into.values.push_back(std::move(v));
+  }
+  for (Node n : part.nodes) {
+    for (int& v : n.inputs) v += values;
+    for (int& v : n.outputs) v += values;
+    for (int* p : {&n.weight, &n.bias, &n.running_mean, &n.running_var}) {
+      if (*p >= 0) *p += params;
+    }
+    into.nodes.push_back(std::move(n));
+  }
+  into.params.insert(into.params.end(), part.params.begin(), part.params.end());
+  for (int v : part.inputs) into.inputs.push_back(v + values);
+  for (int v : part.outputs) into.outputs.push_back(v + values);
+}
+
+}  // namespace
+
 Result<RankModel> RankModel::create(const ImportedModel& model, const ProcessLayout& layout, PartitionOptions options) {
   const Graph& g = model.graph;
-  if (layout.stages == 1 && layout.shards == 1) return whole(g, layout);
   options.stages = layout.stages;
   options.tensor_parallel = layout.shards;
   Result<Plan> plan = make_plan(g, model.path, options);
   if (!plan) return plan.status();
-  Result<std::shared_ptr<onnx::ModelProto>> proto = build_stage_model(model, *plan, layout.stage, layout.shard);
-  if (!proto) return proto.status();
-  const std::string label =
-      model.path + " (stage " + std::to_string(layout.stage) + ", shard " + std::to_string(layout.shard) + ")";
-  Result<ImportedModel> stage =
-      import_onnx_model(*proto, std::filesystem::path(model.path).parent_path().string(), label);
-  if (!stage) return stage.status().with_context("cutting the stage file");
+  if (layout.stages == 1 && layout.shards == 1 && plan->stages.size() == 1) return whole(g, layout);
 
   RankModel r;
   r.full_ = &g;
   r.whole_ = false;
   r.layout_ = layout;
-  r.local_ = std::move(stage->graph);
-  Cut cut{g, *plan, label, std::vector<int>(g.nodes.size(), -1), {}};
+  r.model_chunks_.clear();
+  r.incoming_.clear();
+  r.outgoing_.clear();
+  Cut cut{g, *plan, std::vector<int>(g.nodes.size(), -1), {}};
   for (const StagePlan& s : plan->stages)
-    for (int n : s.nodes) cut.stage_of[n] = s.stage;
+    for (int n : s.nodes) cut.piece_of[n] = s.stage;
   // Gradients flow back to a value when a trainable parameter is upstream of it.
   cut.needs_grad.assign(g.values.size(), false);
   for (const Node& n : g.nodes) {
@@ -92,36 +117,97 @@ Result<RankModel> RankModel::create(const ImportedModel& model, const ProcessLay
     for (int out : n.outputs) cut.needs_grad[out] = upstream;
   }
   PIPESHARD_RETURN_IF_ERROR(r.place_parameters(cut));
-  r.name_nodes_and_inputs(cut);
-  PIPESHARD_RETURN_IF_ERROR(r.find_links(cut));
+  const bool chunked = plan->chunks_per_stage > 1;
+  for (const StagePlan& piece : plan->stages) {
+    if (piece.holder != layout.stage) continue;
+    Result<std::shared_ptr<onnx::ModelProto>> proto = build_stage_model(model, *plan, piece.stage, layout.shard);
+    if (!proto) return proto.status();
+    const std::string label = model.path + " (" + (chunked ? "chunk " : "stage ") + std::to_string(piece.stage) +
+                              ", shard " + std::to_string(layout.shard) + ")";
+    Result<ImportedModel> part =
+        import_onnx_model(*proto, std::filesystem::path(model.path).parent_path().string(), label);
+    if (!part) return part.status().with_context("cutting the stage file");
+    PIPESHARD_RETURN_IF_ERROR(r.add_chunk(cut, piece.stage, part->graph, label));
+  }
+  for (int p : r.stage_params_[layout.stage]) {
+    if (std::find(r.full_param_.begin(), r.full_param_.end(), p) == r.full_param_.end()) {
+      return Status::error(model.path + " (stage " + std::to_string(layout.stage) + ", shard " +
+                           std::to_string(layout.shard) + "): parameter '" + g.params[p].name +
+                           "' is missing from the stage");
+    }
+  }
+  // The loss reads output 0 (program/loss.h): the last chunk's outputs go first.
+  if (r.model_chunks_.back() == static_cast<int>(plan->stages.size()) - 1 && r.chunks() > 1) {
+    std::stable_partition(r.local_.outputs.begin(), r.local_.outputs.end(), [&](int v) {
+      const int producer = r.local_.values[v].producer;
+      return producer >= 0 && r.node_chunk_[producer] == r.chunks() - 1;
+    });
+  }
+  if (!chunked) r.node_chunk_.clear();
   return r;
 }
 
-// Parameters each stage holds (a parameter in two stages cannot be trained there: its two
-// halves of the gradient would never meet), and the local parameters as (slices of)
-// whole-model ones.
+// Parameters each stage holds (a parameter in two pieces cannot be trained there: its two
+// halves of the gradient would never meet).
 Status RankModel::place_parameters(const Cut& cut) {
   const Graph& g = cut.g;
-  const auto full_params = index_by_name(g.params);
+  const bool chunked = cut.plan.chunks_per_stage > 1;
   stage_params_.assign(layout_.stages, {});
   std::vector<int> holder(g.params.size(), -1);
   for (size_t n = 0; n < g.nodes.size(); ++n) {
     for (int p : g.node_params(g.nodes[n])) {
-      const int s = cut.stage_of[n];
+      const int s = cut.piece_of[n];
       if (holder[p] >= 0 && holder[p] != s) {
-        return Status::invalid("stages", "parameter '" + g.params[p].name + "' is used by stages " +
-                                             std::to_string(holder[p]) + " and " + std::to_string(s) +
+        return Status::invalid("stages", "parameter '" + g.params[p].name + "' is used by " +
+                                             (chunked ? "chunks " : "stages ") + std::to_string(holder[p]) + " and " +
+                                             std::to_string(s) +
                                              "; weights shared across pipeline stages cannot be trained: use fewer "
                                              "stages");
       }
-      if (holder[p] < 0) stage_params_[s].push_back(p);
+      if (holder[p] < 0) stage_params_[cut.plan.stages[s].holder].push_back(p);
       holder[p] = s;
     }
   }
   for (auto& list : stage_params_) std::sort(list.begin(), list.end());
-  for (const Parameter& q : local_.params) {
+  return Status::ok();
+}
+
+Status RankModel::add_chunk(const Cut& cut, int c, const Graph& part, const std::string& label) {
+  const int j = chunks(), last = static_cast<int>(cut.plan.stages.size()) - 1;
+  const int values = static_cast<int>(local_.values.size());
+  PIPESHARD_RETURN_IF_ERROR(map_parameters(cut, part, label));
+  name_nodes_and_inputs(cut, part);
+  std::vector<LinkValue> in, out;
+  if (c > 0) {
+    Result<std::vector<LinkValue>> links = link(cut, c - 1, part, label);
+    if (!links) return links.status();
+    in = std::move(*links);
+  }
+  if (c < last) {
+    Result<std::vector<LinkValue>> links = link(cut, c, part, label);
+    if (!links) return links.status();
+    out = std::move(*links);
+  }
+  for (auto* side : {&in, &out}) {
+    for (LinkValue& l : *side) {
+      if (l.local >= 0) l.local += values;
+    }
+  }
+  model_chunks_.push_back(c);
+  incoming_.push_back(std::move(in));
+  outgoing_.push_back(std::move(out));
+  node_chunk_.insert(node_chunk_.end(), part.nodes.size(), j);
+  append_graph(local_, part);
+  return Status::ok();
+}
+
+// The chunk's parameters as (slices of) whole-model ones.
+Status RankModel::map_parameters(const Cut& cut, const Graph& part, const std::string& label) {
+  const Graph& g = cut.g;
+  const auto full_params = index_by_name(g.params);
+  for (const Parameter& q : part.params) {
     auto it = full_params.find(q.name);
-    if (it == full_params.end()) return Status::error(cut.label + ": parameter '" + q.name + "' is not in the model");
+    if (it == full_params.end()) return Status::error(label + ": parameter '" + q.name + "' is not in the model");
     const Parameter& whole = g.params[it->second];
     int axis = -1;
     if (q.dims != whole.dims) {
@@ -130,15 +216,10 @@ Status RankModel::place_parameters(const Cut& cut) {
         if (axis >= 0 || q.dims[a] * layout_.shards != whole.dims[a]) axis = -2;
         if (axis == -1) axis = static_cast<int>(a);
       }
-      if (axis < 0) return Status::error(cut.label + ": parameter '" + q.name + "' is no even shard of the model's");
+      if (axis < 0) return Status::error(label + ": parameter '" + q.name + "' is no even shard of the model's");
     }
     full_param_.push_back(it->second);
     shard_axis_.push_back(axis);
-  }
-  for (int p : stage_params_[layout_.stage]) {
-    if (std::find(full_param_.begin(), full_param_.end(), p) == full_param_.end()) {
-      return Status::error(cut.label + ": parameter '" + g.params[p].name + "' is missing from the stage");
-    }
   }
   return Status::ok();
 }
@@ -147,31 +228,34 @@ Status RankModel::place_parameters(const Cut& cut) {
 // unique in ONNX (node names need not be). Nodes the stage writer made (sharded Linears)
 // produce values of their own and get ids past the model's. A stage input needs a
 // gradient when the whole model's value does.
-void RankModel::name_nodes_and_inputs(const Cut& cut) {
+void RankModel::name_nodes_and_inputs(const Cut& cut, const Graph& part) {
   const Graph& g = cut.g;
   const auto full_values = index_by_name(g.values);
-  for (size_t i = 0; i < local_.nodes.size(); ++i) {
-    auto it = full_values.find(local_.values[local_.nodes[i].outputs[0]].name);
+  for (size_t i = 0; i < part.nodes.size(); ++i) {
+    auto it = full_values.find(part.values[part.nodes[i].outputs[0]].name);
     const int producer = it != full_values.end() ? g.values[it->second].producer : -1;
-    model_node_ids_.push_back(producer >= 0 ? static_cast<uint64_t>(producer) : g.nodes.size() + i);
+    model_node_ids_.push_back(producer >= 0 ? static_cast<uint64_t>(producer)
+                                            : g.nodes.size() + model_node_ids_.size());
   }
-  for (int v : local_.inputs) {
-    auto it = full_values.find(local_.values[v].name);
+  for (int v : part.inputs) {
+    auto it = full_values.find(part.values[v].name);
     input_needs_grad_.push_back(it != full_values.end() && cut.needs_grad[it->second]);
   }
 }
 
-// The values crossing cut c (after stage c): made at or before stage c, read after it
-// (the loss reads the model outputs on the last stage), checked against the Plan's.
-Result<std::vector<LinkValue>> RankModel::link(const Cut& cut, int c) const {
+// The values crossing cut c (after piece c): made at or before piece c, read after it
+// (the loss reads the model outputs in the last piece), checked against the Plan's; their
+// local ids are `part`'s.
+Result<std::vector<LinkValue>> RankModel::link(const Cut& cut, int c, const Graph& part,
+                                               const std::string& label) const {
   const Graph& g = cut.g;
   std::vector<int> made(g.values.size(), -1), last(g.values.size(), -1);
   for (size_t v = 0; v < g.values.size(); ++v) {
-    if (g.values[v].producer >= 0) made[v] = cut.stage_of[g.values[v].producer];
-    for (int reader : g.values[v].consumers) last[v] = std::max(last[v], cut.stage_of[reader]);
+    if (g.values[v].producer >= 0) made[v] = cut.piece_of[g.values[v].producer];
+    for (int reader : g.values[v].consumers) last[v] = std::max(last[v], cut.piece_of[reader]);
   }
-  for (int v : g.outputs) last[v] = layout_.stages - 1;
-  const auto full_values = index_by_name(g.values), local_values = index_by_name(local_.values);
+  for (int v : g.outputs) last[v] = static_cast<int>(cut.plan.stages.size()) - 1;
+  const auto full_values = index_by_name(g.values), local_values = index_by_name(part.values);
   std::vector<LinkValue> out;
   std::set<std::string> names;
   for (size_t v = 0; v < g.values.size(); ++v) {
@@ -179,8 +263,8 @@ Result<std::vector<LinkValue>> RankModel::link(const Cut& cut, int c) const {
     LinkValue l{g.values[v].name, g.values[v].shape.per_sample_elements(), cut.needs_grad[v], -1};
     if (auto it = local_values.find(l.name); it != local_values.end()) {
       l.local = it->second;
-      if (local_.values[l.local].shape.per_sample_elements() != l.per_sample) {
-        return Status::error(cut.label + ": value '" + l.name + "' crosses a cut but is sharded in the stage");
+      if (part.values[l.local].shape.per_sample_elements() != l.per_sample) {
+        return Status::error(label + ": value '" + l.name + "' crosses a cut but is sharded in the stage");
       }
     }
     out.push_back(l);
@@ -196,24 +280,10 @@ Result<std::vector<LinkValue>> RankModel::link(const Cut& cut, int c) const {
     same = same && names.count(t.name) && it != full_values.end() && g.values[it->second].shape == t.shape;
   }
   if (!same) {
-    return Status::error(cut.label + ": the values crossing cut " + std::to_string(c) + " do not match the plan (" +
+    return Status::error(label + ": the values crossing cut " + std::to_string(c) + " do not match the plan (" +
                          shape_list(planned) + ")");
   }
   return out;
-}
-
-Status RankModel::find_links(const Cut& cut) {
-  if (layout_.stage > 0) {
-    Result<std::vector<LinkValue>> in = link(cut, layout_.stage - 1);
-    if (!in) return in.status();
-    incoming_ = std::move(*in);
-  }
-  if (layout_.stage < layout_.stages - 1) {
-    Result<std::vector<LinkValue>> out = link(cut, layout_.stage);
-    if (!out) return out.status();
-    outgoing_ = std::move(*out);
-  }
-  return Status::ok();
 }
 
 std::vector<float> RankModel::slice(int local, const std::vector<float>& whole) const {

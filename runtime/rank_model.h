@@ -12,6 +12,13 @@
 // - for every local parameter, the whole-model parameter it is (a slice of), so that
 //   checkpoints and saved models are stored whole, by initializer name, and a run can
 //   resume under any other layout.
+//
+// Where the schedule places several model chunks on each stage (interleaved, V), the plan
+// cuts the model into stages × v chunks and the rank's Graph is the union of its chunks'
+// files, in model order: each chunk's nodes contiguous (node_chunk() says whose), its
+// values its own (a value two chunks of the rank share, as a residual or the turn of a V,
+// is the output of one and an input of the other, under the same name), the chunk that
+// computes the loss first among the outputs. The links are per chunk.
 #ifndef PIPESHARD_RUNTIME_RANK_MODEL_H_
 #define PIPESHARD_RUNTIME_RANK_MODEL_H_
 
@@ -49,10 +56,15 @@ class RankModel {
   bool is_whole() const { return whole_; }
   const ProcessLayout& layout() const { return layout_; }
 
-  // Values received from stage − 1 and sent to stage + 1, in value-id order of the whole
-  // model (empty on the first and last stage respectively).
-  const std::vector<LinkValue>& incoming() const { return incoming_; }
-  const std::vector<LinkValue>& outgoing() const { return outgoing_; }
+  // The model chunks this rank holds, ascending (one: its stage), and for each node of
+  // graph() its index j among them (empty with one chunk: all 0).
+  int chunks() const { return static_cast<int>(model_chunks_.size()); }
+  int model_chunk(int j) const { return model_chunks_[j]; }
+  const std::vector<int>& node_chunk() const { return node_chunk_; }
+  // Values chunk j receives from the model chunk before it and sends to the one after it,
+  // in value-id order of the whole model (empty for the model's first and last chunk).
+  const std::vector<LinkValue>& incoming(int j = 0) const { return incoming_[j]; }
+  const std::vector<LinkValue>& outgoing(int j = 0) const { return outgoing_[j]; }
   // [graph inputs] whether backward must produce the input's gradient.
   const std::vector<bool>& input_needs_grad() const { return input_needs_grad_; }
   // [graph nodes] the node's index in the whole model (keys dropout masks).
@@ -62,7 +74,7 @@ class RankModel {
   // it is split over the shards (-1: held whole).
   int full_param(int local) const { return full_param_[local]; }
   int shard_axis(int local) const { return shard_axis_[local]; }
-  // Whole-model parameters held by each stage, ascending.
+  // Whole-model parameters held by each pipeline stage (all its chunks), ascending.
   const std::vector<int>& stage_params(int stage) const { return stage_params_[stage]; }
 
   // This rank's slice of whole-model tensor data for local parameter `local`.
@@ -80,15 +92,18 @@ class RankModel {
  private:
   struct Cut;
   Status place_parameters(const Cut& cut);
-  void name_nodes_and_inputs(const Cut& cut);
-  Result<std::vector<LinkValue>> link(const Cut& cut, int c) const;
-  Status find_links(const Cut& cut);
+  // Appends model chunk c's Graph `part` (its stage file, imported) to the rank's.
+  Status add_chunk(const Cut& cut, int c, const Graph& part, const std::string& label);
+  Status map_parameters(const Cut& cut, const Graph& part, const std::string& label);
+  void name_nodes_and_inputs(const Cut& cut, const Graph& part);
+  Result<std::vector<LinkValue>> link(const Cut& cut, int c, const Graph& part, const std::string& label) const;
 
   const Graph* full_ = nullptr;
   bool whole_ = true;
   ProcessLayout layout_;
   Graph local_;
-  std::vector<LinkValue> incoming_, outgoing_;
+  std::vector<int> model_chunks_ = {0}, node_chunk_;
+  std::vector<std::vector<LinkValue>> incoming_ = {{}}, outgoing_ = {{}};  // [chunks]
   std::vector<bool> input_needs_grad_;
   std::vector<uint64_t> model_node_ids_;
   std::vector<int> full_param_, shard_axis_;

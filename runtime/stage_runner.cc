@@ -59,49 +59,78 @@ StageRunner::StageRunner(const RankModel& rank, Program& program, Backend& backe
   PIPESHARD_CHECK(schedule.stages == rank.layout().stages && stage_ < schedule.stages,
                   "a schedule of " + std::to_string(schedule.stages) + " stages for stage " + std::to_string(stage_) +
                       " of " + std::to_string(rank.layout().stages));
-  PIPESHARD_CHECK(schedule.stage_chunks[stage_].size() == 1,
-                  "schedule '" + schedule.name + "' places several chunks on a stage; a stage runs one so far");
-  const int chunk = schedule.chunk_of(stage_, 0);
-  first_chunk_ = chunk == 0;
-  last_chunk_ = chunk == schedule.chunks() - 1;
-  int used = 0;
-  slot_of_ = slots_of_micro_batches(schedule.actions[stage_], schedule.micro_batches, &used);
-  PIPESHARD_CHECK(used <= program.slots(), "schedule '" + schedule.name + "' keeps " + std::to_string(used) +
-                                               " micro-batches alive on stage " + std::to_string(stage_) +
-                                               ", the program has " + std::to_string(program.slots()) + " slots");
-  last_gradient_action_ = last_gradient_action(schedule, stage_, 0);
-  const int slots = program.slots();
-  sends_.resize(static_cast<size_t>(slots));
-  for (const auto* side : {&rank.incoming(), &rank.outgoing()}) {
-    for (const LinkValue& l : *side) {
-      if (l.local >= 0 || carried_.count(l.name)) continue;
-      Carried& c = carried_[l.name];
-      c.value = DeviceBuffer(backend, slots * micro_ * l.per_sample);
-      c.grad = DeviceBuffer(backend, slots * micro_ * l.per_sample);
-    }
+  const int chunks = static_cast<int>(schedule.stage_chunks[stage_].size());
+  PIPESHARD_CHECK(chunks == rank.chunks() && program.chunks() == chunks,
+                  "schedule '" + schedule.name + "' places " + std::to_string(chunks) + " chunks on stage " +
+                      std::to_string(stage_) + ", which holds " + std::to_string(rank.chunks()));
+  const std::vector<Action>& list = schedule.actions[stage_];
+  for (size_t i = 0; i < list.size(); ++i) {
+    if (list[i].kind == ActionKind::kReduceGradients) last_reduce_ = static_cast<int>(i);
   }
   const Graph& g = rank.graph();
-  for (const LinkValue& l : rank.outgoing()) {
-    // Read here and passed on: the later stages' gradient is staged, then added.
-    if (l.local >= 0 && g.values[l.local].producer < 0 && !carried_.count(l.name)) {
-      Carried& c = carried_[l.name];
-      c.grad = DeviceBuffer(backend, slots * micro_ * l.per_sample);
+  chunks_.resize(static_cast<size_t>(chunks));
+  for (int j = 0; j < chunks; ++j) {
+    Chunk& c = chunks_[j];
+    const int model_chunk = schedule.chunk_of(stage_, j);
+    PIPESHARD_CHECK(model_chunk == rank.model_chunk(j), "stage " + std::to_string(stage_) + " holds chunk " +
+                                                            std::to_string(rank.model_chunk(j)) + ", the schedule " +
+                                                            std::to_string(model_chunk));
+    c.first = model_chunk == 0;
+    c.last = model_chunk == schedule.chunks() - 1;
+    c.after_local = !c.first && peer(j, -1) == stage_;
+    c.before_local = !c.last && peer(j, +1) == stage_;
+    std::vector<Action> mine;
+    for (const Action& a : list) {
+      if (a.chunk == j && a.kind != ActionKind::kReduceGradients) mine.push_back(a);
+    }
+    int used = 0;
+    c.slot_of = slots_of_micro_batches(mine, schedule.micro_batches, &used);
+    c.slots = std::max(used, 1);
+    program.select_chunk(chunks > 1 ? j : -1);
+    program.select_slot(c.slots - 1);  // the program has the slots the schedule needs (a bug otherwise)
+    c.last_gradient_action = last_gradient_action(schedule, stage_, j);
+    c.sends.resize(static_cast<size_t>(c.slots));
+    for (const auto* side : {&rank.incoming(j), &rank.outgoing(j)}) {
+      for (const LinkValue& l : *side) {
+        if (l.local >= 0 || c.carried.count(l.name)) continue;
+        Carried& carried = c.carried[l.name];
+        carried.value = DeviceBuffer(backend, c.slots * micro_ * l.per_sample);
+        carried.grad = DeviceBuffer(backend, c.slots * micro_ * l.per_sample);
+      }
+    }
+    for (const LinkValue& l : rank.outgoing(j)) {
+      // Read here and passed on: the later chunks' gradient is staged, then added.
+      if (l.local >= 0 && g.values[l.local].producer < 0 && !c.carried.count(l.name)) {
+        c.carried[l.name].grad = DeviceBuffer(backend, c.slots * micro_ * l.per_sample);
+      }
     }
   }
+  reset_pass_times();
 }
 
-int StageRunner::slots_needed(const PipelineSchedule& schedule, int stage) {
+int StageRunner::slots_needed(const PipelineSchedule& schedule, int stage, int j) {
+  std::vector<Action> mine;
+  for (const Action& a : schedule.actions[stage]) {
+    if (a.chunk == j && a.kind != ActionKind::kReduceGradients) mine.push_back(a);
+  }
   int used = 0;
-  slots_of_micro_batches(schedule.actions[stage], schedule.micro_batches, &used);
+  slots_of_micro_batches(mine, schedule.micro_batches, &used);
   return std::max(used, 1);
 }
 
-// Stage s sends its list of (elements per sample, gradient flows back) to stage s + 1,
-// which compares it with what it expects. Ranks that cut their stages from different
-// files fail here with a message instead of exchanging mis-sized messages later.
+void StageRunner::reset_pass_times() {
+  pass_times_ = {};
+  pass_times_.us.resize(chunks_.size());
+  pass_times_.count.resize(chunks_.size());
+}
+
+// Each chunk sends its list of (elements per sample, gradient flows back) to the stage
+// holding the next chunk, which compares it with what it expects. Ranks that cut their
+// stages from different files fail here with a message instead of exchanging mis-sized
+// messages later. Both sides go through their chunks in model order, so the messages
+// between two stages match in order.
 Status StageRunner::check_links() {
   if (!pipeline_) return Status::ok();
-  const int stages = rank_.layout().stages;
   auto describe = [](const std::vector<LinkValue>& links) {
     std::vector<float> d{static_cast<float>(links.size())};
     for (const LinkValue& l : links) {
@@ -110,28 +139,37 @@ Status StageRunner::check_links() {
     }
     return d;
   };
-  std::unique_ptr<Request> sent;
-  const std::vector<float> outgoing = describe(rank_.outgoing());
-  std::vector<float> count(1);
-  if (stage_ + 1 < stages) {
-    pipeline_->send(outgoing.data(), 1, stage_ + 1, kLinkTag);
-    sent = pipeline_->send_async(outgoing.data() + 1, static_cast<int64_t>(outgoing.size()) - 1, stage_ + 1, kLinkTag);
+  std::vector<std::vector<float>> outgoing;
+  std::vector<std::unique_ptr<Request>> sent;
+  for (size_t j = 0; j < chunks_.size(); ++j) {
+    const Chunk& c = chunks_[j];
+    if (c.last || c.before_local) continue;
+    outgoing.push_back(describe(rank_.outgoing(static_cast<int>(j))));
+    const std::vector<float>& d = outgoing.back();
+    const int to = peer(static_cast<int>(j), +1);
+    pipeline_->send(d.data(), 1, to, kLinkTag);
+    sent.push_back(pipeline_->send_async(d.data() + 1, static_cast<int64_t>(d.size()) - 1, to, kLinkTag));
   }
-  if (stage_ > 0) {
-    const std::vector<float> expected = describe(rank_.incoming());
-    pipeline_->recv(count.data(), 1, stage_ - 1, kLinkTag);
+  Status status = Status::ok();
+  for (size_t j = 0; j < chunks_.size(); ++j) {
+    const Chunk& c = chunks_[j];
+    if (c.first || c.after_local) continue;
+    const int from = peer(static_cast<int>(j), -1);
+    const std::vector<float> expected = describe(rank_.incoming(static_cast<int>(j)));
+    std::vector<float> count(1);
+    pipeline_->recv(count.data(), 1, from, kLinkTag);
     std::vector<float> got(static_cast<size_t>(2 * count[0]));  // (per_sample, needs_grad) per value
-    pipeline_->recv(got.data(), static_cast<int64_t>(got.size()), stage_ - 1, kLinkTag);
+    pipeline_->recv(got.data(), static_cast<int64_t>(got.size()), from, kLinkTag);
     got.insert(got.begin(), count[0]);
-    if (got != expected) {
-      return Status::error("stage " + std::to_string(stage_ - 1) + " sends " + std::to_string(got.size() / 2) +
-                           " values across its cut, which do not match the " + std::to_string(expected.size() / 2) +
-                           " stage " + std::to_string(stage_) +
-                           " expects: did every rank get the same model and flags?");
+    if (got != expected && status) {
+      status =
+          Status::error("stage " + std::to_string(from) + " sends " + std::to_string(got.size() / 2) +
+                        " values across its cut, which do not match the " + std::to_string(expected.size() / 2) +
+                        " stage " + std::to_string(stage_) + " expects: did every rank get the same model and flags?");
     }
   }
-  if (sent) sent->wait();
-  return Status::ok();
+  for (auto& request : sent) request->wait();
+  return status;
 }
 
 double StageRunner::run(const MicroStep& ms, const LossFn& loss) {
@@ -142,7 +180,9 @@ double StageRunner::run(const MicroStep& ms, const LossFn& loss) {
   for (size_t i = 0; i < list.size(); ++i) run_action(i, list[i], ms, loss, total);
   const double drain = tracer_.now_us();
   watchdog_activity(ms.step, "wait for sends");
-  for (int s = 0; s < program_.slots(); ++s) wait_slot(s);
+  for (size_t j = 0; j < chunks_.size(); ++j) {
+    for (int s = 0; s < chunks_[j].slots; ++s) wait_slot(static_cast<int>(j), s);
+  }
   if (pipeline_) tracer_.add("wait for sends", "send", drain, ms.step, -1);
   tracer_.add_schedule(tracer_.now_us() - schedule_begin - reduce_us_);
   return total;
@@ -152,11 +192,18 @@ int StageRunner::peer(int j, int offset) const {
   return schedule_.place_of(schedule_.chunk_of(stage_, j) + offset).stage;
 }
 
+void StageRunner::select(int j, int k) {
+  program_.select_chunk(chunks_.size() > 1 ? j : -1);
+  program_.select_slot(chunks_[j].slot_of[k]);
+}
+
 void StageRunner::run_action(size_t index, const Action& a, const MicroStep& ms, const LossFn& loss, double& total) {
   const ActionKindInfo& info = action_kind_info(a.kind);
   const double begin = tracer_.now_us();
   if (a.kind == ActionKind::kReduceGradients) {  // REDUCE_GRAD: not the schedule's own time
-    if (!sync_ || !ms.last) return;
+    // Buckets of the other chunks fire as their passes finish; the rest waits for the
+    // stage's last chunk to be done.
+    if (!sync_ || !ms.last || static_cast<int>(index) != last_reduce_) return;
     watchdog_activity(ms.step, "gradient all-reduce");
     fault_point(FaultWhere::kAllReduce, ms.step);
     sync_->reduce_rest();
@@ -164,44 +211,48 @@ void StageRunner::run_action(size_t index, const Action& a, const MicroStep& ms,
     reduce_us_ += tracer_.now_us() - begin;
     return;
   }
-  const int k = a.micro_batch, slot = slot_of_[k];
-  program_.select_slot(slot);
+  const int j = a.chunk, k = a.micro_batch, slot = chunks_[j].slot_of[k];
+  select(j, k);
   watchdog_activity(ms.step, info.trace_name, k);
   if (k == 0 && a.kind == ActionKind::kForward) fault_point(FaultWhere::kForward, ms.step);
   if (k == 0 && info.input_gradient) fault_point(FaultWhere::kBackward, ms.step);
   switch (a.kind) {
     case ActionKind::kRecvActivation:
-      wait_slot(slot);
-      for (const LinkValue& l : rank_.incoming()) {
-        pipeline_->recv(link_value(l), micro_ * l.per_sample, peer(a.chunk, -1), kActivationTag);
+      wait_slot(j, slot);
+      for (const LinkValue& l : rank_.incoming(j)) {
+        pipeline_->recv(link_value(j, l), micro_ * l.per_sample, peer(j, -1), kActivationTag);
       }
       break;
     case ActionKind::kForward:
-      wait_slot(slot);
+      wait_slot(j, slot);
+      if (chunks_[j].after_local) take_from_previous(j, k);
       forward(a, ms);
-      if (last_chunk_) total += loss(k);
+      if (chunks_[j].last) total += loss(k);
       break;
     case ActionKind::kSendActivation:
-      for (const LinkValue& l : rank_.outgoing()) {
-        sends_[slot].push_back(
-            pipeline_->send_async(link_value(l), micro_ * l.per_sample, peer(a.chunk, +1), kActivationTag));
+      for (const LinkValue& l : rank_.outgoing(j)) {
+        chunks_[j].sends[slot].push_back(
+            pipeline_->send_async(link_value(j, l), micro_ * l.per_sample, peer(j, +1), kActivationTag));
       }
       break;
     case ActionKind::kRecvGradient:
-      for (const LinkValue& l : rank_.outgoing()) {
+      for (const LinkValue& l : rank_.outgoing(j)) {
         if (l.needs_grad) {
-          pipeline_->recv(link_gradient(l, true), micro_ * l.per_sample, peer(a.chunk, +1), kGradientTag);
+          pipeline_->recv(link_gradient(j, l, true), micro_ * l.per_sample, peer(j, +1), kGradientTag);
         }
       }
       break;
     case ActionKind::kBackward:
     case ActionKind::kBackwardInput:
-    case ActionKind::kBackwardWeight: backward(index, a, ms); break;
+    case ActionKind::kBackwardWeight:
+      backward(index, a, ms);
+      if (info.input_gradient && chunks_[j].after_local) give_to_previous(j, k);
+      break;
     case ActionKind::kSendGradient:
-      for (const LinkValue& l : rank_.incoming()) {
+      for (const LinkValue& l : rank_.incoming(j)) {
         if (!l.needs_grad) continue;
-        sends_[slot].push_back(
-            pipeline_->send_async(link_gradient(l, false), micro_ * l.per_sample, peer(a.chunk, -1), kGradientTag));
+        chunks_[j].sends[slot].push_back(
+            pipeline_->send_async(link_gradient(j, l, false), micro_ * l.per_sample, peer(j, -1), kGradientTag));
       }
       break;
     case ActionKind::kReduceGradients: break;
@@ -210,8 +261,8 @@ void StageRunner::run_action(size_t index, const Action& a, const MicroStep& ms,
   if (info.role == ActionRole::kCompute && time_device_work_) backend_.synchronize();
   const double took = tracer_.now_us() - begin;
   if (info.role == ActionRole::kCompute) tracer_.add_busy(took);
-  pass_times_.us[static_cast<int>(a.kind)] += took;
-  pass_times_.count[static_cast<int>(a.kind)] += 1;
+  pass_times_.us[j][static_cast<int>(a.kind)] += took;
+  pass_times_.count[j][static_cast<int>(a.kind)] += 1;
   if (info.role == ActionRole::kRecv &&
       (pass_times_.fastest_receive_us == 0 || took < pass_times_.fastest_receive_us)) {
     pass_times_.fastest_receive_us = took;
@@ -219,29 +270,63 @@ void StageRunner::run_action(size_t index, const Action& a, const MicroStep& ms,
   tracer_.add(info.trace_name, category(info.role), begin, ms.step, k);
 }
 
+// Chunk j − 1's outputs, as chunk j's inputs for micro-batch k: a copy between the two
+// chunks' slots.
+void StageRunner::take_from_previous(int j, int k) {
+  for (const LinkValue& in : rank_.incoming(j)) {
+    select(j - 1, k);
+    const auto& out = rank_.outgoing(j - 1);
+    const auto from = std::find_if(out.begin(), out.end(), [&](const LinkValue& l) { return l.name == in.name; });
+    PIPESHARD_CHECK(from != out.end(), "'" + in.name + "' is not among the previous chunk's outputs");
+    const float* source = link_value(j - 1, *from);
+    select(j, k);
+    backend_.copy(link_value(j, in), source, micro_ * in.per_sample);
+  }
+  select(j, k);
+}
+
+// Chunk j's input gradients of micro-batch k, as the gradients chunk j − 1 receives.
+void StageRunner::give_to_previous(int j, int k) {
+  for (const LinkValue& in : rank_.incoming(j)) {
+    if (!in.needs_grad) continue;
+    select(j, k);
+    const float* source = link_gradient(j, in, false);
+    select(j - 1, k);
+    const auto& out = rank_.outgoing(j - 1);
+    const auto to = std::find_if(out.begin(), out.end(), [&](const LinkValue& l) { return l.name == in.name; });
+    PIPESHARD_CHECK(to != out.end(), "'" + in.name + "' is not among the previous chunk's outputs");
+    backend_.copy(link_gradient(j - 1, *to, true), source, micro_ * in.per_sample);
+  }
+  select(j, k);
+}
+
 void StageRunner::forward(const Action& a, const MicroStep& ms) {
   const int k = a.micro_batch;
+  const bool first = chunks_[a.chunk].first;
   const int64_t first_sample = ms.first_sample + k * micro_;
-  const float* features = first_chunk_ ? ms.features + k * micro_ * features_per_sample_ : nullptr;
-  if (first_chunk_ && ms.replay) {  // the upload stays outside: the recording reads input(0)
+  const float* features = first ? ms.features + k * micro_ * features_per_sample_ : nullptr;
+  if (first && ms.replay) {  // the upload stays outside: the recording reads input(0)
     program_.upload_inputs({features}, micro_);
     replay_or_record(ActionKind::kForward, ms, k,
                      [&] { program_.forward_resident(micro_, Mode::kTrain, ms.seed, first_sample); });
-  } else if (first_chunk_) {
-    program_.forward({features}, micro_, Mode::kTrain, ms.seed, first_sample);
+  } else if (first) {
+    // The model's input is the program's first: the first chunk's come first.
+    std::vector<const float*> inputs(rank_.graph().inputs.size(), nullptr);
+    inputs[0] = features;
+    program_.forward(inputs, micro_, Mode::kTrain, ms.seed, first_sample);
   } else {
     program_.forward_resident(micro_, Mode::kTrain, ms.seed, first_sample);
   }
 }
 
-// B, I or W of one micro-batch. The pass that completes the step's gradients (the chunk's
-// last B or W, in the last micro-step) reports each node to the gradient sync, which
+// B, I or W of one micro-batch. The pass that completes the chunk's gradients of the step
+// (its last B or W, in the last micro-step) reports each node to the gradient sync, which
 // launches the buckets it completes. Replayed from a recording (--cuda-graph) a pass runs
 // no host code: the buckets then all go at R, and the program is told what the pass
 // would have left behind on the host.
 void StageRunner::backward(size_t index, const Action& a, const MicroStep& ms) {
   const int k = a.micro_batch;
-  const bool completes = ms.last && static_cast<int>(index) == last_gradient_action_;
+  const bool completes = ms.last && static_cast<int>(index) == chunks_[a.chunk].last_gradient_action;
   std::function<void(size_t)> node_done;
   if (sync_ && completes) node_done = [this](size_t node) { sync_->node_done(node); };
   switch (a.kind) {
@@ -252,7 +337,7 @@ void StageRunner::backward(size_t index, const Action& a, const MicroStep& ms) {
       } else {
         program_.backward(micro_, node_done);
       }
-      add_carried_gradients();
+      add_carried_gradients(a.chunk);
       return;
     case ActionKind::kBackwardInput:
       if (ms.replay) {
@@ -261,7 +346,7 @@ void StageRunner::backward(size_t index, const Action& a, const MicroStep& ms) {
       } else {
         program_.backward_input(micro_);
       }
-      add_carried_gradients();
+      add_carried_gradients(a.chunk);
       return;
     case ActionKind::kBackwardWeight:
       if (ms.replay) {
@@ -275,12 +360,12 @@ void StageRunner::backward(size_t index, const Action& a, const MicroStep& ms) {
   }
 }
 
-// The gradient of a value this stage reads and also passes on: the later stages' part,
-// received apart, is added to this stage's before it goes back.
-void StageRunner::add_carried_gradients() {
-  for (const LinkValue& l : rank_.outgoing()) {
-    if (l.needs_grad && l.local >= 0 && carried_.count(l.name)) {
-      backend_.axpy(program_.gradient(l.local), 1.0f, link_gradient(l, true), micro_ * l.per_sample);
+// The gradient of a value chunk j reads and also passes on: the later chunks' part,
+// received apart, is added to this chunk's before it goes back.
+void StageRunner::add_carried_gradients(int j) {
+  for (const LinkValue& l : rank_.outgoing(j)) {
+    if (l.needs_grad && l.local >= 0 && chunks_[j].carried.count(l.name)) {
+      backend_.axpy(program_.gradient(l.local), 1.0f, link_gradient(j, l, true), micro_ * l.per_sample);
     }
   }
 }
@@ -306,19 +391,20 @@ int64_t StageRunner::recordings() const {
   return n;
 }
 
-void StageRunner::wait_slot(int slot) {
-  for (auto& request : sends_[slot]) request->wait();
-  sends_[slot].clear();
+void StageRunner::wait_slot(int j, int slot) {
+  for (auto& request : chunks_[j].sends[slot]) request->wait();
+  chunks_[j].sends[slot].clear();
 }
 
-float* StageRunner::link_value(const LinkValue& l) {
+float* StageRunner::link_value(int j, const LinkValue& l) {
   if (l.local >= 0) return program_.value(l.local);
-  return carried_.at(l.name).value.data() + program_.slot() * micro_ * l.per_sample;
+  return chunks_[j].carried.at(l.name).value.data() + program_.slot() * micro_ * l.per_sample;
 }
 
-float* StageRunner::link_gradient(const LinkValue& l, bool received) {
-  auto it = carried_.find(l.name);
-  const bool staged = it != carried_.end() && (l.local < 0 || received);
+float* StageRunner::link_gradient(int j, const LinkValue& l, bool received) {
+  auto& carried = chunks_[j].carried;
+  auto it = carried.find(l.name);
+  const bool staged = it != carried.end() && (l.local < 0 || received);
   if (!staged) return program_.gradient(l.local);
   return it->second.grad.data() + program_.slot() * micro_ * l.per_sample;
 }

@@ -2,21 +2,22 @@
 // stage's Program and the pipeline group, for one replica batch — any schedule the
 // checker accepts, not only the built-in ones. It owns what the actions need between
 // them:
-// - micro-batch slots: each micro-batch takes a free slot of the program at its first
-//   action and gives it back after its last backward pass (B, or W after I), a
-//   deterministic assignment read off the schedule once, so slots follow any order of
+// - the model chunks the stage holds (one, or several under interleaved and V schedules),
+//   each a part of the one program (Program::select_chunk());
+// - micro-batch slots, per chunk: each micro-batch takes a free slot of the chunk at its
+//   first action there and gives it back after its last backward pass (B, or W after I),
+//   a deterministic assignment read off the schedule once, so slots follow any order of
 //   backwards;
-// - the stage's links: the values crossing its cuts (runtime/rank_model.h) are received
+// - each chunk's links: the values crossing its cuts (runtime/rank_model.h) are received
 //   into and sent from the program's buffers, or buffers of the runner's own for values
-//   the stage only carries to a later one; sends complete in the background and a slot is
-//   reused only after the sends reading it are done;
+//   the chunk only carries to a later one; sends complete in the background and a slot is
+//   reused only after the sends reading it are done. Neighbouring chunks on the stage (the
+//   turn of a V) hand over by a copy on the device instead: the later chunk's forward
+//   copies the earlier one's outputs in, and its backward copies the input gradient back;
 // - the data-parallel gradient reduction's timing (runtime/gradient_sync.h): buckets fire
-//   during the chunk's last gradient pass of the step and the rest at R;
+//   during each chunk's last gradient pass of the step and the rest at the stage's last R;
 // - --cuda-graph's recordings of forward and backward passes, halves included (Backend::record).
 // The trainer around it computes the loss, scales, clips and updates.
-//
-// A stage holds one chunk of the model today; schedules placing several chunks on a stage
-// (interleaved, V) need a program per chunk, which the runner's chunk index is for.
 #ifndef PIPESHARD_RUNTIME_STAGE_RUNNER_H_
 #define PIPESHARD_RUNTIME_STAGE_RUNNER_H_
 
@@ -63,9 +64,9 @@ class StageRunner {
   StageRunner(const RankModel& rank, Program& program, Backend& backend, Communicator* pipeline, GradientSync* sync,
               const PipelineSchedule& schedule, int64_t micro_rows, int64_t features_per_sample, Tracer& tracer);
 
-  // Micro-batch slots the stage's program needs for `schedule`: the most micro-batches
-  // the runner keeps alive at once (schedule/schedule.h's max_in_flight_of_chunk()).
-  static int slots_needed(const PipelineSchedule& schedule, int stage);
+  // Micro-batch slots the stage's chunk j needs for `schedule`: the most micro-batches the
+  // runner keeps alive there at once (schedule/schedule.h's max_in_flight_of_chunk()).
+  static int slots_needed(const PipelineSchedule& schedule, int stage, int j);
 
   // Neighbouring stages agree on what crosses their cut (sizes, which gradients travel
   // back) before any training. Collective over the pipeline: every rank calls it once.
@@ -83,36 +84,54 @@ class StageRunner {
   // pipeline bubble time the work itself (start_trace(): only where the figures are shown).
   void set_time_device_work(bool on) { time_device_work_ = on; }
 
-  // How long this stage's actions took, by kind (R aside), since reset_pass_times(), summed
-  // in µs with their counts: what the predicted bubble is computed from
-  // (Trainer::pipeline_bubble).
+  // How long this stage's actions took, by chunk and kind (R aside), since
+  // reset_pass_times(), summed in µs with their counts: what the predicted bubble is
+  // computed from (Trainer::pipeline_bubble).
   struct PassTimes {
-    std::array<double, kActionKindCount> us{}, count{};
+    std::vector<std::array<double, kActionKindCount>> us, count;  // [chunks of the stage][kind]
     double fastest_receive_us = 0;  // the quickest receive: a message already there, its copy alone; 0 if none
-    double mean_us(ActionKind kind) const {
+    double mean_us(int j, ActionKind kind) const {
       const int i = static_cast<int>(kind);
-      return count[i] > 0 ? us[i] / count[i] : 0.0;
+      return count[j][i] > 0 ? us[j][i] / count[j][i] : 0.0;
     }
   };
   const PassTimes& pass_times() const { return pass_times_; }
-  void reset_pass_times() { pass_times_ = {}; }
+  void reset_pass_times();
 
  private:
-  struct Carried {             // a value this stage passes on without reading it
+  struct Carried {             // a value a chunk passes on without reading it
     DeviceBuffer value, grad;  // [slots][micro-batch rows, per_sample]
+  };
+  struct Chunk {                     // one model chunk of the stage
+    bool first = true, last = true;  // of the model: it reads the data, it computes the loss
+    bool after_local = false;        // the chunk before it is on this stage too (j − 1)
+    bool before_local = false;       // the chunk after it is (j + 1)
+    int slots = 1;
+    std::vector<int> slot_of;       // [micro-batches]
+    int last_gradient_action = -1;  // index of the action that completes its gradients of the step
+    std::map<std::string, Carried> carried;
+    std::vector<std::vector<std::unique_ptr<Request>>> sends;  // [slots]: sends reading the slot
   };
   void run_action(size_t index, const Action& a, const MicroStep& ms, const LossFn& loss, double& total);
   void forward(const Action& a, const MicroStep& ms);
   void backward(size_t index, const Action& a, const MicroStep& ms);
-  void add_carried_gradients();
+  void add_carried_gradients(int j);
+  // The turn of a V: chunk j takes in the outputs of chunk j − 1 on this stage (before
+  // its forward of micro-batch k), or gives its input gradients back to it (after its
+  // backward).
+  void take_from_previous(int j, int k);
+  void give_to_previous(int j, int k);
+  // Selects chunk j and the slot of micro-batch k in the program.
+  void select(int j, int k);
   void replay_or_record(ActionKind kind, const MicroStep& ms, int micro_batch, const std::function<void()>& work);
-  void wait_slot(int slot);
-  // Where link value `l` lives in the selected slot: the program's buffer or a carried one.
-  float* link_value(const LinkValue& l);
-  // `received`: the gradient arriving from the next stage (for values this stage reads
+  void wait_slot(int j, int slot);
+  // Where link value `l` of chunk j lives in the selected slot: the program's buffer or a
+  // carried one.
+  float* link_value(int j, const LinkValue& l);
+  // `received`: the gradient arriving from the next chunk (for values this chunk reads
   // and passes on, it is staged apart and added after backward); otherwise the gradient
-  // this stage sends back.
-  float* link_gradient(const LinkValue& l, bool received);
+  // this chunk sends back.
+  float* link_gradient(int j, const LinkValue& l, bool received);
   int peer(int j, int offset) const;  // the stage holding the chunk `offset` away from this stage's chunk j
 
   const RankModel& rank_;
@@ -124,11 +143,8 @@ class StageRunner {
   const int stage_;
   const int64_t micro_, features_per_sample_;
   Tracer& tracer_;
-  bool first_chunk_ = true, last_chunk_ = true;  // of the model: it reads the data, it computes the loss
-  std::vector<int> slot_of_;                     // [micro-batches]
-  int last_gradient_action_ = -1;                // index of the action that completes the step's gradients
-  std::map<std::string, Carried> carried_;
-  std::vector<std::vector<std::unique_ptr<Request>>> sends_;  // [slots]: sends reading the slot
+  std::vector<Chunk> chunks_;  // [chunks of the stage]
+  int last_reduce_ = -1;       // index of the stage's last R: where the rest of the reduction runs
   // --cuda-graph's recordings, by (action kind, micro-step, micro-batch); a null one: the
   // backend cannot record, and the work runs eagerly.
   std::map<std::tuple<ActionKind, int64_t, int>, std::unique_ptr<RecordedWork>> recorded_;

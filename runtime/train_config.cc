@@ -51,6 +51,17 @@ Status check_train_config(const TrainConfig& config, const ProcessLayout& layout
   if (Status s = check_schedule_name(config.pipeline_schedule); !s) {
     return Status::invalid("pipeline_schedule", s.message());
   }
+  const ScheduleInfo& schedule = *find_schedule(config.pipeline_schedule);
+  if (config.virtual_stages < 0 || (config.virtual_stages > 0 && schedule.chunks_per_stage > 0)) {
+    return Status::invalid("virtual_stages", "schedule '" + schedule.name + "' holds " +
+                                                 std::to_string(schedule.chunks_per_stage) +
+                                                 " chunk(s) per stage; virtual stages apply to a schedule that lets "
+                                                 "them be chosen (interleaved)");
+  }
+  if (const int v = chunks_per_stage_of(schedule, config.virtual_stages); v > 1 && layout.stages < 2) {
+    return Status::invalid("pipeline_schedule", "schedule '" + schedule.name + "' places " + std::to_string(v) +
+                                                    " model chunks on each pipeline stage: it needs 2 or more stages");
+  }
   if (config.cuda_graph) {
     if (layout.world_size() > 1) {
       return Status::invalid("cuda_graph", "a recorded step (a CUDA graph) runs in one process so far");

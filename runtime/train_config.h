@@ -38,6 +38,7 @@ struct TrainConfig {
   int64_t bucket_bytes = 25 << 20;            // data parallel: gradients are all-reduced in buckets this big
   int micro_batches = 1;                      // pipeline micro-batches per replica batch (M)
   std::string pipeline_schedule = "1f1b";     // a registered schedule (schedule/registry.h)
+  int virtual_stages = 0;                     // chunks per stage where the schedule lets it be chosen; 0: its default
   BalanceBy balance = BalanceBy::kParams;     // how stages are cut
   bool sync_batchnorm = false;                // BatchNorm statistics over all replicas, not each replica's slice
   NonFinite on_nonfinite = NonFinite::kStop;  // a step whose loss or gradients are not finite

@@ -38,6 +38,7 @@ PartitionOptions partition_options(const TrainConfig& config, int64_t local_batc
   o.batch_size = local_batch;
   o.micro_batches = config.micro_batches;
   o.schedule = config.pipeline_schedule;
+  o.virtual_stages = config.virtual_stages;
   o.recompute_activations = !config.keep_activations;
   const OptimizerConfig& opt = config.optimizer;
   o.optimizer_slots = opt.kind != OptimizerKind::kSgd ? 2 : opt.momentum != 0.0f ? 1 : 0;
@@ -57,9 +58,7 @@ std::vector<int64_t> Trainer::memory_per_stage(const Graph& graph, const TrainCo
   o.tensor_parallel = layout.shards;
   Result<Plan> plan = make_plan(graph, "", o);
   if (!plan) return {};
-  std::vector<int64_t> bytes;
-  for (const StagePlan& s : plan->stages) bytes.push_back(s.memory_bytes);
-  return bytes;
+  return pipeshard::memory_per_stage(*plan);
 }
 
 Trainer::Trainer(const Dataset& data, Backend& backend, const TrainConfig& config, RankModel rank)
@@ -98,7 +97,8 @@ Result<std::unique_ptr<Trainer>> Trainer::create(const Graph& graph, const Datas
   t->micro_ = micro_batch_rows(config, layout);
   LowerOptions lowering;
   lowering.reduce_gradients = t->replicas_ != nullptr;
-  t->schedule_ = make_pipeline_schedule(config.pipeline_schedule, layout.stages, config.micro_batches, lowering);
+  t->schedule_ = make_pipeline_schedule(config.pipeline_schedule, layout.stages, config.micro_batches, lowering,
+                                        config.virtual_stages);
   // The schedule is data anything may register: check it before running it.
   if (Status s = check_pipeline_schedule(t->schedule_); !s) {
     return Status::invalid("pipeline_schedule", "schedule '" + config.pipeline_schedule + "': " + s.message());
@@ -113,7 +113,12 @@ Status Trainer::build(const TrainConfig& config, Communicator* device_replicas, 
   const ProcessLayout& layout = rank_.layout();
   const Graph& g = rank_.graph();
   ProgramOptions options;
-  options.slots = StageRunner::slots_needed(schedule_, layout.stage);
+  for (int j = 0; j < rank_.chunks(); ++j) {
+    options.chunk_slots.push_back(StageRunner::slots_needed(schedule_, layout.stage, j));
+  }
+  options.slots = *std::max_element(options.chunk_slots.begin(), options.chunk_slots.end());
+  if (rank_.chunks() == 1) options.chunk_slots.clear();
+  options.node_chunk = rank_.node_chunk();
   options.input_needs_grad = rank_.input_needs_grad();
   options.tensor = device_tensor;
   options.model_node_ids = rank_.model_node_ids();
@@ -129,7 +134,7 @@ Status Trainer::build(const TrainConfig& config, Communicator* device_replicas, 
   Result<std::unique_ptr<Program>> program = Program::create(g, backend_, micro_, options);
   if (!program) return program.status();
   program_ = std::move(*program);
-  log_probs_ = layout.stage == layout.stages - 1 && ends_in_log_softmax(g);
+  log_probs_ = computes_loss() && ends_in_log_softmax(g);
   optimizer_ = std::make_unique<Optimizer>(backend_, config.optimizer, program_->trainable_elements());
   targets_ = DeviceBuffer(backend_, std::max(local_batch_, config.batch_size) * data_.targets_per_sample);
   if (device_replicas) sync_ = std::make_unique<GradientSync>(g, *program_, *device_replicas, config.bucket_bytes);
@@ -164,8 +169,8 @@ StageRunner::MicroStep Trainer::micro_step(int64_t step, int64_t micro, int64_t 
   ms.seed = batch_seed(config_.seed, batch_index);
   ms.first_sample = layout.replica * b;
   ms.replay = config_.cuda_graph && warmed_up_;
-  if (layout.stage == 0) ms.features = batch_rows(rows);
-  if (layout.stage == layout.stages - 1) {
+  if (reads_data()) ms.features = batch_rows(rows);
+  if (computes_loss()) {
     gather_rows(data_.targets, data_.targets_per_sample, rows, host_targets_);
     backend_.upload(targets_.data(), host_targets_.data(), b * data_.targets_per_sample);
   }
@@ -258,7 +263,9 @@ std::string Trainer::first_non_finite_gradient() {
       const int64_t at = program_->parameter_offset(q);
       if (at < 0 || !backend_.any_non_finite(program_->gradients() + at, g.params[q].elements())) continue;
       const int stage = rank_.layout().stage;
-      found = fmt_key(stage, i) + " '" + rank_.full().params[rank_.full_param(q)].name + "' (node '" + g.nodes[i].name +
+      // Backward runs the model's chunks last to first (a stage's chunk when it holds one).
+      const int chunk = rank_.model_chunk(rank_.node_chunk().empty() ? 0 : rank_.node_chunk()[i]);
+      found = fmt_key(chunk, i) + " '" + rank_.full().params[rank_.full_param(q)].name + "' (node '" + g.nodes[i].name +
               "'" + (rank_.layout().stages > 1 ? ", stage " + std::to_string(stage) : "") + ")";
       break;
     }

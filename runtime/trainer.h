@@ -188,6 +188,10 @@ class Trainer {
   // is skipped.
   bool skip_non_finite(StepResult& r);
   Program& eval_program(const Graph& graph);
+  // This rank holds the model's first chunk (it reads the features), its last (it computes
+  // the loss and reads the targets).
+  bool reads_data() const { return schedule_.place_of(0).stage == rank_.layout().stage; }
+  bool computes_loss() const { return schedule_.place_of(schedule_.chunks() - 1).stage == rank_.layout().stage; }
   double clip_gradients();
   // Each chunk's mean pass costs and the transfer time, as pipeline_bubble() predicts
   // from them. Collective over the world.

@@ -30,34 +30,35 @@ Status Trainer::write_trace(const std::string& path) {
   return write_file_atomically(path, chrome_trace_json(all));
 }
 
-// What each model chunk's passes took on average (µs per micro-batch), from every stage's
-// StageRunner::pass_times() averaged over its ranks, and the quickest receive of any stage
-// as the transfer time. A whole backward counts as an input half with a free weight half.
-// The runner times kinds per stage, not per chunk: a stage holding several chunks would
-// give each its stage's means.
-// Collective: one all-reduce of 5·P doubles.
+// What each model chunk's passes took on average (µs per micro-batch), from its stage's
+// StageRunner::pass_times() averaged over the stage's ranks, and the quickest receive of
+// any stage as the transfer time. A whole backward counts as an input half with a free
+// weight half. Collective: one all-reduce of 4·C + P doubles.
 PassCosts Trainer::measured_pass_costs() {
   const ProcessLayout& l = rank_.layout();
-  enum { kF, kI, kW, kB, kReceive, kFields };
-  std::vector<double> sums(kFields * l.stages, 0.0);  // [stage][field]
+  enum { kF, kI, kW, kB, kFields };
+  const int chunks = schedule_.chunks();
+  std::vector<double> sums(kFields * chunks + l.stages, 0.0);  // [chunk][field], then [stage] receives
   const StageRunner::PassTimes& t = runner_->pass_times();
-  double* mine = sums.data() + kFields * l.stage;
-  mine[kF] = t.mean_us(ActionKind::kForward);
-  mine[kI] = t.mean_us(ActionKind::kBackwardInput);
-  mine[kW] = t.mean_us(ActionKind::kBackwardWeight);
-  mine[kB] = t.mean_us(ActionKind::kBackward);
-  mine[kReceive] = t.fastest_receive_us;
+  for (int j = 0; j < rank_.chunks(); ++j) {
+    double* mine = sums.data() + kFields * rank_.model_chunk(j);
+    mine[kF] = t.mean_us(j, ActionKind::kForward);
+    mine[kI] = t.mean_us(j, ActionKind::kBackwardInput);
+    mine[kW] = t.mean_us(j, ActionKind::kBackwardWeight);
+    mine[kB] = t.mean_us(j, ActionKind::kBackward);
+  }
+  sums[kFields * chunks + l.stage] = t.fastest_receive_us;
   if (world_) world_->all_reduce_sum(sums.data(), static_cast<int64_t>(sums.size()));
   const double ranks_per_stage = static_cast<double>(l.replicas) * l.shards;
   PassCosts costs;
-  for (int c = 0; c < schedule_.chunks(); ++c) {
-    const double* stage = sums.data() + kFields * schedule_.place_of(c).stage;
-    costs.forward.push_back(stage[kF] / ranks_per_stage);
-    costs.backward_input.push_back((stage[kI] + stage[kB]) / ranks_per_stage);
-    costs.backward_weight.push_back(stage[kW] / ranks_per_stage);
+  for (int c = 0; c < chunks; ++c) {
+    const double* chunk = sums.data() + kFields * c;
+    costs.forward.push_back(chunk[kF] / ranks_per_stage);
+    costs.backward_input.push_back((chunk[kI] + chunk[kB]) / ranks_per_stage);
+    costs.backward_weight.push_back(chunk[kW] / ranks_per_stage);
   }
   for (int p = 0; p < l.stages; ++p) {
-    const double fastest = sums[kFields * p + kReceive] / ranks_per_stage;
+    const double fastest = sums[kFields * chunks + p] / ranks_per_stage;
     if (fastest > 0 && (costs.transfer == 0 || fastest < costs.transfer)) costs.transfer = fastest;
   }
   return costs;

@@ -1,0 +1,173 @@
+// Stages that hold several model chunks (interleaved and V schedules) train what one
+// process trains. Two schedules registered here for the purpose, whose orders are simple
+// enough to check by eye, exercise what such schedules need of the runtime, apart from
+// any particular order:
+// - "looped": v chunks per stage placed round robin (chunk c on stage c mod P), every
+//   forward of each chunk in turn, then every backward, the last chunk's first: transfers
+//   between the same two stages for several chunks;
+// - "v-split": two chunks per stage in a V (stage r holds chunks r and 2P − 1 − r), the
+//   backward split into I and W with all W's last: the turn of the V inside one stage,
+//   the loss computed on stage 0, deferred weight gradients of two chunks at once.
+// On a model of eight Linear layers with a residual connection over two of them, each is
+// checked for P = 2, 3, 4 (up to eight chunks), with two replicas and with two tensor-
+// parallel shards: bit for bit the 1F1B run of P·v stages (the same cuts, each chunk a
+// stage of its own) without clipping, and within --check-equivalence's 1e-5 of one
+// process with it.
+#include <algorithm>
+#include <random>
+#include <string>
+
+#include <gtest/gtest.h>
+
+#include "importer/onnx_importer.h"
+#include "schedule/registry.h"
+#include "tests/layout_training.h"
+#include "tests/model_builder.h"
+
+namespace pipeshard {
+namespace {
+
+constexpr int64_t kFeatures = 16, kClasses = 10, kBatch = 48;
+
+ImportedModel eight_layers() {
+  testing::ModelBuilder b(kFeatures);
+  std::string x = b.relu(b.linear("input", kFeatures, 32));
+  for (int layer = 1; layer < 7; ++layer) {
+    const std::string in = x;
+    x = b.relu(b.linear(x, 32, 32));
+    if (layer == 3) x = b.add(b.linear(b.relu(b.linear(x, 32, 32)), 32, 32), in);  // a residual over two
+  }
+  b.output(b.linear(x, 32, kClasses), kClasses);
+  auto proto = std::make_shared<onnx::ModelProto>(b.model());
+  Result<ImportedModel> m = import_onnx_model(proto, ".", "eight_layers");
+  EXPECT_TRUE(m.is_ok()) << m.status().message();
+  return std::move(m).value();
+}
+
+Dataset random_classes(int64_t samples = 192) {
+  Dataset d;
+  d.samples = samples;
+  d.features_per_sample = kFeatures;
+  d.targets_per_sample = 1;
+  std::mt19937 rng(11);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  for (int64_t i = 0; i < samples * kFeatures; ++i) d.features.push_back(normal(rng));
+  for (int64_t i = 0; i < samples; ++i) {
+    const float* x = d.features.data() + i * kFeatures;
+    d.targets.push_back(static_cast<float>(std::max_element(x, x + kClasses) - x));
+  }
+  return d;
+}
+
+Action act(ActionKind kind, int k, int j) { return {kind, k, j}; }
+
+// Every forward of chunk 0, then of chunk 1, ...; then every backward of the last chunk,
+// ..., of chunk 0; `split`: I's first, then the W's in the same order.
+ComputeOrder chunk_by_chunk(int stages, int micro_batches, int chunks, bool split) {
+  ComputeOrder order(stages);
+  for (auto& list : order) {
+    for (int j = 0; j < chunks; ++j)
+      for (int k = 0; k < micro_batches; ++k) list.push_back(act(ActionKind::kForward, k, j));
+    for (int j = chunks; j-- > 0;) {
+      for (int k = 0; k < micro_batches; ++k)
+        list.push_back(act(split ? ActionKind::kBackwardInput : ActionKind::kBackward, k, j));
+    }
+    for (int j = chunks; split && j-- > 0;)
+      for (int k = 0; k < micro_batches; ++k) list.push_back(act(ActionKind::kBackwardWeight, k, j));
+  }
+  return order;
+}
+
+ScheduleInfo looped_row() {
+  ScheduleInfo row;
+  row.name = "looped";
+  row.title = "Looped";
+  row.summary = "test: two chunks per stage, round robin, chunk by chunk";
+  row.chunks_per_stage = 2;
+  row.build = [](int p, int m) { return chunk_by_chunk(p, m, 2, false); };
+  row.in_flight = [](int, int m, int) { return 2 * m; };
+  row.bubble = [](int, int) { return 0.0; };
+  return row;
+}
+
+ScheduleInfo v_split_row() {
+  ScheduleInfo row = looped_row();
+  row.name = "v-split";
+  row.title = "V split";
+  row.summary = "test: two chunks per stage in a V, backward split, W's last";
+  row.placement = [](int p) {
+    std::vector<int> stage_of;
+    for (int c = 0; c < 2 * p; ++c) stage_of.push_back(c < p ? c : 2 * p - 1 - c);
+    return stage_of;
+  };
+  row.build = [](int p, int m) { return chunk_by_chunk(p, m, 2, true); };
+  return row;
+}
+
+class ChunkedStages : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    looped_ = new ScheduleRegistration(looped_row());
+    v_split_ = new ScheduleRegistration(v_split_row());
+  }
+  static void TearDownTestSuite() {
+    delete looped_;
+    delete v_split_;
+  }
+
+  void SetUp() override {
+    model_ = eight_layers();
+    data_ = random_classes();
+  }
+
+  static TrainConfig config(const std::string& schedule, int micro_batches, bool clip) {
+    TrainConfig c = testing::adamw_config(schedule, micro_batches, kBatch);
+    if (!clip) c.clip_grad_norm = 0;
+    return c;
+  }
+
+  // `schedule` on P stages × `replicas` × `shards` at M micro-batches: bitwise 1F1B on 2P
+  // stages without clipping, within 1e-5 of one process with it.
+  void check(const std::string& schedule, int stages, int replicas, int shards, int micro_batches) {
+    SCOPED_TRACE(schedule + " P" + std::to_string(stages) + " D" + std::to_string(replicas) + " T" +
+                 std::to_string(shards) + " M" + std::to_string(micro_batches));
+    const int ranks = stages * replicas * shards;
+    const testing::Trained flat = testing::train_layout(model_, data_, config("1f1b", micro_batches, false),
+                                                        2 * ranks, 2 * stages, shards);
+    const testing::Trained chunked =
+        testing::train_layout(model_, data_, config(schedule, micro_batches, false), ranks, stages, shards);
+    testing::expect_bitwise(chunked, flat);
+    const testing::Trained alone = testing::train_alone(model_, data_, config("1f1b", 1, true));
+    const testing::Trained clipped =
+        testing::train_layout(model_, data_, config(schedule, micro_batches, true), ranks, stages, shards);
+    testing::expect_equivalent(clipped, alone, model_.graph);
+  }
+
+  static ScheduleRegistration* looped_;
+  static ScheduleRegistration* v_split_;
+  ImportedModel model_;
+  Dataset data_;
+};
+
+ScheduleRegistration* ChunkedStages::looped_ = nullptr;
+ScheduleRegistration* ChunkedStages::v_split_ = nullptr;
+
+TEST_F(ChunkedStages, RoundRobinChunksTrainTheOneProcessModel) {
+  for (int stages = 2; stages <= 4; ++stages) check("looped", stages, 1, 1, stages);
+  check("looped", 2, 1, 1, 4);
+}
+
+TEST_F(ChunkedStages, AVTrainsTheOneProcessModel) {
+  for (int stages = 2; stages <= 4; ++stages) check("v-split", stages, 1, 1, stages);
+  check("v-split", 2, 1, 1, 4);
+}
+
+TEST_F(ChunkedStages, WithReplicasAndWithShards) {
+  for (const char* schedule : {"looped", "v-split"}) {
+    check(schedule, 2, 2, 1, 2);
+    check(schedule, 2, 1, 2, 2);
+  }
+}
+
+}  // namespace
+}  // namespace pipeshard
