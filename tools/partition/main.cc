@@ -66,23 +66,37 @@ std::string shard_summary(const StagePlan& s) {
 void print_table(const ImportedModel& m, const Plan& plan, const std::string& dir) {
   const Graph& g = m.graph;
   const PartitionOptions& o = plan.options;
-  fmt::print("{}: {} nodes in {} layers, {} parameters -> {} stage{}{} (balanced by {})\n\n", plan.model,
+  const bool chunked = plan.chunks_per_stage > 1;
+  fmt::print("{}: {} nodes in {} layers, {} parameters -> {} stage{}{}{} (balanced by {})\n\n", plan.model,
              g.nodes.size(), plan.layers, with_commas(plan.total_parameters), o.stages, o.stages == 1 ? "" : "s",
+             chunked ? fmt::format(" of {} chunks each ({} chunks)", plan.chunks_per_stage, plan.stages.size()) : "",
              o.tensor_parallel > 1 ? fmt::format(" x {} tensor-parallel shards", o.tensor_parallel) : "",
              balance_name(o.balance));
-  fmt::print("{:>5}  {:>7}  {:>12}  {:>6}  {:>15}  {:>10}  {}\n", "stage", "layers", "parameters", "share",
-             "act. out/sample", "memory", o.tensor_parallel > 1 ? "nodes / sharding" : "nodes");
+  // With several chunks per stage a row is a chunk, and "stage" says which stage runs it.
+  const std::string chunk_column = chunked ? fmt::format("{:>5}  ", "chunk") : "";
+  fmt::print("{}{:>5}  {:>7}  {:>12}  {:>6}  {:>15}  {:>10}  {}\n", chunk_column, "stage", "layers", "parameters",
+             "share", "act. out/sample", "memory", o.tensor_parallel > 1 ? "nodes / sharding" : "nodes");
   for (const StagePlan& s : plan.stages) {
     const std::string layers = s.end_layer - s.first_layer == 1 ? std::to_string(s.first_layer)
                                                                 : fmt::format("{}-{}", s.first_layer, s.end_layer - 1);
     const double share = plan.total_parameters ? 100.0 * s.parameters / plan.total_parameters : 0.0;
-    fmt::print("{:>5}  {:>7}  {:>12}  {:>5.1f}%  {:>15}  {:>10}  {}{}\n", s.stage, layers, with_commas(s.parameters),
-               share, bytes_text(s.activation_bytes_out), bytes_text(s.memory_bytes), node_summary(g, s),
+    fmt::print("{}{:>5}  {:>7}  {:>12}  {:>5.1f}%  {:>15}  {:>10}  {}{}\n",
+               chunked ? fmt::format("{:>5}  ", s.stage) : "", s.holder, layers, with_commas(s.parameters), share,
+               bytes_text(s.activation_bytes_out), bytes_text(s.memory_bytes), node_summary(g, s),
                o.tensor_parallel > 1 ? "/ " + shard_summary(s) : "");
   }
-  fmt::print("{:>5}  {:>7}  {:>12}  {:>5.1f}%\n\n", "total", plan.layers, with_commas(plan.total_parameters), 100.0);
-  fmt::print("balance: largest / mean stage {} = {:.3f}; activations crossing cuts: {} per sample\n",
-             balance_name(o.balance), plan.balance, bytes_text(plan.crossing_bytes));
+  fmt::print("{}{:>5}  {:>7}  {:>12}  {:>5.1f}%\n\n", chunked ? fmt::format("{:>5}  ", "") : "", "total", plan.layers,
+             with_commas(plan.total_parameters), 100.0);
+  fmt::print("balance: largest / mean {} {} = {:.3f}; activations crossing cuts: {} per sample\n",
+             chunked ? "chunk" : "stage", balance_name(o.balance), plan.balance, bytes_text(plan.crossing_bytes));
+  if (chunked) {
+    std::string per_stage;
+    const std::vector<int64_t> bytes = memory_per_stage(plan);
+    for (size_t st = 0; st < bytes.size(); ++st) {
+      per_stage += fmt::format("{}stage {} {}", st ? ", " : "", st, bytes_text(bytes[st]));
+    }
+    fmt::print("memory per rank, its chunks together: {}\n", per_stage);
+  }
   const int m_batches = micro_batch_count(o);
   fmt::print(
       "memory: per rank, fp32 weights + grads + {} optimizer slot{}, activations of batch {} in {} "
@@ -96,11 +110,9 @@ void print_table(const ImportedModel& m, const Plan& plan, const std::string& di
 }
 
 // The flags of the PartitionOptions settings (Status::invalid names them).
-const FlagNames kFlags = {{"stages", "--stages"},
-                          {"tensor_parallel", "--tensor-parallel"},
-                          {"batch_size", "--batch-size"},
-                          {"micro_batches", "--micro-batches"},
-                          {"schedule", "--schedule"}};
+const FlagNames kFlags = {{"stages", "--stages"},         {"tensor_parallel", "--tensor-parallel"},
+                          {"batch_size", "--batch-size"}, {"micro_batches", "--micro-batches"},
+                          {"schedule", "--schedule"},     {"virtual_stages", "--virtual-stages"}};
 
 // What the command line said beyond PartitionOptions.
 struct Args {
@@ -132,6 +144,9 @@ void define(CLI::App& app, Args& a) {
                  "pipeline schedule: " + schedule_names_text() + " (default 1f1b; memory estimate)")
       ->check(CLI::IsMember(schedule_names()))
       ->group(est);
+  app.add_option("--virtual-stages,-v", o.virtual_stages,
+                 "model chunks per stage for a schedule that lets them be chosen (interleaved; default 2): the model "
+                 "is cut into stages x v chunks, chunk c on stage c mod stages");
   app.add_option("--optimizer", a.optimizer, "sgd (momentum: 1 slot) or adam/adamw (2 slots; default)")
       ->check(CLI::IsMember({"sgd", "adam", "adamw"}))
       ->group(est);
@@ -141,7 +156,7 @@ void define(CLI::App& app, Args& a) {
       ->group(est);
 }
 
-// Each stage's passes for one micro-batch, from the flops estimate: F its forward
+// Each piece's (stage's or chunk's) passes for one micro-batch, from the flops estimate: F its forward
 // multiply-adds, and I = W = F, since a Linear's input gradient and its weight gradient
 // each take as many multiply-adds as its forward. Transfers free.
 PassCosts costs_from_flops(const Plan& plan) {
@@ -153,25 +168,21 @@ PassCosts costs_from_flops(const Plan& plan) {
   return costs;
 }
 
-// Each stage's memory estimate per rank had the plan been made for schedule `name`
-// ("36.0 MiB, 36.5 MiB"): what the schedule's micro-batches in flight (and, splitting
-// backward, the output gradients kept from I to W) cost.
-std::string memory_under(const Graph& graph, const Plan& plan, const std::string& name) {
+// The plan had it been made for schedule `name`: the same options, with the user's
+// virtual stages where the schedule lets them be chosen.
+Result<Plan> plan_for(const Graph& graph, const Plan& plan, const std::string& name) {
   PartitionOptions o = plan.options;
   o.schedule = name;
-  Result<Plan> other = make_plan(graph, "", o);
-  if (!other) return "?";
-  std::string text;
-  for (const StagePlan& s : other->stages) text += (text.empty() ? "" : ", ") + bytes_text(s.memory_bytes);
-  return text;
+  if (find_schedule(name)->chunks_per_stage > 0) o.virtual_stages = 0;
+  return make_plan(graph, "", o);
 }
 
-// What every registered schedule would take on this plan (schedule/predict.h), and the
+// What every registered schedule would take on this model (schedule/predict.h), and the
 // memory per rank each would need, so that they can be compared before one is chosen.
+// Each is predicted on the plan made for it: a schedule with several chunks per stage
+// cuts the model finer.
 void print_predictions(const Graph& graph, const Plan& plan, int micro_batches) {
   const PartitionOptions& o = plan.options;
-  const PassCosts costs = costs_from_flops(plan);
-  const double busiest = 3 * micro_batches * *std::max_element(costs.forward.begin(), costs.forward.end());
   fmt::print(
       "\npredicted for {} stage{} and {} micro-batch{} (bubble: the stages' mean idle share of their own time, as "
       "train measures it):\n",
@@ -179,24 +190,31 @@ void print_predictions(const Graph& graph, const Plan& plan, int micro_batches) 
   size_t width = 0;
   for (const std::string& name : schedule_names()) width = std::max(width, name.size());
   for (const std::string& name : schedule_names()) {
-    const PipelineSchedule sc = make_pipeline_schedule(name, o.stages, micro_batches);
-    if (sc.chunks() != o.stages) {  // the plan has one flops figure per stage, not per chunk
-      fmt::print("  {:<{}}  not predicted: it cuts the model into {} chunks, this plan into {}\n", name, width,
-                 sc.chunks(), o.stages);
+    const Result<Plan> other = plan_for(graph, plan, name);
+    if (!other) {
+      fmt::print("  {:<{}}  not predicted: {}\n", name, width, other.status().message());
       continue;
     }
-    const SchedulePrediction p = predict_schedule(sc, costs);
+    const PassCosts costs = costs_from_flops(*other);
+    double busiest = 0;  // the most forward work of any stage, its chunks together, for the step
+    std::vector<double> stage_forward(static_cast<size_t>(o.stages), 0.0);
+    for (size_t c = 0; c < other->stages.size(); ++c) stage_forward[other->stages[c].holder] += costs.forward[c];
+    for (double f : stage_forward) busiest = std::max(busiest, 3 * micro_batches * f);
+    const SchedulePrediction p = predict_schedule(
+        make_pipeline_schedule(name, o.stages, micro_batches, {}, other->options.virtual_stages), costs);
+    std::string memory;
+    for (int64_t bytes : memory_per_stage(*other)) memory += (memory.empty() ? "" : ", ") + bytes_text(bytes);
     fmt::print("  {:<{}}  bubble {:.4f}  step {} ({:.3f}x the busiest stage's compute)  memory per rank {}\n", name,
-               width, p.bubble, with_commas(std::llround(p.step)), busiest > 0 ? p.step / busiest : 1.0,
-               memory_under(graph, plan, name));
+               width, p.bubble, with_commas(std::llround(p.step)), busiest > 0 ? p.step / busiest : 1.0, memory);
   }
   std::string forwards;
-  for (double f : costs.forward) forwards += (forwards.empty() ? "" : ", ") + with_commas(std::llround(f));
+  for (double f : costs_from_flops(plan).forward)
+    forwards += (forwards.empty() ? "" : ", ") + with_commas(std::llround(f));
   const int64_t samples = micro_batch_size(o);
   fmt::print(
-      "costs assumed: F per stage from the flops estimate ({} multiply-adds for a micro-batch of {} sample{}; times "
-      "are in multiply-adds), I = W = F, transfers free\n",
-      forwards, samples, samples == 1 ? "" : "s");
+      "costs assumed: F per {} from the flops estimate ({} multiply-adds for a micro-batch of {} sample{}; times are "
+      "in multiply-adds), I = W = F, transfers free\n",
+      plan.chunks_per_stage > 1 ? "chunk" : "stage", forwards, samples, samples == 1 ? "" : "s");
 }
 
 // --show-schedule: the schedule as a step × stage grid, what each stage keeps alive, and
@@ -204,11 +222,12 @@ void print_predictions(const Graph& graph, const Plan& plan, int micro_batches) 
 void print_schedule(const Graph& graph, const Plan& plan) {
   const PartitionOptions& o = plan.options;
   const int m_batches = micro_batch_count(o);
-  const PipelineSchedule sc = make_pipeline_schedule(o.schedule, o.stages, m_batches);
+  const PipelineSchedule sc = make_pipeline_schedule(o.schedule, o.stages, m_batches, {}, o.virtual_stages);
   fmt::print(
-      "\n{} schedule, {} stage{}, {} micro-batch{} (F/B: forward/backward of micro-batch k; "
-      "sA/rA, sG/rG: send/receive its activation, gradient):\n{}",
-      sc.name, o.stages, o.stages == 1 ? "" : "s", m_batches, m_batches == 1 ? "" : "es", format_pipeline_schedule(sc));
+      "\n{} schedule, {} stage{}, {} micro-batch{} (F/B: forward/backward of micro-batch k, I/W: its input and "
+      "weight halves; sA/rA, sG/rG: send/receive its activation, gradient{}):\n{}",
+      sc.name, o.stages, o.stages == 1 ? "" : "s", m_batches, m_batches == 1 ? "" : "es",
+      sc.names_chunks() ? "; \"5F3\": model chunk 5's F3" : "", format_pipeline_schedule(sc));
   for (int st = 0; st < o.stages; ++st) {
     fmt::print("stage {}: at most {} micro-batch{} alive\n", st, max_in_flight(sc, st),
                max_in_flight(sc, st) == 1 ? "" : "es");
@@ -222,7 +241,8 @@ int main(int argc, char** argv) {
   CLI::App app{
       "Cut an ONNX multilayer perceptron into pipeline stages (and tensor-parallel shards) balanced by\n"
       "parameter count. Prints one row per stage and writes DIR/stage_<i>.onnx (stage_<i>_tp<j>.onnx when\n"
-      "sharded) and DIR/plan.json. Example: partition models/simple.onnx --stages 2",
+      "sharded; chunk_<c>.onnx when a schedule puts several chunks on each stage) and DIR/plan.json.\n"
+      "Example: partition models/simple.onnx --stages 2",
       "partition"};
   Args a;
   define(app, a);
