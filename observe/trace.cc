@@ -16,13 +16,13 @@ double Tracer::now_us() const {
   return std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0_).count();
 }
 
-void Tracer::add(const char* name, const char* category, double begin_us, int64_t step, int micro_batch) {
+void Tracer::add(const char* name, const char* category, double begin_us, int64_t step, int micro_batch, int chunk) {
   if (!record_) return;
   if (events_.size() >= kMaxEvents) {
     ++dropped_;
     return;
   }
-  events_.push_back(Event{name, category, begin_us, now_us() - begin_us, step, micro_batch});
+  events_.push_back(Event{name, category, begin_us, now_us() - begin_us, step, micro_batch, chunk});
 }
 
 std::string Tracer::events_json(int pid, const std::string& label, size_t max_bytes) const {
@@ -42,6 +42,7 @@ std::string Tracer::events_json(int pid, const std::string& label, size_t max_by
         {"name", e.name},       {"cat", e.category},         {"ph", "X"}, {"pid", pid}, {"tid", 0}, {"ts", e.begin_us},
         {"dur", e.duration_us}, {"args", {{"step", e.step}}}};
     if (e.micro_batch >= 0) j["args"]["micro_batch"] = e.micro_batch;
+    if (e.chunk >= 0) j["args"]["chunk"] = e.chunk;
     out += ',';
     out += j.dump();
   }

@@ -21,8 +21,9 @@ class Tracer {
 
   void start(bool record);
   double now_us() const;
-  // An event from `begin_us` to now. `micro_batch` < 0: not about one micro-batch.
-  void add(const char* name, const char* category, double begin_us, int64_t step, int micro_batch);
+  // An event from `begin_us` to now. `micro_batch` < 0: not about one micro-batch;
+  // `chunk` ≥ 0: the model chunk it is about, on a stage that holds several.
+  void add(const char* name, const char* category, double begin_us, int64_t step, int micro_batch, int chunk = -1);
 
   // Forward/backward time, and the time the schedules took: their difference is the
   // time this stage waited (the bubble, plus transfers).
@@ -44,7 +45,7 @@ class Tracer {
     const char* category;
     double begin_us, duration_us;
     int64_t step;
-    int micro_batch;
+    int micro_batch, chunk;
   };
   std::chrono::steady_clock::time_point t0_ = std::chrono::steady_clock::now();
   bool record_ = false;

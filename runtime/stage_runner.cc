@@ -267,7 +267,8 @@ void StageRunner::run_action(size_t index, const Action& a, const MicroStep& ms,
       (pass_times_.fastest_receive_us == 0 || took < pass_times_.fastest_receive_us)) {
     pass_times_.fastest_receive_us = took;
   }
-  tracer_.add(info.trace_name, category(info.role), begin, ms.step, k);
+  tracer_.add(info.trace_name, category(info.role), begin, ms.step, k,
+              chunks_.size() > 1 ? schedule_.chunk_of(stage_, j) : -1);
 }
 
 // Chunk j − 1's outputs, as chunk j's inputs for micro-batch k: a copy between the two
