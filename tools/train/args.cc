@@ -98,6 +98,9 @@ void define_layout_and_the_rest(CLI::App& app, Args& a) {
   app.add_option("--schedule", a.pipeline_schedule,
                  "pipeline schedule: " + schedule_names_text() + " (default 1f1b; partition --show-schedule shows it)")
       ->check(CLI::IsMember(schedule_names()));
+  app.add_option("--virtual-stages", a.virtual_stages,
+                 "model chunks per stage for a schedule that lets them be chosen (interleaved; default 2): the "
+                 "model is cut into P·v chunks, chunk c on stage c mod P");
   app.add_option("--balance", a.balance, "cut stages balancing params (default), flops or memory")
       ->check(CLI::IsMember({"params", "flops", "memory"}));
   app.add_option("--trace", a.trace,
@@ -219,6 +222,7 @@ Result<TrainConfig> make_config(const Args& a) {
   c.clip_grad_norm = a.clip;
   c.micro_batches = a.micro_batches;
   c.pipeline_schedule = a.pipeline_schedule;
+  c.virtual_stages = a.virtual_stages;
   c.balance = a.balance == "flops"    ? BalanceBy::kFlops
               : a.balance == "memory" ? BalanceBy::kMemory
                                       : BalanceBy::kParams;
@@ -251,7 +255,8 @@ std::string flag_message(const Status& s) {
                                    {"grad_accum", "--grad-accum"},           {"pipeline_schedule", "--schedule"},
                                    {"loss_scaling", "--loss-scale"},         {"cuda_graph", "--cuda-graph"},
                                    {"sync_batchnorm", "--sync-batchnorm"},   {"stages", "--stages"},
-                                   {"tensor_parallel", "--tensor-parallel"}, {"schedule", "--schedule"}};
+                                   {"tensor_parallel", "--tensor-parallel"}, {"schedule", "--schedule"},
+                                   {"virtual_stages", "--virtual-stages"}};
   return pipeshard::flag_message(s, kFlags);
 }
 

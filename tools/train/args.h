@@ -25,6 +25,7 @@ struct Args {
   std::string tensorboard;          // --tensorboard DIR
   std::string loss_scale;           // --loss-scale: "" (by precision), none, dynamic or a power of two
   int micro_batches = 1;
+  int virtual_stages = 0;  // --virtual-stages: 0, the schedule's own
   bool sync_batchnorm = false;
   bool cuda_graph = false;        // --cuda-graph
   bool keep_activations = false;  // --keep-activations

@@ -25,6 +25,8 @@ int check_equivalence(const Graph& graph, const Dataset& data, const TrainConfig
     std::unique_ptr<Backend> backend = make_backend();
     TrainConfig one = config;  // the whole batch at once, as one process would train it
     one.micro_batches = 1;
+    one.pipeline_schedule = "1f1b";  // one stage: whatever the schedule, forward then backward
+    one.virtual_stages = 0;
     one.sync_batchnorm = false;
     auto alone = Trainer::create(graph, data, *backend, one);
     PIPESHARD_CHECK(alone.is_ok(), alone.status().message());

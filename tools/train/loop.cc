@@ -62,8 +62,10 @@ void say_what_trains(const Args& a, const Run& run) {
   std::string how;
   if (layout.replicas > 1) how += fmt::format(", {} data-parallel replicas", layout.replicas);
   if (layout.stages > 1) {
-    how += fmt::format(", {} pipeline stages ({}, {} micro-batches)", layout.stages, a.pipeline_schedule,
-                       config.micro_batches);
+    const int chunks = run.trainer ? run.trainer->schedule().chunks() / layout.stages : 1;
+    how += fmt::format(", {} pipeline stages ({}{}, {} micro-batch{})", layout.stages, a.pipeline_schedule,
+                       chunks > 1 ? fmt::format(", {} chunks each", chunks) : "", config.micro_batches,
+                       config.micro_batches == 1 ? "" : "es");
   }
   if (layout.shards > 1) how += fmt::format(", {} tensor-parallel shards", layout.shards);
   fmt::print(stderr, "training {} ({} parameters) on {} samples: {} steps of {} samples, {}{}\n", a.model,
