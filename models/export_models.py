@@ -265,6 +265,23 @@ class Residual(nn.Module):
         return self.head(x + self.fc2(torch.relu(self.fc1(x))))
 
 
+class DeepResidual(nn.Module):
+    """Eight Linear layers, a residual connection over every pair of the middle six, and
+    Dropout before the head: deep enough to cut into 2 x 2, 2 x 3 or 3 x 2 chunks
+    (interleaved and V pipeline schedules), with residuals crossing the cuts."""
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(64, 48)
+        self.blocks = nn.ModuleList([nn.Linear(48, 48) for _ in range(6)])
+        self.drop, self.head = nn.Dropout(0.1), nn.Linear(48, 10)
+
+    def forward(self, x):
+        h = torch.relu(self.inp(x))
+        for i in range(0, 6, 2):
+            h = h + torch.relu(self.blocks[i + 1](torch.relu(self.blocks[i](h))))
+        return self.head(self.drop(h))
+
+
 class ReshapeModel(nn.Module):
     def __init__(self):
         super().__init__()
@@ -281,6 +298,8 @@ def structure_models():
     export("flatten", seeded(10, lambda: mlp(nn.Flatten(), nn.Linear(64, 32), nn.ReLU(),
                                              nn.Linear(32, 10))), [1, 8, 8], ["Reshape", L, R, L])
     export("reshape", seeded(11, ReshapeModel), [1, 8, 8], ["Reshape", L, R, L])
+    export("deep_residual", seeded(24, DeepResidual), [64],
+           [L, R] + [L, R, L, R, "Add"] * 3 + ["Dropout", L], training=TRAIN, reference=False)
 
 
 def activation_models():
