@@ -42,13 +42,15 @@ int64_t value_bytes(const Graph& g, int v) { return g.values[v].shape.per_sample
 // In-flight micro-batches on stage k, whose activations it must keep for backward.
 int64_t in_flight(const PartitionOptions& o, int k) {
   const int m = micro_batch_count(o);
-  return find_schedule(o.schedule)->in_flight(o.stages, m, k);
+  const ScheduleInfo& info = *find_schedule(o.schedule);
+  return info.in_flight(o.stages, m, k, chunks_per_stage_of(info, 0));
 }
 
 // Whether stage k's list runs backwards as halves (I, W), as the trainer decides it: then
 // each Linear keeps its output's gradient per slot from I to W (program/program_plan.cc).
 bool stage_splits_backward(const PartitionOptions& o, int k) {
-  return splits_backward(find_schedule(o.schedule)->build(o.stages, micro_batch_count(o))[k]);
+  const ScheduleInfo& info = *find_schedule(o.schedule);
+  return splits_backward(info.build(o.stages, micro_batch_count(o), chunks_per_stage_of(info, 0))[k]);
 }
 
 // Into how many parts a node running as `role` splits its output: a column-parallel,

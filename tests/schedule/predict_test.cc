@@ -119,7 +119,7 @@ TEST(SchedulePredict, BubbleIsTheMeanIdleShareOfTheStages) {
   // Not the registry's (P−1)/(M+P−1) = 1/3, which is stage 0's share alone: the last
   // stage finishes earlier and idles less of its own time, as train measures it. For any
   // M on two stages (ends 3(M + 1) and 3M + 1, busy 3M): ½[1/(M + 1) + 1/(3M + 1)].
-  EXPECT_LT(p.bubble, find_schedule("1f1b")->bubble(2, 2));
+  EXPECT_LT(p.bubble, find_schedule("1f1b")->bubble(2, 2, 1));
   for (int m = 1; m <= 6; ++m) {
     for (const char* name : {"gpipe", "1f1b"}) {
       const SchedulePrediction pm = predict_schedule(make_pipeline_schedule(name, 2, m), unit_costs(2));
