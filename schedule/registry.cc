@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <list>
 
+#include "schedule/builders.h"
+
 namespace pipeshard {
 namespace {
 
@@ -104,6 +106,11 @@ std::list<ScheduleInfo>& table() {
        "stage keeps at most P micro-batches alive, 1F1B's peak",
        1, nullptr, one_chunk_builder(zb_h1), [](int p, int m, int, int) { return std::min(p, m); },
        one_chunk_bubble(zero_bubble_h1), "(P-1)/(3M+P-1)", nullptr},
+      {"interleaved", "Interleaved 1F1B",
+       "interleaved 1F1B (Megatron-LM): v chunks per stage (--virtual-stages, default 2), chunk c on stage c mod P; "
+       "1F1B over groups of micro-batches that pass through each chunk in turn, which cuts the fill and drain v-fold",
+       0, nullptr, interleaved_one_f_one_b, interleaved_in_flight, interleaved_bubble,
+       "(P-1)/(vM+P-1); M<P: (v(P-M)+M-1)/(vP+M-1)", nullptr},
   };
   return rows;
 }

@@ -3,8 +3,10 @@
 // how many micro-batches each stage keeps alive (what the memory estimate multiplies
 // activations by), its theoretical bubble — so that `train`, `partition`, the planner and
 // the pictures never branch on a schedule's name (docs/style.md 13). Built in: "gpipe",
-// "1f1b" and "zb-h1". A test or a later feature adds a row with ScheduleRegistration and nothing
-// else: the stage runner runs any schedule that check_pipeline_schedule() accepts.
+// "1f1b" and "zb-h1", of one chunk per stage, and "interleaved", of v chunks per stage. A
+// test or a later feature adds a row with ScheduleRegistration and nothing else: the stage
+// runner runs any schedule of one chunk per stage that check_pipeline_schedule() accepts
+// (several chunks per stage are the schedule side's so far: built, checked, predicted).
 #ifndef PIPESHARD_SCHEDULE_REGISTRY_H_
 #define PIPESHARD_SCHEDULE_REGISTRY_H_
 

@@ -300,7 +300,7 @@ TEST(SchedulePredict, PeakInFlightIsMaxInFlight) {
     for (int p = 1; p <= 4; ++p) {
       for (int m = 1; m <= 5; ++m) {
         const PipelineSchedule sc = make_pipeline_schedule(name, p, m);
-        const SchedulePrediction pred = predict_schedule(sc, unit_costs(p));
+        const SchedulePrediction pred = predict_schedule(sc, unit_costs(sc.chunks()));
         ASSERT_EQ(pred.peak_in_flight.size(), static_cast<size_t>(p));
         for (int s = 0; s < p; ++s) EXPECT_EQ(pred.peak_in_flight[s], max_in_flight(sc, s)) << name << " " << s;
       }
@@ -396,6 +396,10 @@ TEST(SchedulePredictCli, PartitionPredictsEveryRegisteredSchedule) {
   EXPECT_NE(r.out.find("predicted for 2 stages and 4 micro-batches"), std::string::npos) << r.out;
   for (const std::string& name : schedule_names()) {
     SCOPED_TRACE(name);
+    if (find_schedule(name)->chunks_per_stage != 1) {  // the plan has a flops figure per stage, not per chunk
+      EXPECT_NE(r.out.find(" not predicted: it cuts the model into "), std::string::npos) << r.out;
+      continue;
+    }
     ASSERT_TRUE(expected.count(name)) << "a new schedule: derive its figures here";
     // The memory each would need: the estimate of a plan made for it.
     const testing::CommandResult own =
