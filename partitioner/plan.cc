@@ -201,13 +201,8 @@ Status check_options(const PartitionOptions& o) {
                                                 std::to_string(o.batch_size) + ", not " +
                                                 std::to_string(o.micro_batches));
   }
-  if (Status s = check_schedule_name(o.schedule); !s) return Status::invalid("schedule", s.message());
-  const ScheduleInfo& schedule = *find_schedule(o.schedule);
-  if (o.virtual_stages < 0 || (o.virtual_stages > 0 && schedule.chunks_per_stage > 0)) {
-    return Status::invalid("virtual_stages", "schedule '" + schedule.name + "' holds " +
-                                                 std::to_string(schedule.chunks_per_stage) +
-                                                 " chunk(s) per stage; virtual stages apply to a schedule that lets "
-                                                 "them be chosen (interleaved)");
+  if (Status s = check_schedule_counts(o.schedule, o.stages, micro_batch_count(o), o.virtual_stages); !s) {
+    return s.setting().empty() ? Status::invalid("schedule", s.message()) : s;
   }
   return Status::ok();
 }

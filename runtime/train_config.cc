@@ -48,16 +48,10 @@ Status check_train_config(const TrainConfig& config, const ProcessLayout& layout
   }
   if (Status s = check_loss_scaling(config.loss_scaling); !s) return Status::invalid("loss_scaling", s.message());
   if (m < 1) return Status::invalid("micro_batches", "there must be at least one micro-batch");
-  if (Status s = check_schedule_name(config.pipeline_schedule); !s) {
-    return Status::invalid("pipeline_schedule", s.message());
+  if (Status s = check_schedule_counts(config.pipeline_schedule, layout.stages, m, config.virtual_stages); !s) {
+    return s.setting().empty() ? Status::invalid("pipeline_schedule", s.message()) : s;
   }
   const ScheduleInfo& schedule = *find_schedule(config.pipeline_schedule);
-  if (config.virtual_stages < 0 || (config.virtual_stages > 0 && schedule.chunks_per_stage > 0)) {
-    return Status::invalid("virtual_stages", "schedule '" + schedule.name + "' holds " +
-                                                 std::to_string(schedule.chunks_per_stage) +
-                                                 " chunk(s) per stage; virtual stages apply to a schedule that lets "
-                                                 "them be chosen (interleaved)");
-  }
   if (const int v = chunks_per_stage_of(schedule, config.virtual_stages); v > 1 && layout.stages < 2) {
     return Status::invalid("pipeline_schedule", "schedule '" + schedule.name + "' places " + std::to_string(v) +
                                                     " model chunks on each pipeline stage: it needs 2 or more stages");

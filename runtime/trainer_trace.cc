@@ -71,7 +71,7 @@ Trainer::Bubble Trainer::pipeline_bubble() {
   b.costs = measured_pass_costs();
   b.predicted = predict_schedule(schedule_, b.costs).bubble;
   const ScheduleInfo& info = *find_schedule(schedule_.name);
-  b.theoretical = info.bubble(schedule_.stages, schedule_.micro_batches);
+  b.theoretical = info.bubble(schedule_.stages, schedule_.micro_batches, schedule_.chunks() / schedule_.stages);
   b.formula = info.bubble_formula;
   return b;
 }

@@ -97,18 +97,20 @@ PipelineSchedule lower_schedule(std::string name, int stages, int micro_batches,
 
 PipelineSchedule make_pipeline_schedule(std::string_view name, int stages, int micro_batches,
                                         const LowerOptions& options, int virtual_stages) {
-  const ScheduleInfo* info = find_schedule(name);
-  PIPESHARD_CHECK(info != nullptr, check_schedule_name(name).message());
-  PIPESHARD_CHECK(stages >= 1 && micro_batches >= 1,
-                  "stages " + std::to_string(stages) + ", micro-batches " + std::to_string(micro_batches));
+  const Status counts = check_schedule_counts(name, stages, micro_batches, virtual_stages);
+  PIPESHARD_CHECK(counts.is_ok(), counts.message());
+  const ScheduleInfo& info = *find_schedule(name);
+  const int v = chunks_per_stage_of(info, virtual_stages);
   std::vector<int> chunk_stage;
-  if (info->placement) {
-    chunk_stage = info->placement(stages);
+  if (info.placement) {
+    chunk_stage = info.placement(stages, v);
   } else {
-    const int v = chunks_per_stage_of(*info, virtual_stages);
     for (int c = 0; c < stages * v; ++c) chunk_stage.push_back(c % stages);
   }
-  return lower_schedule(info->name, stages, micro_batches, chunk_stage, info->build(stages, micro_batches), options);
+  PIPESHARD_CHECK(static_cast<int>(chunk_stage.size()) == stages * v, "schedule '" + info.name + "' places " +
+                                                                          std::to_string(chunk_stage.size()) +
+                                                                          " chunks, not " + std::to_string(stages * v));
+  return lower_schedule(info.name, stages, micro_batches, chunk_stage, info.build(stages, micro_batches, v), options);
 }
 
 namespace {

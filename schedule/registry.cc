@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <list>
 
+#include "schedule/builders.h"
+
 namespace pipeshard {
 namespace {
 
@@ -82,27 +84,38 @@ double zero_bubble_h1(int stages, int micro_batches) {
   return static_cast<double>(stages - 1) / (3.0 * micro_batches + stages - 1);
 }
 
+// A builder, in-flight count or bubble of one chunk per stage as a row's function, which
+// takes the chunks per stage too: always 1 for such a row.
+std::function<ComputeOrder(int, int, int)> one_chunk_builder(ComputeOrder (*build)(int, int)) {
+  return [build](int stages, int micro_batches, int) { return build(stages, micro_batches); };
+}
+std::function<double(int, int, int)> one_chunk_bubble(double (*bubble)(int, int)) {
+  return [bubble](int stages, int micro_batches, int) { return bubble(stages, micro_batches); };
+}
+
 std::list<ScheduleInfo>& table() {
   static std::list<ScheduleInfo> rows = {
-      {"gpipe", "GPipe", "all forwards, then all backwards; M micro-batches alive on every stage", 1, nullptr, gpipe,
-       [](int, int m, int) { return m; }, fill_and_drain, "(P-1)/(M+P-1)"},
+      {"gpipe", "GPipe", "all forwards, then all backwards; M micro-batches alive on every stage", 1, nullptr,
+       one_chunk_builder(gpipe), [](int, int m, int, int) { return m; }, one_chunk_bubble(fill_and_drain),
+       "(P-1)/(M+P-1)", nullptr},
       {"1f1b", "1F1B", "one forward, one backward (PipeDream-flush); stage s keeps at most P - s micro-batches alive",
-       1, nullptr, one_f_one_b, [](int p, int m, int s) { return std::min(p - s, m); }, fill_and_drain,
-       "(P-1)/(M+P-1)"},
+       1, nullptr, one_chunk_builder(one_f_one_b), [](int p, int m, int s, int) { return std::min(p - s, m); },
+       one_chunk_bubble(fill_and_drain), "(P-1)/(M+P-1)", nullptr},
       {"zb-h1", "ZB-H1",
        "zero bubble H1: backward split into input (I) and weight (W) halves, W's deferred into the bubble; every "
        "stage keeps at most P micro-batches alive, 1F1B's peak",
-       1, nullptr, zb_h1, [](int p, int m, int) { return std::min(p, m); }, zero_bubble_h1, "(P-1)/(3M+P-1)"},
+       1, nullptr, one_chunk_builder(zb_h1), [](int p, int m, int, int) { return std::min(p, m); },
+       one_chunk_bubble(zero_bubble_h1), "(P-1)/(3M+P-1)", nullptr},
+      {"interleaved", "Interleaved 1F1B",
+       "interleaved 1F1B (Megatron-LM): v chunks per stage (--virtual-stages, default 2), chunk c on stage c mod P; "
+       "1F1B over groups of micro-batches that pass through each chunk in turn, which cuts the fill and drain v-fold",
+       0, nullptr, interleaved_one_f_one_b, interleaved_in_flight, interleaved_bubble,
+       "(P-1)/(vM+P-1); M<P: (v(P-M)+M-1)/(vP+M-1)", nullptr},
   };
   return rows;
 }
 
 }  // namespace
-
-int chunks_per_stage_of(const ScheduleInfo& info, int virtual_stages) {
-  if (info.chunks_per_stage > 0) return info.chunks_per_stage;
-  return virtual_stages > 0 ? virtual_stages : 2;
-}
 
 const ScheduleInfo* find_schedule(std::string_view name) {
   for (const ScheduleInfo& row : table()) {
@@ -128,9 +141,40 @@ Status check_schedule_name(std::string_view name) {
   return Status::error("no pipeline schedule '" + std::string(name) + "' (there are " + schedule_names_text() + ")");
 }
 
+int chunks_per_stage_of(const ScheduleInfo& info, int virtual_stages) {
+  if (info.chunks_per_stage > 0) return info.chunks_per_stage;
+  return virtual_stages >= 1 ? virtual_stages : 2;
+}
+
+Status check_schedule_counts(std::string_view name, int stages, int micro_batches, int virtual_stages) {
+  PIPESHARD_RETURN_IF_ERROR(check_schedule_name(name));
+  const ScheduleInfo& info = *find_schedule(name);
+  if (stages < 1)
+    return Status::invalid("stages", "a pipeline needs at least one stage, not " + std::to_string(stages));
+  if (micro_batches < 1) {
+    return Status::invalid("micro_batches",
+                           "there must be at least one micro-batch, not " + std::to_string(micro_batches));
+  }
+  const std::string row = "schedule '" + info.name + "'";
+  if (virtual_stages < 0) {
+    return Status::invalid("virtual_stages", "a count of chunks per stage cannot be " + std::to_string(virtual_stages));
+  }
+  if (info.chunks_per_stage > 0 && virtual_stages > 0 && virtual_stages != info.chunks_per_stage) {
+    return Status::invalid("virtual_stages", row + " holds " + std::to_string(info.chunks_per_stage) + " chunk" +
+                                                 (info.chunks_per_stage == 1 ? "" : "s") +
+                                                 " per stage; a chosen count (" + std::to_string(virtual_stages) +
+                                                 ") does not apply");
+  }
+  const int v = chunks_per_stage_of(info, virtual_stages);
+  if (info.chunks_per_stage == 0 && v < 2) {
+    return Status::invalid("virtual_stages", row + " needs at least 2 chunks per stage, not " + std::to_string(v));
+  }
+  return info.accepts ? info.accepts(stages, micro_batches, v) : Status::ok();
+}
+
 ScheduleRegistration::ScheduleRegistration(ScheduleInfo info) : name_(info.name) {
   PIPESHARD_CHECK(!name_.empty() && find_schedule(name_) == nullptr, "schedule '" + name_ + "' is registered already");
-  PIPESHARD_CHECK(info.build && info.in_flight && info.bubble && info.chunks_per_stage >= 1,
+  PIPESHARD_CHECK(info.build && info.in_flight && info.bubble && info.chunks_per_stage >= 0,
                   "schedule '" + name_ + "' lacks a builder, an in-flight count or a bubble formula");
   table().push_back(std::move(info));
 }

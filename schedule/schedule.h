@@ -90,8 +90,9 @@ PipelineSchedule lower_schedule(std::string name, int stages, int micro_batches,
                                 const ComputeOrder& compute, const LowerOptions& options = {});
 
 // The registered schedule `name` (schedule/registry.h) for `stages` ≥ 1 and
-// `micro_batches` ≥ 1, lowered. Aborts on an unknown name or a count below 1: callers
-// validate flags first (check_schedule_name()). It passes check_pipeline_schedule().
+// `micro_batches` ≥ 1 with `virtual_stages` chunks per stage (0: the row's default,
+// chunks_per_stage_of()), lowered. Aborts on counts check_schedule_counts() refuses:
+// callers validate flags with it first. It passes check_pipeline_schedule().
 PipelineSchedule make_pipeline_schedule(std::string_view name, int stages, int micro_batches,
                                         const LowerOptions& options = {}, int virtual_stages = 0);
 

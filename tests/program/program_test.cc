@@ -485,7 +485,7 @@ TEST_P(EveryModel, MemoryEstimateMatchesWhatTheProgramsHold) {
           std::unique_ptr<Backend> backend = make_cpu_backend();
           std::unique_ptr<Communicator> tensor = make_placeholder_communicator(0, shards, "a measured program's group");
           ProgramOptions options;
-          options.slots = find_schedule(schedule)->in_flight(stages, 4, k);
+          options.slots = find_schedule(schedule)->in_flight(stages, 4, k, 1);
           options.split_backward = schedule == "zb-h1";
           options.input_needs_grad.assign(stage->graph.inputs.size(), k > 0);
           options.tensor = tensor.get();

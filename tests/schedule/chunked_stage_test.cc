@@ -84,9 +84,9 @@ ScheduleInfo looped_row() {
   row.title = "Looped";
   row.summary = "test: two chunks per stage, round robin, chunk by chunk";
   row.chunks_per_stage = 2;
-  row.build = [](int p, int m) { return chunk_by_chunk(p, m, 2, false); };
-  row.in_flight = [](int, int m, int) { return 2 * m; };
-  row.bubble = [](int, int) { return 0.0; };
+  row.build = [](int p, int m, int v) { return chunk_by_chunk(p, m, v, false); };
+  row.in_flight = [](int, int m, int, int v) { return v * m; };
+  row.bubble = [](int, int, int) { return 0.0; };
   return row;
 }
 
@@ -95,12 +95,12 @@ ScheduleInfo v_split_row() {
   row.name = "v-split";
   row.title = "V split";
   row.summary = "test: two chunks per stage in a V, backward split, W's last";
-  row.placement = [](int p) {
+  row.placement = [](int p, int) {
     std::vector<int> stage_of;
     for (int c = 0; c < 2 * p; ++c) stage_of.push_back(c < p ? c : 2 * p - 1 - c);
     return stage_of;
   };
-  row.build = [](int p, int m) { return chunk_by_chunk(p, m, 2, true); };
+  row.build = [](int p, int m, int v) { return chunk_by_chunk(p, m, v, true); };
   return row;
 }
 
@@ -132,8 +132,8 @@ class ChunkedStages : public ::testing::Test {
     SCOPED_TRACE(schedule + " P" + std::to_string(stages) + " D" + std::to_string(replicas) + " T" +
                  std::to_string(shards) + " M" + std::to_string(micro_batches));
     const int ranks = stages * replicas * shards;
-    const testing::Trained flat = testing::train_layout(model_, data_, config("1f1b", micro_batches, false),
-                                                        2 * ranks, 2 * stages, shards);
+    const testing::Trained flat =
+        testing::train_layout(model_, data_, config("1f1b", micro_batches, false), 2 * ranks, 2 * stages, shards);
     const testing::Trained chunked =
         testing::train_layout(model_, data_, config(schedule, micro_batches, false), ranks, stages, shards);
     testing::expect_bitwise(chunked, flat);

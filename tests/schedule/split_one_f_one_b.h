@@ -12,7 +12,7 @@
 namespace pipeshard::testing {
 
 inline ComputeOrder one_f_one_b_split(int stages, int micro_batches, bool weights_last) {
-  ComputeOrder order = find_schedule("1f1b")->build(stages, micro_batches);
+  ComputeOrder order = find_schedule("1f1b")->build(stages, micro_batches, 1);
   for (auto& stage : order) {
     std::vector<Action> split, weights;
     for (const Action& a : stage) {
