@@ -279,21 +279,27 @@ std::string Trainer::first_non_finite_gradient() {
   return first.empty() ? first : first.substr(kKeyWidth + 1);
 }
 
-// torch's clip_grad_norm_ over the whole model: each stage adds its parameters' squares,
-// a parameter split over the shards counts every slice, a replicated one counts once.
+// torch's clip_grad_norm_ over the whole model: each rank adds up its parameters' squares
+// by whole-model parameter, a parameter split over the shards counting every slice and a
+// replicated one once; the sums travel as one vector, and every rank adds it up in the
+// model's parameter order. So the norm does not depend on how the stages are cut into
+// ranks or chunks: P stages of v chunks clip as P·v stages do, bit for bit.
 double Trainer::clip_gradients() {
   float* grads = program_->gradients();
   const int64_t n = program_->trainable_elements();
   if (rank_.is_whole()) return clip_grad_norm(backend_, grads, n, config_.clip_grad_norm);
   const Graph& g = rank_.graph();
-  double squares = 0;
+  std::vector<double> by_param(rank_.full().params.size(), 0.0);
   for (size_t q = 0; q < g.params.size(); ++q) {
     const int64_t at = program_->parameter_offset(static_cast<int>(q));
     if (at < 0 || (rank_.layout().shard != 0 && rank_.shard_axis(static_cast<int>(q)) < 0)) continue;
-    squares += backend_.sum_squares(grads + at, g.params[q].elements());
+    by_param[rank_.full_param(static_cast<int>(q))] += backend_.sum_squares(grads + at, g.params[q].elements());
   }
-  if (tensor_) squares = tensor_->all_reduce_sum(squares);
-  if (pipeline_) squares = pipeline_->all_reduce_sum(squares);
+  const int64_t count = static_cast<int64_t>(by_param.size());
+  if (tensor_) tensor_->all_reduce_sum(by_param.data(), count);
+  if (pipeline_) pipeline_->all_reduce_sum(by_param.data(), count);
+  double squares = 0;
+  for (double s : by_param) squares += s;
   const double norm = std::sqrt(squares);
   const double coef = config_.clip_grad_norm / (norm + 1e-6);
   if (coef < 1.0) backend_.scale(grads, static_cast<float>(coef), n);
