@@ -194,7 +194,10 @@ Status check_options(const PartitionOptions& o) {
                                                 std::to_string(o.batch_size) + ", not " +
                                                 std::to_string(o.micro_batches));
   }
-  if (Status s = check_schedule_name(o.schedule); !s) return Status::invalid("schedule", s.message());
+  // The schedule, and whether it runs these counts (zb-v needs M >= P).
+  if (Status s = check_schedule_counts(o.schedule, o.stages, micro_batch_count(o), 0); !s) {
+    return s.setting().empty() ? Status::invalid("schedule", s.message()) : s;
+  }
   return Status::ok();
 }
 

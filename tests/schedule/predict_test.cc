@@ -299,6 +299,7 @@ TEST(SchedulePredict, PeakInFlightIsMaxInFlight) {
   for (const std::string& name : schedule_names()) {
     for (int p = 1; p <= 4; ++p) {
       for (int m = 1; m <= 5; ++m) {
+        if (!check_schedule_counts(name, p, m, 0).is_ok()) continue;  // zb-v needs M >= P
         const PipelineSchedule sc = make_pipeline_schedule(name, p, m);
         const SchedulePrediction pred = predict_schedule(sc, unit_costs(sc.chunks()));
         ASSERT_EQ(pred.peak_in_flight.size(), static_cast<size_t>(p));

@@ -179,6 +179,10 @@ void print_predictions(const Graph& graph, const Plan& plan, int micro_batches) 
   size_t width = 0;
   for (const std::string& name : schedule_names()) width = std::max(width, name.size());
   for (const std::string& name : schedule_names()) {
+    if (Status s = check_schedule_counts(name, o.stages, micro_batches, 0); !s) {
+      fmt::print("  {:<{}}  not predicted: {}\n", name, width, s.message());
+      continue;
+    }
     const PipelineSchedule sc = make_pipeline_schedule(name, o.stages, micro_batches);
     if (sc.chunks() != o.stages) {  // the plan has one flops figure per stage, not per chunk
       fmt::print("  {:<{}}  not predicted: it cuts the model into {} chunks, this plan into {}\n", name, width,
