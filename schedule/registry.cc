@@ -111,6 +111,14 @@ std::list<ScheduleInfo>& table() {
        "1F1B over groups of micro-batches that pass through each chunk in turn, which cuts the fill and drain v-fold",
        0, nullptr, interleaved_one_f_one_b, interleaved_in_flight, interleaved_bubble,
        "(P-1)/(vM+P-1); M<P: (v(P-M)+M-1)/(vP+M-1)", nullptr},
+      {"zb-v", "ZB-V",
+       "zero bubble V: 2 chunks per stage in a V (stage s holds chunks s and 2P-1-s, so stage 0 computes the "
+       "loss), backward split into I and W, W's placed where stages would wait; every stage keeps at most 2P "
+       "half-stage chunks alive, 1F1B's peak; needs M >= P",
+       2, [](int p, int) { return zero_bubble_v_placement(p); }, [](int p, int m, int) { return zero_bubble_v(p, m); },
+       [](int p, int m, int, int) { return zero_bubble_v_in_flight(p, m); },
+       [](int p, int m, int) { return zero_bubble_v_bubble(p, m); }, "(P-1)/(6M+P-1)",
+       [](int p, int m, int) { return zero_bubble_v_accepts(p, m); }},
   };
   return rows;
 }

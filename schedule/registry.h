@@ -3,8 +3,8 @@
 // how many micro-batches each stage keeps alive (what the memory estimate multiplies
 // activations by), its theoretical bubble — so that `train`, `partition`, the planner and
 // the pictures never branch on a schedule's name (docs/style.md 13). Built in: "gpipe",
-// "1f1b" and "zb-h1", of one chunk per stage, and "interleaved", of v chunks per stage. A
-// test or a later feature adds a row with ScheduleRegistration and nothing else: the stage
+// "1f1b" and "zb-h1" (one chunk per stage), "interleaved" (v) and "zb-v" (2). A test or a
+// later feature adds a row with ScheduleRegistration and nothing else: the stage
 // runner runs any schedule of one chunk per stage that check_pipeline_schedule() accepts
 // (several chunks per stage are the schedule side's so far: built, checked, predicted).
 #ifndef PIPESHARD_SCHEDULE_REGISTRY_H_
@@ -58,9 +58,9 @@ int chunks_per_stage_of(const ScheduleInfo& info, int virtual_stages);
 const ScheduleInfo* find_schedule(std::string_view name);
 // Every registered name, built-in ones first: "gpipe", "1f1b", ...
 std::vector<std::string> schedule_names();
-// The same as one line: "gpipe, 1f1b, zb-h1".
+// The same as one line: "gpipe, 1f1b, zb-h1, interleaved, zb-v".
 std::string schedule_names_text();
-// OK when `name` is registered; otherwise "no pipeline schedule 'x' (there are gpipe, 1f1b, zb-h1)".
+// OK when `name` is registered; otherwise "no pipeline schedule 'x' (there are gpipe, 1f1b, ...)".
 Status check_schedule_name(std::string_view name);
 // OK when schedule `name` can run `stages` and `micro_batches` with `virtual_stages`
 // chunks per stage (0: the row's default), so make_pipeline_schedule() will build it.

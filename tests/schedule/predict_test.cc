@@ -299,6 +299,7 @@ TEST(SchedulePredict, PeakInFlightIsMaxInFlight) {
   for (const std::string& name : schedule_names()) {
     for (int p = 1; p <= 4; ++p) {
       for (int m = 1; m <= 5; ++m) {
+        if (!check_schedule_counts(name, p, m, 0).is_ok()) continue;  // zb-v needs M >= P
         const PipelineSchedule sc = make_pipeline_schedule(name, p, m);
         const SchedulePrediction pred = predict_schedule(sc, unit_costs(sc.chunks()));
         ASSERT_EQ(pred.peak_in_flight.size(), static_cast<size_t>(p));
@@ -397,7 +398,8 @@ TEST(SchedulePredictCli, PartitionPredictsEveryRegisteredSchedule) {
   for (const std::string& name : schedule_names()) {
     SCOPED_TRACE(name);
     if (find_schedule(name)->chunks_per_stage != 1) {  // 2 × 2 chunks of a model of three layers
-      EXPECT_NE(r.out.find(" not predicted: cannot cut 4 chunks (2 stages of 2 for the " + name + " schedule) from 3 "
+      EXPECT_NE(r.out.find(" not predicted: cannot cut 4 chunks (2 stages of 2 for the " + name +
+                           " schedule) from 3 "
                            "layers"),
                 std::string::npos)
           << r.out;

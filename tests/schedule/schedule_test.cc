@@ -348,7 +348,7 @@ namespace {
 // runner's slots are as many; the bubble formula is the fill and drain of the pipeline.
 // (The rows of several chunks per stage have theirs checked in multi_chunk_schedule_test.cc.)
 TEST(ScheduleRegistry, FormulasAgreeWithTheBuiltSchedules) {
-  ASSERT_EQ(schedule_names(), (std::vector<std::string>{"gpipe", "1f1b", "zb-h1", "interleaved"}));
+  ASSERT_EQ(schedule_names(), (std::vector<std::string>{"gpipe", "1f1b", "zb-h1", "interleaved", "zb-v"}));
   for (const std::string& name : schedule_names()) {
     const ScheduleInfo& info = *find_schedule(name);
     if (info.chunks_per_stage != 1) continue;
@@ -367,9 +367,9 @@ TEST(ScheduleRegistry, FormulasAgreeWithTheBuiltSchedules) {
       }
     }
   }
-  EXPECT_EQ(find_schedule("zb-v"), nullptr);
-  EXPECT_EQ(check_schedule_name("zb-v").message(),
-            "no pipeline schedule 'zb-v' (there are gpipe, 1f1b, zb-h1, interleaved)");
+  EXPECT_EQ(find_schedule("zb-h2"), nullptr);
+  EXPECT_EQ(check_schedule_name("zb-h2").message(),
+            "no pipeline schedule 'zb-h2' (there are gpipe, 1f1b, zb-h1, interleaved, zb-v)");
 }
 
 // Every action kind has one row of facts, in enum order.
@@ -395,7 +395,7 @@ TEST(ScheduleRegistry, ARegisteredScheduleIsFoundAndLeaves) {
     ScheduleRegistration registration(info);
     ASSERT_NE(find_schedule("gpipe-copy"), nullptr);
     EXPECT_EQ(check_pipeline_schedule(make_pipeline_schedule("gpipe-copy", 3, 4)).message(), "");
-    EXPECT_EQ(schedule_names_text(), "gpipe, 1f1b, zb-h1, interleaved, gpipe-copy");
+    EXPECT_EQ(schedule_names_text(), "gpipe, 1f1b, zb-h1, interleaved, zb-v, gpipe-copy");
   }
   EXPECT_EQ(find_schedule("gpipe-copy"), nullptr);
 }
