@@ -15,7 +15,8 @@ batches everywhere. Sections:
             100000 MiB (one all-reduce after backward)
   ddp       the peer: PyTorch DistributedDataParallel on gloo, 2 processes x 1 thread, each rank
             128 samples (its half of 256), the same OpenBLAS file as train
-  pipeline  mpirun -np 2 train --stages 2 --micro-batches M (1f1b, and gpipe and zb-h1 for some M)
+  pipeline  mpirun -np 2 train --stages 2 --micro-batches M (1f1b, and gpipe, zb-h1, interleaved and
+            zb-v for some M)
             against one process with 1 thread, next to the ideal P*M/(M+P-1); each run's pipeline
             bubble as train measures it, as it predicts it from the passes' mean times, and in
             theory; and zb-h1's throughput over 1f1b's at the same M
@@ -91,7 +92,8 @@ def pipeline_config(m, schedule):
                   ("--stages", str(P), "--micro-batches", str(m), "--schedule", schedule))
 
 
-def configs_for(sections, micro_batches, gpipe_micro_batches, zb_h1_micro_batches=()):
+def configs_for(sections, micro_batches, gpipe_micro_batches, zb_h1_micro_batches=(), interleaved_micro_batches=(),
+                zb_v_micro_batches=()):
     """The configurations the sections need, each once, in run order."""
     wanted = []
     if "dp" in sections:
@@ -104,6 +106,8 @@ def configs_for(sections, micro_batches, gpipe_micro_batches, zb_h1_micro_batche
         wanted += [ONE_1T, ONE_2T] + [pipeline_config(m, "1f1b") for m in micro_batches]
         wanted += [pipeline_config(m, "gpipe") for m in gpipe_micro_batches]
         wanted += [pipeline_config(m, "zb-h1") for m in zb_h1_micro_batches]
+        wanted += [pipeline_config(m, "interleaved") for m in interleaved_micro_batches]
+        wanted += [pipeline_config(m, "zb-v") for m in zb_v_micro_batches]
     if "tp" in sections:
         wanted += [ONE_1T, ONE_2T, TP]
     return list(dict.fromkeys(wanted))
@@ -167,6 +171,7 @@ class RunResult:
     blas: list
     torch_version: str = None  # the peer's
     bubble: tuple = None  # a pipelined run's (measured, predicted, theory) in %, from train's last lines
+    peak_mib: float = None  # the most the backend held in any process, from train's memory line
 
 
 def descendants(pid):
@@ -220,7 +225,8 @@ def run_ours(config, args, paths, env, folder, tag):
     wait_all([proc], f"train ({config.label})", [log])
     rows = [json.loads(line) for line in open(metrics)]
     times = [SPEC["batch"] / row["samples_per_s"] for row in rows]
-    return RunResult(times[args.warmup:], rows[0]["loss"], rows[-1]["loss"], libs, bubble=read_bubble(log))
+    return RunResult(times[args.warmup:], rows[0]["loss"], rows[-1]["loss"], libs, bubble=read_bubble(log),
+                     peak_mib=read_peak_mib(log))
 
 
 BUBBLE_LINE = re.compile(r"pipeline bubble: stages idle ([0-9.]+)% .*?, ([0-9.]+)% predicted .*? = ([0-9.]+)% for P=")
@@ -232,6 +238,20 @@ def read_bubble(log_path):
         m = BUBBLE_LINE.search(line)
         if m:
             return tuple(float(g) for g in m.groups())
+    return None
+
+
+PEAK_LINE = re.compile(r"peak .*?held by the backend(?: per process)?: ([0-9.]+) (B|KiB|MiB|GiB)")
+UNIT_MIB = {"B": 1 / 2**20, "KiB": 1 / 1024, "MiB": 1, "GiB": 1024}
+
+
+def read_peak_mib(log_path):
+    """train's "peak memory held by the backend per process: X at most ..." (or its one-process
+    form) as MiB."""
+    for line in open(log_path):
+        m = PEAK_LINE.search(line)
+        if m:
+            return float(m.group(1)) * UNIT_MIB[m.group(2)]
     return None
 
 
@@ -277,6 +297,8 @@ def measure(configs, args, paths, folder):
                          torch_version=res.torch_version)
             if res.bubble:
                 entry.setdefault("bubbles", []).append(res.bubble)
+            if res.peak_mib is not None:
+                entry["peak_mib"] = res.peak_mib
         print(f"  round {r + 1}/{args.rounds} done, load average {os.getloadavg()[0]:.2f}", flush=True)
     for entry in results.values():
         entry["median"] = statistics.median(entry["step_s"])
@@ -380,11 +402,14 @@ def report_pipeline(configs, res):
         bubbles = res[c.key].get("bubbles") or [(float("nan"),) * 3]
         measured, predicted, theory = (statistics.median(b[i] for b in bubbles) for i in range(3))
         gaps.append(abs(measured - predicted))
+        peak = res[c.key].get("peak_mib")
         rows.append([m, schedule, ms(t), f"{t11 / t:.3f}", f"{ideal:.3f}", f"{t11 / t / ideal:.1%}", f"{t12 / t:.3f}",
-                     f"{measured:.1f}%", f"{predicted:.1f}%", f"{measured - predicted:+.1f}", f"{theory:.1f}%"])
+                     f"{measured:.1f}%", f"{predicted:.1f}%", f"{measured - predicted:+.1f}", f"{theory:.1f}%",
+                     f"{peak:.1f}" if peak is not None else "?"])
     rows.sort(key=lambda row: (row[0], row[1]))
     table(["M", "schedule", "ms/step", "speedup = T(1r x 1t) / T", "ideal P*M/(M+P-1)", "measured / ideal",
-           "vs 1r x 2t = T(1r x 2t) / T", "bubble measured", "predicted", "gap (pp)", "theory"], rows)
+           "vs 1r x 2t = T(1r x 2t) / T", "bubble measured", "predicted", "gap (pp)", "theory",
+           "peak MiB (largest rank)"], rows)
     if gaps:
         worst = max(gaps)
         print(f"\nworst gap between the measured and the predicted bubble: {worst:.1f} percentage points "
@@ -394,6 +419,11 @@ def report_pipeline(configs, res):
         gain = res[one]["median"] / res[zb]["median"]
         print(f"zb-h1 throughput over 1f1b at M={ZB_H1_TARGET_M}: T(1f1b) / T(zb-h1) = {gain:.3f} "
               f"(target >= {TARGET_ZB_H1_GAIN:.2f}: {verdict(gain >= TARGET_ZB_H1_GAIN)})")
+    for faster, slower in (("interleaved", "1f1b"), ("zb-v", "zb-h1"), ("zb-v", "1f1b")):
+        a, b = f"pp-{faster}-{ZB_H1_TARGET_M}", f"pp-{slower}-{ZB_H1_TARGET_M}"
+        if a in res and b in res:
+            print(f"{faster} throughput over {slower} at M={ZB_H1_TARGET_M}: T({slower}) / T({faster}) = "
+                  f"{res[b]['median'] / res[a]['median']:.3f} (no target)")
 
 
 def report_tp(res):
@@ -430,6 +460,9 @@ def parse_args():
     ap.add_argument("--micro-batches", default="1,2,4,8,16", help="pipeline M values, 1f1b (default 1,2,4,8,16)")
     ap.add_argument("--gpipe", default="2,4,8,16", help="M values also run with --schedule gpipe (default 2,4,8,16; '' for none)")
     ap.add_argument("--zb-h1", default="2,4,8", help="M values also run with --schedule zb-h1 (default 2,4,8; '' for none)")
+    ap.add_argument("--interleaved", default="2,4,8",
+                    help="M values also run with --schedule interleaved, 2 chunks per stage (default 2,4,8; '' for none)")
+    ap.add_argument("--zb-v", default="2,4,8", help="M values also run with --schedule zb-v (default 2,4,8; '' for none)")
     ap.add_argument("--bind-to", default="core", choices=("core", "none"),
                     help="mpirun --bind-to for our ranks; DDP ranks pin themselves alike (default core)")
     ap.add_argument("--model", default="B", choices=sorted(MODEL_SPECS),
@@ -460,6 +493,8 @@ def main():
     micro_batches = [int(m) for m in args.micro_batches.split(",") if m]
     gpipe = [int(m) for m in args.gpipe.split(",") if m]
     zb_h1 = [int(m) for m in args.zb_h1.split(",") if m]
+    interleaved = [int(m) for m in args.interleaved.split(",") if m]
+    zb_v = [int(m) for m in args.zb_v.split(",") if m]
     args.train = os.path.join(args.build_dir, "bin", "train")
     args.mpirun = shutil.which("mpirun")
     if not os.access(args.train, os.X_OK):
@@ -468,7 +503,7 @@ def main():
         return cannot_run("mpirun is missing (Debian openmpi-bin)")
     if subprocess.run([sys.executable, "-c", "import torch, onnx, numpy"], capture_output=True).returncode != 0:
         return cannot_run("needs torch, onnx and numpy (Debian python3-torch, python3-onnx); run with /usr/bin/python3")
-    configs = configs_for(sections, micro_batches, gpipe, zb_h1)
+    configs = configs_for(sections, micro_batches, gpipe, zb_h1, interleaved, zb_v)
     mpi_version = subprocess.run([args.mpirun, "--version"], capture_output=True, text=True).stdout.splitlines()[0]
     print(f"distributed: {os.uname().nodename}, {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f} "
           f"at start; model {MODEL}: {SPEC['title']}; {mpi_version}, mpirun --oversubscribe --bind-to "
