@@ -44,10 +44,18 @@ inline TrainConfig adamw_config(const std::string& schedule, int micro_batches, 
   return c;
 }
 
+// Optional checkpoints of train_layout(): resume from `resume_from` before the first step
+// (training then runs from the checkpoint's step to config.total_steps), and save into
+// `save_to` once `save_after` steps are done.
+struct Checkpointing {
+  std::string resume_from, save_to;
+  int64_t save_after = 0;
+};
+
 // config.total_steps steps of `config` on `ranks` in-process ranks cut into `stages` ×
 // `shards` (replicas: the rest); rank 0's losses and the whole trained model.
 inline Trained train_layout(const ImportedModel& model, const Dataset& data, const TrainConfig& config, int ranks,
-                            int stages, int shards) {
+                            int stages, int shards, const Checkpointing& checkpoints = {}) {
   Trained result;
   result.peaks.assign(static_cast<size_t>(ranks), 0);
   std::mutex mu;
@@ -58,8 +66,14 @@ inline Trained train_layout(const ImportedModel& model, const Dataset& data, con
     Result<std::unique_ptr<Trainer>> t = Trainer::create(model.graph, data, *backend, config, parallel);
     ASSERT_TRUE(t.is_ok()) << t.status().message();
     ASSERT_TRUE((*t)->check_links().is_ok());
+    if (!checkpoints.resume_from.empty()) ASSERT_TRUE((*t)->load_checkpoint(checkpoints.resume_from).is_ok());
     std::vector<double> losses;
-    for (int64_t s = 0; s < config.total_steps; ++s) losses.push_back((*t)->step().loss);
+    while ((*t)->steps_done() < config.total_steps) {
+      losses.push_back((*t)->step().loss);
+      if (!checkpoints.save_to.empty() && (*t)->steps_done() == checkpoints.save_after) {
+        ASSERT_TRUE((*t)->save_checkpoint(checkpoints.save_to).is_ok());
+      }
+    }
     Graph weights = model.graph;
     (*t)->download_parameters(weights);
     std::lock_guard<std::mutex> lock(mu);

@@ -12,10 +12,14 @@
 // checked for P = 2, 3, 4 (up to eight chunks), with two replicas and with two tensor-
 // parallel shards: bit for bit the 1F1B run of P·v stages (the same cuts, each chunk a
 // stage of its own) without clipping, and within --check-equivalence's 1e-5 of one
-// process with it.
+// process with it. The built-in rows (interleaved, zb-v) resume checkpoints across
+// layouts, and their stages hold the memory the estimate says.
 #include <algorithm>
+#include <cstdio>
+#include <mutex>
 #include <random>
 #include <string>
+#include <utility>
 
 #include <gtest/gtest.h>
 
@@ -160,6 +164,65 @@ TEST_F(ChunkedStages, RoundRobinChunksTrainTheOneProcessModel) {
 TEST_F(ChunkedStages, AVTrainsTheOneProcessModel) {
   for (int stages = 2; stages <= 4; ++stages) check("v-split", stages, 1, 1, stages);
   check("v-split", 2, 1, 1, 4);
+}
+
+// A checkpoint stores whole tensors by name, whatever the chunks: one taken after 2 steps
+// of interleaved on two stages resumes in one process, and one taken in one process
+// resumes under zb-v on two stages, each onto the one-process trajectory.
+TEST_F(ChunkedStages, CheckpointsResumeAcrossChunkedLayouts) {
+  const testing::Trained alone = testing::train_alone(model_, data_, config("1f1b", 1, true));
+  for (const auto& [first, second] : {std::pair{"interleaved", "1f1b"}, std::pair{"1f1b", "zb-v"}}) {
+    SCOPED_TRACE(std::string(first) + " then " + second);
+    testing::ScratchDir dir("chunked-resume");
+    const int first_stages = std::string(first) == "1f1b" ? 1 : 2, second_stages = 3 - first_stages;
+    TrainConfig before = config(first, first_stages == 1 ? 1 : 4, true);
+    before.total_steps = 2;
+    testing::train_layout(model_, data_, before, first_stages, first_stages, 1,
+                          testing::Checkpointing{"", dir.path(), 2});
+    const TrainConfig after = config(second, second_stages == 1 ? 1 : 4, true);
+    const testing::Trained resumed = testing::train_layout(model_, data_, after, second_stages, second_stages, 1,
+                                                           testing::Checkpointing{dir.path(), "", 0});
+    ASSERT_EQ(resumed.losses.size(), 2u);
+    testing::Trained tail = alone;
+    tail.losses.erase(tail.losses.begin(), tail.losses.begin() + 2);
+    const testing::Difference d = testing::difference(resumed, tail);
+    EXPECT_LE(d.loss, 1e-5);
+    EXPECT_LE(d.weight, 1e-5);
+  }
+}
+
+// What each stage's program and optimizer hold under interleaved (v = 2, 3) and zb-v, as
+// the memory estimate (the schedule's in-flight counts per chunk, summed over the stage's
+// chunks) says: never under, at most 10% over (shared buffers counted per chunk).
+TEST_F(ChunkedStages, StagesHoldWhatTheEstimateSays) {
+  struct Case {
+    const char* schedule;
+    int stages, virtual_stages, micro_batches;
+  };
+  for (const Case& c : {Case{"interleaved", 2, 2, 4}, Case{"interleaved", 2, 3, 4}, Case{"interleaved", 3, 2, 6},
+                        Case{"zb-v", 2, 0, 4}, Case{"zb-v", 3, 0, 6}}) {
+    SCOPED_TRACE(std::string(c.schedule) + " P" + std::to_string(c.stages) + " v" + std::to_string(c.virtual_stages) +
+                 " M" + std::to_string(c.micro_batches));
+    TrainConfig cfg = config(c.schedule, c.micro_batches, true);
+    cfg.virtual_stages = c.virtual_stages;
+    std::mutex mu;
+    run_ranks(c.stages, [&](Communicator& world) {
+      ProcessGroups groups = make_layout_groups(world, c.stages, 1);
+      std::unique_ptr<Backend> backend = make_cpu_backend();
+      const Parallel parallel{&world, &groups, &model_, nullptr};
+      Result<std::unique_ptr<Trainer>> t = Trainer::create(model_.graph, data_, *backend, cfg, parallel);
+      ASSERT_TRUE(t.is_ok()) << t.status().message();
+      const Trainer::Memory m = (*t)->memory();
+      const int64_t held = m.program.total() + m.optimizer;
+      const int stage = groups.layout.stage;
+      const int64_t estimate = Trainer::memory_per_stage(model_.graph, cfg, groups.layout, *backend)[stage];
+      std::lock_guard<std::mutex> lock(mu);
+      std::printf("%s P%d v%d M%d stage %d: holds %lld bytes, estimate %lld\n", c.schedule, c.stages, c.virtual_stages,
+                  c.micro_batches, stage, static_cast<long long>(held), static_cast<long long>(estimate));
+      EXPECT_GE(estimate, held - 8) << "stage " << stage;
+      EXPECT_LE(estimate, held + held / 10) << "stage " << stage;
+    });
+  }
 }
 
 TEST_F(ChunkedStages, WithReplicasAndWithShards) {
