@@ -25,6 +25,10 @@ struct Trained {
   std::vector<double> losses;  // per step, as rank 0 reports them
   Graph weights;               // the whole trained model
   std::vector<int64_t> peaks;  // [world rank] the most bytes its backend held at once
+  // [world rank] the bytes of its program's activations and their gradients (kept for
+  // backward in every slot, saved tensors, shared working buffers): what a schedule's
+  // micro-batches in flight cost, apart from weights and optimizer state.
+  std::vector<int64_t> activations;
 };
 
 // AdamW with accumulation and clipping, as --check-equivalence runs it in the tests'
@@ -58,6 +62,7 @@ inline Trained train_layout(const ImportedModel& model, const Dataset& data, con
                             int stages, int shards, const Checkpointing& checkpoints = {}) {
   Trained result;
   result.peaks.assign(static_cast<size_t>(ranks), 0);
+  result.activations.assign(static_cast<size_t>(ranks), 0);
   std::mutex mu;
   run_ranks(ranks, [&](Communicator& world) {
     ProcessGroups groups = make_layout_groups(world, stages, shards);
@@ -78,6 +83,8 @@ inline Trained train_layout(const ImportedModel& model, const Dataset& data, con
     (*t)->download_parameters(weights);
     std::lock_guard<std::mutex> lock(mu);
     result.peaks[static_cast<size_t>(world.rank())] = backend->memory_use().peak;
+    const Program::Memory program = (*t)->memory().program;
+    result.activations[static_cast<size_t>(world.rank())] = program.activations + program.activation_gradients;
     if (world.rank() != 0) return;
     result.losses = losses;
     result.weights = weights;
