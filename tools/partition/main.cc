@@ -69,7 +69,7 @@ void print_table(const ImportedModel& m, const Plan& plan, const std::string& di
   const bool chunked = plan.chunks_per_stage > 1;
   fmt::print("{}: {} nodes in {} layers, {} parameters -> {} stage{}{}{} (balanced by {})\n\n", plan.model,
              g.nodes.size(), plan.layers, with_commas(plan.total_parameters), o.stages, o.stages == 1 ? "" : "s",
-             chunked ? fmt::format(" of {} chunks each ({} chunks)", plan.chunks_per_stage, plan.stages.size()) : "",
+             chunked ? fmt::format(" x {} chunks each", plan.chunks_per_stage) : "",
              o.tensor_parallel > 1 ? fmt::format(" x {} tensor-parallel shards", o.tensor_parallel) : "",
              balance_name(o.balance));
   // With several chunks per stage a row is a chunk, and "stage" says which stage runs it.
@@ -106,7 +106,8 @@ void print_table(const ImportedModel& m, const Plan& plan, const std::string& di
       o.recompute_activations ? "" : ", activation functions' outputs kept (--keep-activations)");
   size_t files = 0;
   for (const StagePlan& s : plan.stages) files += s.files.size();
-  fmt::print("wrote {} stage file{} and plan.json to {}/\n", files, files == 1 ? "" : "s", dir);
+  fmt::print("wrote {} {} file{} and plan.json to {}/\n", files, chunked ? "chunk" : "stage", files == 1 ? "" : "s",
+             dir);
 }
 
 // The flags of the PartitionOptions settings (Status::invalid names them).
@@ -229,8 +230,14 @@ void print_schedule(const Graph& graph, const Plan& plan) {
       sc.name, o.stages, o.stages == 1 ? "" : "s", m_batches, m_batches == 1 ? "" : "es",
       sc.names_chunks() ? "; \"5F3\": model chunk 5's F3" : "", format_pipeline_schedule(sc));
   for (int st = 0; st < o.stages; ++st) {
-    fmt::print("stage {}: at most {} micro-batch{} alive\n", st, max_in_flight(sc, st),
-               max_in_flight(sc, st) == 1 ? "" : "es");
+    const int alive = max_in_flight(sc, st);
+    std::string per_chunk;  // with several chunks: each chunk's most, which its slots hold
+    for (size_t j = 0; sc.names_chunks() && j < sc.stage_chunks[st].size(); ++j) {
+      per_chunk += fmt::format("{}chunk {} {}", j ? ", " : "", sc.chunk_of(st, static_cast<int>(j)),
+                               max_in_flight_of_chunk(sc, st, static_cast<int>(j)));
+    }
+    fmt::print("stage {}: at most {} micro-batch{} alive{}\n", st, alive, alive == 1 ? "" : "es",
+               per_chunk.empty() ? "" : " in its chunks together (" + per_chunk + ")");
   }
   print_predictions(graph, plan, m_batches);
 }
