@@ -33,6 +33,7 @@ layouts=(
   "D=2|2|simple_digits|digits|--momentum 0.9"
   "P=2, 1F1B, M=4|2|simple_digits|digits|--momentum 0.9 --stages 2 --micro-batches 4"
   "P=2, ZB-H1, M=4|2|simple_digits|digits|--momentum 0.9 --stages 2 --micro-batches 4 --schedule zb-h1"
+  "P=2, ZB-V (2 chunks per stage), M=4|2|deep_residual|digits|--momentum 0.9 --stages 2 --micro-batches 4 --schedule zb-v"
   "T=2|2|simple_digits|digits|--momentum 0.9 --tensor-parallel 2"
   "P=2 × T=2, M=2|4|simple_digits|digits|--momentum 0.9 --stages 2 --tensor-parallel 2 --micro-batches 2"
   "D=2, synchronized BatchNorm|2|batchnorm_train|small|--momentum 0.9 --sync-batchnorm"
