@@ -388,6 +388,12 @@ def norm_models():
         bn[1].bias.uniform_(-0.2, 0.2)
     export("batchnorm_eval", bn, [16], [L, "BatchNorm", R, L])
     export("batchnorm_train", bn, [16], [L, "BatchNorm", R, L], training=TRAIN, train_ref=True)
+    # Four Linear + BatchNorm + ReLU blocks and a head: deep enough for 2 x 2 chunks
+    # (interleaved), BatchNorm in every chunk.
+    deep = seeded(25, lambda: mlp(*[m for i in range(4) for m in (nn.Linear(16 if i == 0 else 32, 32),
+                                                                 nn.BatchNorm1d(32), nn.ReLU())],
+                                  nn.Linear(32, 10)))
+    export("deep_batchnorm", deep, [16], [L, "BatchNorm", R] * 4 + [L], training=TRAIN, reference=False)
     # Fresh BatchNorm statistics equal its affine parameters (ones, zeros): constant
     # folding merges the equal initializers and emits Identity nodes for the statistics.
     fresh = seeded(22, lambda: mlp(nn.Linear(16, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Linear(32, 10)))
