@@ -10,6 +10,7 @@
 #include <cstring>
 #include <memory>
 #include <mutex>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -46,6 +47,23 @@ inline TrainConfig adamw_config(const std::string& schedule, int micro_batches, 
   c.micro_batches = micro_batches;
   c.pipeline_schedule = schedule;
   return c;
+}
+
+// `samples` samples of `features` normal features (seeded by `seed`), each of the class (of
+// ten) whose feature is largest among the first ten: something to learn.
+inline Dataset random_classes(int64_t features, int64_t samples = 192, uint32_t seed = 7) {
+  Dataset d;
+  d.samples = samples;
+  d.features_per_sample = features;
+  d.targets_per_sample = 1;
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  for (int64_t i = 0; i < samples * features; ++i) d.features.push_back(normal(rng));
+  for (int64_t i = 0; i < samples; ++i) {
+    const float* x = d.features.data() + i * features;
+    d.targets.push_back(static_cast<float>(std::max_element(x, x + 10) - x));
+  }
+  return d;
 }
 
 // Optional checkpoints of train_layout(): resume from `resume_from` before the first step

@@ -48,21 +48,6 @@ ImportedModel eight_layers() {
   return std::move(m).value();
 }
 
-Dataset random_classes(int64_t samples = 192) {
-  Dataset d;
-  d.samples = samples;
-  d.features_per_sample = kFeatures;
-  d.targets_per_sample = 1;
-  std::mt19937 rng(11);
-  std::normal_distribution<float> normal(0.0f, 1.0f);
-  for (int64_t i = 0; i < samples * kFeatures; ++i) d.features.push_back(normal(rng));
-  for (int64_t i = 0; i < samples; ++i) {
-    const float* x = d.features.data() + i * kFeatures;
-    d.targets.push_back(static_cast<float>(std::max_element(x, x + kClasses) - x));
-  }
-  return d;
-}
-
 Action act(ActionKind kind, int k, int j) { return {kind, k, j}; }
 
 // Every forward of chunk 0, then of chunk 1, ...; then every backward of the last chunk,
@@ -121,7 +106,7 @@ class ChunkedStages : public ::testing::Test {
 
   void SetUp() override {
     model_ = eight_layers();
-    data_ = random_classes();
+    data_ = testing::random_classes(kFeatures, 192, 11);
   }
 
   static TrainConfig config(const std::string& schedule, int micro_batches, bool clip) {

@@ -26,23 +26,6 @@ namespace {
 using testing::Difference;
 using testing::Trained;
 
-// 192 samples of `features` features, each of the class (of ten) whose feature is largest
-// among the first ten: something to learn.
-Dataset random_classes(int64_t features, int64_t samples = 192) {
-  Dataset d;
-  d.samples = samples;
-  d.features_per_sample = features;
-  d.targets_per_sample = 1;
-  std::mt19937 rng(7);
-  std::normal_distribution<float> normal(0.0f, 1.0f);
-  for (int64_t i = 0; i < samples * features; ++i) d.features.push_back(normal(rng));
-  for (int64_t i = 0; i < samples; ++i) {
-    const float* x = d.features.data() + i * features;
-    d.targets.push_back(static_cast<float>(std::max_element(x, x + 10) - x));
-  }
-  return d;
-}
-
 // A layout: P stages × D replicas × T shards.
 struct Layout {
   int stages, replicas, shards;
@@ -58,7 +41,7 @@ class EverySchedule : public ::testing::Test {
 
   void SetUp() override {
     model_ = testing::load_model("deep_residual");  // eight Linear layers: up to eight chunks
-    data_ = random_classes(64);
+    data_ = testing::random_classes(64);
     alone_ = testing::train_alone(model_, data_, testing::adamw_config("1f1b", 1, kBatch));
   }
 

@@ -14,6 +14,7 @@
 #include "schedule/predict.h"
 #include "schedule/registry.h"
 #include "schedule/schedule.h"
+#include "tests/schedule/stage_labels.h"
 
 namespace pipeshard {
 namespace {
@@ -34,16 +35,6 @@ std::vector<int> micro_batches_of(const PipelineSchedule& sc, int s, int j, Acti
 std::vector<int> zero_to(int m) {
   std::vector<int> out;
   for (int k = 0; k < m; ++k) out.push_back(k);
-  return out;
-}
-
-// Stage s's actions as the grid prints them.
-std::string labels(const PipelineSchedule& sc, int s) {
-  std::string out;
-  for (const Action& a : sc.actions[s]) {
-    if (!out.empty()) out += ' ';
-    out += action_label(sc, s, a);
-  }
   return out;
 }
 
@@ -130,7 +121,7 @@ TEST(Interleaved, LessBubbleThanOneFOneB) {
 // first backward comes after (v − 1)·2 = 2 forwards, when micro-batch 0 has left chunk 3.
 TEST(Interleaved, TwoStagesFourMicroBatches) {
   const PipelineSchedule sc = make_pipeline_schedule("interleaved", 2, 4);
-  EXPECT_EQ(labels(sc, 0),
+  EXPECT_EQ(testing::stage_labels(sc, 0),
             "0F0 0sA0 0F1 0sA1 2rA0 2F0 2sA0 2rA1 2F1 2sA1 0F2 0sA2 2rG0 2B0 2sG0 0F3 0sA3 2rG1 2B1 2sG1 2rA2 2F2 "
             "2sA2 0rG0 0B0 2rA3 2F3 2sA3 0rG1 0B1 2rG2 2B2 2sG2 2rG3 2B3 2sG3 0rG2 0B2 0rG3 0B3");
   EXPECT_EQ(format_pipeline_schedule(sc),
@@ -265,10 +256,10 @@ TEST(ZeroBubbleV, LessBubbleThanZeroBubbleH1) {
 // forward would pass 2P = 4 alive.
 TEST(ZeroBubbleV, TwoStagesFourMicroBatches) {
   const PipelineSchedule sc = make_pipeline_schedule("zb-v", 2, 4);
-  EXPECT_EQ(labels(sc, 0),
+  EXPECT_EQ(testing::stage_labels(sc, 0),
             "0F0 0sA0 0F1 0sA1 3rA0 3F0 3I0 3sG0 0F2 0sA2 3W0 3rA1 3F1 3I1 3sG1 0rG0 0I0 3W1 0F3 0sA3 0W0 3rA2 3F2 3I2 "
             "3sG2 0rG1 0I1 3W2 3rA3 3F3 3I3 3sG3 0rG2 0I2 0W1 0rG3 0I3 3W3 0W2 0W3");
-  EXPECT_EQ(labels(sc, 1),
+  EXPECT_EQ(testing::stage_labels(sc, 1),
             "1rA0 1F0 2F0 2sA0 1rA1 1F1 2F1 2sA1 2rG0 2I0 1I0 1sG0 2W0 1rA2 1F2 1W0 2F2 2sA2 2rG1 2I1 1I1 1sG1 2W1 "
             "1rA3 1F3 1W1 2F3 2sA3 2rG2 2I2 1I2 1sG2 2rG3 2I3 1I3 1sG3 2W2 1W2 2W3 1W3");
   EXPECT_EQ(format_pipeline_schedule(sc),

@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "tests/schedule/stage_labels.h"
 #include "tests/test_util.h"
 
 namespace pipeshard {
@@ -466,21 +467,11 @@ ComputeOrder interleaved_gpipe(int stages, int micro_batches, int chunks_per_sta
   return order;
 }
 
-// Stage s's actions as the grid prints them, with their model chunks.
-std::string labels(const PipelineSchedule& sc, int s) {
-  std::string out;
-  for (const Action& a : sc.actions[s]) {
-    if (!out.empty()) out += ' ';
-    out += action_label(sc, s, a);
-  }
-  return out;
-}
-
 TEST(ScheduleChunks, InterleavedPlacementLowersAndRuns) {
   const PipelineSchedule sc = lower_schedule("interleaved-gpipe", 2, 2, {0, 1, 0, 1}, interleaved_gpipe(2, 2, 2));
   EXPECT_EQ(sc.chunks(), 4);
   ASSERT_TRUE(sc.names_chunks());
-  EXPECT_EQ(labels(sc, 0),
+  EXPECT_EQ(testing::stage_labels(sc, 0),
             "0F0 0sA0 0F1 0sA1 2rA0 2F0 2sA0 2rA1 2F1 2sA1 2rG0 2B0 2sG0 2rG1 2B1 2sG1 0rG0 0B0 0rG1 0B1");
   EXPECT_EQ(check_message(sc), "OK");
   EXPECT_EQ(max_in_flight(sc, 0), 4);
@@ -493,7 +484,7 @@ TEST(ScheduleChunks, InterleavedPlacementLowersAndRuns) {
 TEST(ScheduleChunks, VPlacementHandsOverInPlace) {
   const std::vector<int> v = {0, 1, 1, 0};  // chunks 0..3 on stages 0, 1, 1, 0
   const PipelineSchedule sc = lower_schedule("v-gpipe", 2, 1, v, interleaved_gpipe(2, 1, 2));
-  EXPECT_EQ(labels(sc, 1), "1rA0 1F0 2F0 2sA0 2rG0 2B0 1B0 1sG0");
+  EXPECT_EQ(testing::stage_labels(sc, 1), "1rA0 1F0 2F0 2sA0 2rG0 2B0 1B0 1sG0");
   EXPECT_EQ(check_message(sc), "OK");
   PipelineSchedule swapped = sc;
   std::swap(swapped.actions[1][1], swapped.actions[1][2]);  // 2F0 before 1F0

@@ -79,13 +79,15 @@ std::string pass_costs_text(const PassCosts& c, int stages) {
 // by rank 0 and put on --tensorboard.
 Status report_bubble(const Run& run, bool log) {
   const Trainer::Bubble b = run.trainer->pipeline_bubble();
+  const int chunks = run.trainer->schedule().chunks() / run.layout.stages;  // per stage
   if (log) {
     fmt::print(stderr,
                "pipeline bubble: stages idle {:.1f}% of the schedule's time (measured, transfers included), "
-               "{:.1f}% predicted from the passes' mean times; theory {} = {:.1f}% for P={}, M={}\n"
+               "{:.1f}% predicted from the passes' mean times; theory {} = {:.1f}% for P={}, M={}{}\n"
                "pipeline passes (mean per micro-batch): {}\n",
                100 * b.measured, 100 * b.predicted, b.formula, 100 * b.theoretical, run.layout.stages,
-               run.config.micro_batches, pass_costs_text(b.costs, run.layout.stages));
+               run.config.micro_batches, chunks > 1 ? fmt::format(", v={}", chunks) : "",
+               pass_costs_text(b.costs, run.layout.stages));
   }
   if (run.board) return run.board->add_bubble(run.config.total_steps, b);
   return Status::ok();
