@@ -261,7 +261,8 @@ Result<Plan> make_plan(const Graph& g, const std::string& model_path, const Part
   if (pieces > layers) {
     return Status::error("cannot cut " + std::to_string(pieces) + " chunks (" + std::to_string(o.stages) +
                          " stages of " + std::to_string(pieces / o.stages) + " for the " + o.schedule +
-                         " schedule) from " + std::to_string(layers) + " layers: use fewer stages or virtual stages");
+                         " schedule) from " + std::to_string(layers) + " layers: use fewer stages" +
+                         (find_schedule(o.schedule)->chunks_per_stage == 0 ? " or virtual stages" : ""));
   }
   const std::vector<LiveRange> live = live_ranges(g, layer, layers);
   std::vector<int64_t> cut_bytes(layers + 1, 0);
