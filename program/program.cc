@@ -141,7 +141,7 @@ void Program::download_parameters(Graph& g) const {
 }
 
 void Program::select_slot(int slot) {
-  const int slots = chunk_ >= 0 && !chunk_slots_.empty() ? chunk_slots_[chunk_] : plan_.slots;
+  const int slots = chunk_ >= 0 ? chunk_slots(chunk_) : plan_.slots;
   PIPESHARD_CHECK(slot >= 0 && slot < slots, "slot " + std::to_string(slot) + " of " + std::to_string(slots));
   slot_ = slot;
 }

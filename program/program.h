@@ -87,6 +87,8 @@ class Program {
   // default). Chunks share the parameter and gradient buffers and the slots.
   void select_chunk(int chunk);
   int chunks() const { return static_cast<int>(fresh_step_.size()); }
+  // The slots chunk j's values have (ProgramOptions::chunk_slots; slots() without them).
+  int chunk_slots(int j) const { return chunk_slots_.empty() ? plan_.slots : chunk_slots_[j]; }
 
   // Runs forward for `batch` samples. host_inputs[k] points at the k-th model input,
   // [batch, ...] float32 in host memory. In kTrain mode every BatchNorm uses batch

@@ -86,8 +86,10 @@ StageRunner::StageRunner(const RankModel& rank, Program& program, Backend& backe
     int used = 0;
     c.slot_of = slots_of_micro_batches(mine, schedule.micro_batches, &used);
     c.slots = std::max(used, 1);
-    program.select_chunk(chunks > 1 ? j : -1);
-    program.select_slot(c.slots - 1);  // the program has the slots the schedule needs (a bug otherwise)
+    PIPESHARD_CHECK(c.slots <= program.chunk_slots(j), "schedule '" + schedule.name + "' keeps " +
+                                                           std::to_string(c.slots) + " micro-batches alive in chunk " +
+                                                           std::to_string(model_chunk) + ", the program has " +
+                                                           std::to_string(program.chunk_slots(j)) + " slots");
     c.last_gradient_action = last_gradient_action(schedule, stage_, j);
     c.sends.resize(static_cast<size_t>(c.slots));
     for (const auto* side : {&rank.incoming(j), &rank.outgoing(j)}) {
