@@ -1,7 +1,7 @@
 // How values whose lives do not overlap share buffers: the greedy interval colouring that a
-// Program's plan uses for its shared buffers (program/program_plan.cc), apart from the
-// plan so that an estimate of those buffers made without a Program can colour the same
-// way. Plain data in, plain data out: no Graph, no backend.
+// Program's plan uses for its shared buffers (program/program_plan.cc) and that the
+// partitioner's memory estimate repeats (partitioner/plan.cc), so that the two agree on
+// how many bytes the buffers take. Plain data in, plain data out: no Graph, no backend.
 #ifndef PIPESHARD_IR_BUFFER_SHARING_H_
 #define PIPESHARD_IR_BUFFER_SHARING_H_
 

@@ -149,10 +149,10 @@ class Planner {
   // (its Linear when fused) to its last reader in forward; and, when some node's backward
   // reads it, again from just before the first such backward, where it is recomputed from
   // the activation's input, to its producer's backward. Values whose spans do not overlap
-  // share a buffer (share_buffers(), ir/buffer_sharing.h). A micro-batch's forward and
-  // backward each run whole, so the slots can share too: whatever a buffer held in between
-  // is recomputed before it is read (a split backward's W recomputes what it reads too:
-  // Program::backward_weight()).
+  // share a buffer (share_buffers(), ir/buffer_sharing.h; partitioner/plan.cc's memory
+  // estimate colours the same). A micro-batch's forward and backward each run whole, so the
+  // slots can share too: whatever a buffer held in between is recomputed before it is read
+  // (a split backward's W recomputes what it reads too: Program::backward_weight()).
   void plan_recomputed_values() {
     const int steps = 2 * static_cast<int>(g_.nodes.size());
     p_.recompute_before.assign(g_.nodes.size(), {});
@@ -257,7 +257,7 @@ class Planner {
   // by its producer's, all inside one backward(); values whose [producer, last reader] spans
   // do not overlap share a buffer (share_gradient_buffers(), ir/buffer_sharing.h: interval
   // colouring, greedily in backward order, reusing the best-fitting free buffer and growing
-  // the largest one when none fits).
+  // the largest one when none fits; partitioner/plan.cc's memory estimate colours the same).
   void plan_gradient_buffers() {
     const size_t nv = g_.values.size();
     std::vector<bool> own(nv, !o_.share_gradient_buffers), output(nv, false);
