@@ -1,11 +1,11 @@
 #include "partitioner/plan.h"
 
 #include <algorithm>
-#include <functional>
 #include <map>
 #include <set>
 #include <string>
 
+#include "ir/buffer_sharing.h"
 #include "ir/op_table.h"
 #include "partitioner/pipeline_split.h"
 #include "partitioner/tensor_parallel.h"
@@ -94,15 +94,127 @@ LayerFigures layer_figures(const Graph& g, const std::vector<int>& layer, int la
   return f;
 }
 
+// The program of stage `s` as the memory estimate needs it, over the model graph's ids.
+// Its steps, as program/program_plan.cc numbers them up to the nodes the stage file adds:
+// node m's forward at 2m (the AllReduce or AllGather after a sharded Linear at 2m + 1),
+// and backward in reverse from 4 * nodes (backward_step()).
+struct StageProgram {
+  std::vector<int> owner;         // [values]: whose buffers v shares (a Reshape's input's), or v
+  std::vector<int> last_reader;   // [values]: its last reader among the stage's nodes, or -1
+  std::vector<int> first_writer;  // [owners]: the last of their and their aliases' producers and readers
+  std::vector<bool> needs_grad;   // [values]: a trainable parameter (past the first piece, an input) upstream
+  int backward_base = 0;
+  int backward_step(int forward_step) const { return backward_base - forward_step; }
+};
+
+StageProgram stage_program(const Graph& g, const std::map<std::string, int>& by_name, const StagePlan& s) {
+  const size_t nv = g.values.size();
+  StageProgram p;
+  p.owner.resize(nv);
+  for (size_t v = 0; v < nv; ++v) p.owner[v] = static_cast<int>(v);
+  p.last_reader.assign(nv, -1);
+  p.first_writer.assign(nv, -1);
+  p.needs_grad.assign(nv, false);
+  p.backward_base = 4 * static_cast<int>(g.nodes.size());
+  for (const TensorSpec& t : s.inputs) p.needs_grad[by_name.at(t.name)] = s.stage > 0;
+  for (int m : s.nodes) {
+    const Node& n = g.nodes[m];
+    const int y = n.outputs[0];
+    bool upstream = !g.node_params(n).empty();
+    for (int in : n.inputs) {
+      upstream = upstream || p.needs_grad[in];
+      p.last_reader[in] = m;  // nodes ascend
+      p.first_writer[p.owner[in]] = std::max(p.first_writer[p.owner[in]], m);
+    }
+    p.needs_grad[y] = upstream;
+    if (output_aliases_input(n.kind)) p.owner[y] = p.owner[n.inputs[0]];
+    p.first_writer[p.owner[y]] = std::max(p.first_writer[p.owner[y]], m);
+  }
+  return p;
+}
+
+// Per sample, the buffers that the gradients of stage `s`'s values share inside one
+// backward, coloured as the program's plan colours them (plan_gradient_buffers() in
+// program/program_plan.cc; share_gradient_buffers()). Such a value is one a stage node
+// makes, that needs a gradient, and that has no gradient buffers of its own: not in `own`
+// (the stage's outputs and the values they alias), no Reshape output (its input's
+// gradient), no Linear's output under a split backward (kept per slot for W); and a
+// column-gathered Linear's shard, between the Linear and its AllGather. Each lives from
+// its producer to its last reader in the stage (or to a Reshape of it, or that Reshape's
+// last reader). With residuals more than two live at once: the gradient of the value a
+// branch skips waits while the branch's backward runs.
+int64_t shared_gradient_bytes(const Graph& g, const StageProgram& p, bool split, const StagePlan& s, int shards,
+                              const std::set<int>& own) {
+  std::vector<GradientSpan> spans;
+  for (size_t i = 0; i < s.nodes.size(); ++i) {
+    const int m = s.nodes[i];
+    const Node& n = g.nodes[m];
+    const ShardRole role = s.roles[i];
+    const bool gathered = role == ShardRole::kColumnGather;
+    const int y = n.outputs[0];
+    if (gathered && !split) spans.push_back({2 * m, 2 * m + 1, value_bytes(g, y) / shards});
+    if (own.count(y) || output_aliases_input(n.kind) || !p.needs_grad[y]) continue;
+    if (split && n.kind == OpKind::kLinear && !gathered) continue;
+    const int made = gathered ? 2 * m + 1 : 2 * m;
+    const int64_t bytes = gathered ? value_bytes(g, y) : value_bytes(g, y) / output_parts(role, shards);
+    spans.push_back({made, std::max(made, 2 * p.first_writer[y]), bytes});
+  }
+  int64_t bytes = 0;
+  for (int64_t b : share_gradient_buffers(spans).sizes) bytes += b;
+  return bytes;
+}
+
+// Per sample, the one-slot buffers that the stage's recomputed values share, coloured as
+// the program's plan colours them (plan_recomputed_values() in program/program_plan.cc;
+// share_buffers()): each needs its buffer from the node that writes it (its Linear, when
+// fused into one that runs in the stage unsharded or column-parallel) to its last reader
+// in forward, and from the backward of its last reader whose backward reads it back to its
+// producer's backward. Not `own` values: the stage's outputs are kept.
+int64_t recomputed_bytes(const Graph& g, const StageProgram& p, const StagePlan& s, int shards,
+                         const std::vector<bool>& recomputed, const std::set<int>& own) {
+  const std::vector<bool> fused = fused_activations(g);
+  std::map<int, ShardRole> role_of;  // [model node]
+  for (size_t i = 0; i < s.nodes.size(); ++i) role_of[s.nodes[i]] = s.roles[i];
+  std::vector<std::pair<int, BufferLife>> lives;  // (forward step it is written at, its life)
+  for (size_t i = 0; i < s.nodes.size(); ++i) {
+    const int m = s.nodes[i];
+    const Node& n = g.nodes[m];
+    const int y = n.outputs[0];
+    if (!recomputed[y] || own.count(y)) continue;
+    const int linear = g.values[n.inputs[0]].producer;
+    const auto linear_role = role_of.find(linear);
+    const bool fused_here =
+        fused[m] && linear_role != role_of.end() &&
+        (linear_role->second == ShardRole::kReplicated || linear_role->second == ShardRole::kColumn);
+    const int written = 2 * (fused_here ? linear : m);
+    BufferLife life;
+    life.spans.emplace_back(written, p.last_reader[y] < 0 ? written : 2 * p.last_reader[y]);
+    life.size = value_bytes(g, y) / output_parts(s.roles[i], shards);
+    int first_reader = -1;  // in backward order: the highest node
+    for (int c : g.values[y].consumers) {
+      const bool reads = role_of.count(c) && backward_reads_input(g.nodes[c].kind);
+      if (reads && p.needs_grad[g.nodes[c].outputs[0]]) first_reader = std::max(first_reader, c);
+    }
+    if (first_reader >= 0) life.spans.emplace_back(p.backward_step(2 * first_reader), p.backward_step(2 * m));
+    lives.emplace_back(written, std::move(life));
+  }
+  std::stable_sort(lives.begin(), lives.end(), [](const auto& a, const auto& b) { return a.first < b.first; });
+  std::vector<BufferLife> ordered;
+  for (auto& [written, life] : lives) ordered.push_back(std::move(life));
+  int64_t bytes = 0;
+  for (int64_t b : share_buffers(ordered).sizes) bytes += b;
+  return bytes;
+}
+
 // Estimate per rank of stage `k`: parameters, their gradients and optimizer state; what
 // its nodes keep for backward in every slot in flight (node_kept_bytes()), and with a
 // split backward each Linear's output gradient there too; and the working set beside them:
 // - the stage's inputs in every slot, and their gradients when an earlier stage made
 //   them; its outputs' gradients there too, and recomputed values that leave the stage
 //   (kept, since the next stage or the loss reads them);
-// - one micro-batch of the buffers that values share: two for activation gradients, two
-//   for recomputed outputs, together no larger than the two largest such values
-//   (program/program.h; an MLP needs no more);
+// - one micro-batch of the buffers that values share, coloured as the program colours
+//   them: activation gradients (shared_gradient_bytes()) and recomputed activations
+//   (recomputed_bytes()); two of each for an MLP, more with residual branches;
 // - one micro-batch of tensor-parallel scratch: an AllGather's whole output, and the
 //   input gradient a column-parallel Linear computes in part.
 int64_t memory_bytes(const Graph& g, const PartitionOptions& o, int in_flight, bool split, const StagePlan& s,
@@ -123,32 +235,22 @@ int64_t memory_bytes(const Graph& g, const PartitionOptions& o, int in_flight, b
     if (output_aliases_input(n.kind) && outputs.count(n.outputs[0])) outputs.insert(n.inputs[0]);
   }
   const int shards = o.tensor_parallel;
-  std::vector<int64_t> values, recomputed_values;  // per sample, in shared buffers
-  int64_t scratch = 0;                             // per sample, one micro-batch
+  int64_t scratch = 0;  // per sample, one micro-batch
   for (size_t i = 0; i < s.nodes.size(); ++i) {
     const Node& n = g.nodes[s.nodes[i]];
     const ShardRole role = s.roles[i];
     per_slot += node_kept_bytes(g, n, recomputed, role, shards);
     const int y = n.outputs[0];
-    if (role == ShardRole::kColumnGather) {
-      values.push_back(value_bytes(g, y) / shards);  // the shard it gathers
-      scratch += value_bytes(g, y);
-    }
+    if (role == ShardRole::kColumnGather) scratch += value_bytes(g, y);
     if (role == ShardRole::kColumn || role == ShardRole::kColumnGather) scratch += value_bytes(g, n.inputs[0]);
-    if (outputs.count(y)) continue;              // their own buffers, above
-    if (output_aliases_input(n.kind)) continue;  // a Reshape's gradient is its input's
-    if (split && n.kind == OpKind::kLinear) {    // its output gradient waits for W in every slot
-      per_slot += value_bytes(g, y) / output_parts(role, shards);
-      continue;
-    }
-    values.push_back(value_bytes(g, y) / output_parts(role, shards));
-    if (recomputed[y]) recomputed_values.push_back(values.back());
+    // With a split backward a Linear's output gradient waits for W in every slot (a stage
+    // output's has its own buffers anyway, above; a gathered Linear's output is its shard).
+    const bool own_buffers = outputs.count(y) && role != ShardRole::kColumnGather;
+    if (split && n.kind == OpKind::kLinear && !own_buffers) per_slot += value_bytes(g, y) / output_parts(role, shards);
   }
-  auto two_largest = [](std::vector<int64_t>& b) {
-    std::sort(b.begin(), b.end(), std::greater<>());
-    return (b.empty() ? 0 : b[0]) + (b.size() < 2 ? 0 : b[1]);
-  };
-  const int64_t shared = two_largest(values) + two_largest(recomputed_values) + scratch;
+  const StageProgram program = stage_program(g, by_name, s);
+  const int64_t shared = shared_gradient_bytes(g, program, split, s, shards, outputs) +
+                         recomputed_bytes(g, program, s, shards, recomputed, outputs) + scratch;
   return param_elements * kFloatBytes * (2 + o.optimizer_slots) + micro_batch_size(o) * (in_flight * per_slot + shared);
 }
 

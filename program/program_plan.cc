@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <span>
 
+#include "ir/buffer_sharing.h"
 #include "ir/op_table.h"
 
 namespace pipeshard {
@@ -13,25 +14,6 @@ bool is_model_output(const Graph& g, int v) {
 }
 
 int64_t per_sample(const Graph& g, int v) { return g.values[v].shape.per_sample_elements(); }
-
-// Interval colouring's choice for a value of `need` elements among the buffers (their
-// sizes) that `usable` allows: one that fits over one that does not; of two that fit, the
-// smaller; of two that do not, the larger (it grows least). -1 when none is usable.
-template <typename Usable>
-int best_buffer(const std::vector<int64_t>& sizes, int64_t need, Usable&& usable) {
-  int best = -1;
-  for (size_t b = 0; b < sizes.size(); ++b) {
-    if (!usable(b)) continue;
-    if (best < 0) {
-      best = static_cast<int>(b);
-      continue;
-    }
-    const int64_t a_size = sizes[b], b_size = sizes[best];
-    const bool a_fits = a_size >= need, b_fits = b_size >= need;
-    if (a_fits != b_fits ? a_fits : (a_fits ? a_size < b_size : a_size > b_size)) best = static_cast<int>(b);
-  }
-  return best;
-}
 
 // A row-parallel Linear's partial sums are read by nothing but their AllReduce, which
 // then sums them where they lie: the reduced value aliases them, as a Reshape's output
@@ -167,16 +149,16 @@ class Planner {
   // (its Linear when fused) to its last reader in forward; and, when some node's backward
   // reads it, again from just before the first such backward, where it is recomputed from
   // the activation's input, to its producer's backward. Values whose spans do not overlap
-  // share a buffer. A micro-batch's forward and backward each run whole, so the slots can
-  // share too: whatever a buffer held in between is recomputed before it is read (a split
-  // backward's W recomputes what it reads too: Program::backward_weight()).
+  // share a buffer (share_buffers(), ir/buffer_sharing.h; partitioner/plan.cc's memory
+  // estimate colours the same). A micro-batch's forward and backward each run whole, so the
+  // slots can share too: whatever a buffer held in between is recomputed before it is read
+  // (a split backward's W recomputes what it reads too: Program::backward_weight()).
   void plan_recomputed_values() {
     const int steps = 2 * static_cast<int>(g_.nodes.size());
     p_.recompute_before.assign(g_.nodes.size(), {});
     p_.back_for_producer.assign(g_.values.size(), false);
     p_.transient_buffer.assign(g_.values.size(), -1);
-    std::vector<std::vector<std::pair<int, int>>> spans;  // [buffer]: [first, last] steps in use
-    auto written_at = [&](int v) {                        // the fused Linear's step, or the activation's own
+    auto written_at = [&](int v) {  // the fused Linear's step, or the activation's own
       const int p = g_.values[v].producer;
       return p_.skip_forward[p] ? g_.values[g_.nodes[p].inputs[0]].producer : p;
     };
@@ -185,11 +167,14 @@ class Planner {
       if (p_.recomputed[v]) order.push_back(static_cast<int>(v));
     }
     std::stable_sort(order.begin(), order.end(), [&](int a, int b) { return written_at(a) < written_at(b); });
+    std::vector<BufferLife> lives;
     for (int v : order) {
       const Value& val = g_.values[v];
       const int p = val.producer;
       const int written = written_at(v);
-      std::vector<std::pair<int, int>> mine{{written, val.consumers.empty() ? written : val.consumers.back()}};
+      BufferLife& mine = lives.emplace_back();
+      mine.spans.emplace_back(written, val.consumers.empty() ? written : val.consumers.back());
+      mine.size = p_.max_batch * per_sample(g_, v);
       int first_reader = -1;  // in backward order: the highest node
       for (int c : val.consumers) {
         if (backward_reads_input(g_.nodes[c].kind) && p_.needs_grad[g_.nodes[c].outputs[0]]) {
@@ -199,25 +184,12 @@ class Planner {
       if (first_reader >= 0) {
         p_.recompute_before[first_reader].push_back(v);
         p_.back_for_producer[v] = true;
-        mine.emplace_back(steps - 1 - first_reader, steps - 1 - p);
+        mine.spans.emplace_back(steps - 1 - first_reader, steps - 1 - p);
       }
-      auto overlaps = [&](size_t b) {
-        for (const auto& [first, last] : spans[b])
-          for (const auto& [mine_first, mine_last] : mine)
-            if (first <= mine_last && mine_first <= last) return true;
-        return false;
-      };
-      const int64_t need = p_.max_batch * per_sample(g_, v);
-      int b = best_buffer(p_.transient_sizes, need, [&](size_t b) { return !overlaps(b); });
-      if (b < 0) {
-        b = static_cast<int>(p_.transient_sizes.size());
-        p_.transient_sizes.push_back(0);
-        spans.emplace_back();
-      }
-      p_.transient_sizes[b] = std::max(p_.transient_sizes[b], need);
-      spans[b].insert(spans[b].end(), mine.begin(), mine.end());
-      p_.transient_buffer[v] = b;
     }
+    const SharedBuffers shared = share_buffers(lives);
+    p_.transient_sizes = shared.sizes;
+    for (size_t k = 0; k < order.size(); ++k) p_.transient_buffer[order[k]] = shared.buffer[k];
   }
 
   // Which values hold one shard's slice of their features, walking back from the
@@ -283,8 +255,9 @@ class Planner {
   // computes, which read them after backward_input(). Every other value's gradient is
   // written first by the backward of its last reader (or of a Reshape of it) and read last
   // by its producer's, all inside one backward(); values whose [producer, last reader] spans
-  // do not overlap share a buffer (interval colouring, greedily in backward order, reusing
-  // the best-fitting free buffer and growing the largest one when none fits).
+  // do not overlap share a buffer (share_gradient_buffers(), ir/buffer_sharing.h: interval
+  // colouring, greedily in backward order, reusing the best-fitting free buffer and growing
+  // the largest one when none fits; partitioner/plan.cc's memory estimate colours the same).
   void plan_gradient_buffers() {
     const size_t nv = g_.values.size();
     std::vector<bool> own(nv, !o_.share_gradient_buffers), output(nv, false);
@@ -302,9 +275,7 @@ class Planner {
       p_.first_writer[o] = std::max(p_.first_writer[o], g_.values[v].producer);
       for (int c : g_.values[v].consumers) p_.first_writer[o] = std::max(p_.first_writer[o], c);
     }
-    std::vector<int> free_below;  // [shared buffer]: the producer of its latest value: free for spans ending below it
-    std::vector<int64_t> sizes;   // [shared buffer]
-    std::vector<int> order;       // owners that need a shared gradient buffer
+    std::vector<int> order;  // owners that need a shared gradient buffer
     p_.grad_slot_stride.assign(nv, 0);
     p_.grad_buffer.assign(nv, -1);
     p_.shared_grad.assign(nv, false);
@@ -318,25 +289,14 @@ class Planner {
         order.push_back(static_cast<int>(v));
       }
     }
-    std::stable_sort(order.begin(), order.end(), [&](int a, int b) { return p_.first_writer[a] > p_.first_writer[b]; });
-    std::vector<int> shared_of(nv, -1);
-    for (int v : order) {
-      const int64_t need = p_.max_batch * per_sample(g_, v);
-      int best = best_buffer(sizes, need, [&](size_t b) { return free_below[b] > p_.first_writer[v]; });
-      if (best < 0) {  // all still in use
-        best = static_cast<int>(sizes.size());
-        free_below.push_back(0);
-        sizes.push_back(0);
-      }
-      sizes[best] = std::max(sizes[best], need);
-      free_below[best] = made[v];
-      shared_of[v] = best;
-    }
+    std::vector<GradientSpan> spans;
+    for (int v : order) spans.push_back({made[v], p_.first_writer[v], p_.max_batch * per_sample(g_, v)});
+    const SharedBuffers shared = share_gradient_buffers(spans);
     const int first_shared = static_cast<int>(p_.grad_buffer_sizes.size());
-    p_.grad_buffer_sizes.insert(p_.grad_buffer_sizes.end(), sizes.begin(), sizes.end());
-    for (int v : order) {
-      p_.grad_buffer[v] = first_shared + shared_of[v];
-      p_.shared_grad[v] = true;
+    p_.grad_buffer_sizes.insert(p_.grad_buffer_sizes.end(), shared.sizes.begin(), shared.sizes.end());
+    for (size_t k = 0; k < order.size(); ++k) {
+      p_.grad_buffer[order[k]] = first_shared + shared.buffer[k];
+      p_.shared_grad[order[k]] = true;
     }
     for (size_t v = 0; v < nv; ++v) {  // aliases share their owner's gradient too
       const int o = p_.owner[v];

@@ -16,7 +16,7 @@
 // - Gradients of values: model inputs' and outputs' (and, when backward is split, those of
 //   the outputs whose weight gradient W computes later) have their own per slot; every other
 //   value's lives only inside one backward, so values whose lives do not overlap share
-//   buffers (an MLP of any depth needs two).
+//   buffers (an MLP of any depth needs two; a residual branch one more).
 // - Gradients that one Linear writes alone are overwritten by its first backward of a step
 //   instead of zeroed and added to.
 #ifndef PIPESHARD_PROGRAM_PROGRAM_PLAN_H_
