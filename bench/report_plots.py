@@ -84,7 +84,8 @@ def parallel(path, pipeline_rows, layouts, caption):
     ms = sorted({m for m, _, _ in pipeline_rows})
     fine = [2 ** (k / 20) for k in range(0, int(20 * (ms[-1].bit_length() - 1)) + 1)]
     left.plot(fine, [2 * m / (m + 1) for m in fine], "-", color=THEORY, lw=1, label="theory P·M/(M+P−1), P = 2")
-    for schedule, marker, color in (("1f1b", "o-", OURS), ("gpipe", "s--", "tab:green")):
+    for schedule, marker, color in (("1f1b", "o-", OURS), ("gpipe", "s--", "tab:green"), ("zb-h1", "^-", "tab:orange"),
+                                    ("interleaved", "D--", "tab:purple"), ("zb-v", "v-", "tab:red")):
         pts = sorted((m, s) for m, sch, s in pipeline_rows if sch == schedule)
         if pts:
             left.plot([m for m, _ in pts], [s for _, s in pts], marker, color=color, label=f"measured, {schedule}")

@@ -169,7 +169,8 @@ def parallel_section(ctx, doc):
     sections = list(dist.SECTIONS)
     rounds, steps = (1, 20) if ctx.quick else (3, 60)
     micro, gpipe = ((1, 2, 4), (2, 4)) if ctx.quick else ((1, 2, 4, 8, 16), (2, 4, 8, 16))
-    configs = dist.configs_for(sections, micro, gpipe)
+    split = (4,) if ctx.quick else (2, 4, 8)  # zb-h1, interleaved (2 chunks per stage) and zb-v
+    configs = dist.configs_for(sections, micro, gpipe, split, split, split)
     args = Namespace(rounds=rounds, steps=steps, warmup=5, train=ctx.tools["train"], mpirun=ctx.mpirun,
                      bind_to="core", seed=0)
     ctx.progress(f"parallel: {len(configs)} configurations x {rounds} rounds x {steps} steps")
@@ -184,7 +185,9 @@ def parallel_section(ctx, doc):
              f"configuration once per round in one order and reversed on odd rounds (ours and DDP alternate), "
              f"{steps} steps per run, the first 5 dropped; global batch 256. This section alone: "
              f"`/usr/bin/python3 bench/distributed.py --sections {','.join(sections)} --rounds {rounds} "
-             f"--steps {steps} --micro-batches {','.join(map(str, micro))} --gpipe {','.join(map(str, gpipe))}`.")
+             f"--steps {steps} --micro-batches {','.join(map(str, micro))} --gpipe {','.join(map(str, gpipe))} "
+             f"--zb-h1 {','.join(map(str, split))} --interleaved {','.join(map(str, split))} "
+             f"--zb-v {','.join(map(str, split))}`.")
     doc.table(["configuration", "command"], [[c.label, config_command(c, steps)] for c in configs])
     doc.code(captured(dist.report_blas, configs, res))
     doc.raw(captured(dist.report_runs, configs, res, args))
@@ -200,7 +203,7 @@ def parallel_plot(ctx, doc, configs, res):
     pipeline_rows = []
     for c in configs:
         if c.key.startswith("pp-"):
-            _, schedule, m = c.key.split("-")
+            schedule, m = c.key[len("pp-"):].rsplit("-", 1)  # "pp-zb-h1-4"
             pipeline_rows.append((int(m), schedule, t11 / res[c.key]["median"]))
     best_m, _, best = max((r for r in pipeline_rows if r[1] == "1f1b"), key=lambda r: r[2])
     layouts = [("1 rank × 2 threads", t11 / res[dist.ONE_2T.key]["median"], False),
