@@ -7,11 +7,17 @@
 #include <cerrno>
 #include <csignal>
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <string_view>
 
 namespace pipeshard {
 namespace {
+
+// "cannot write 'path' (reason)", the reason from errno as the failed call left it.
+Status cannot_write(const std::string& path, int error) {
+  return Status::error("cannot write '" + path + "' (" + std::strerror(error) + ")");
+}
 
 void crash_if(const CrashPoint& crash, CrashPoint::Where where) {
   if (crash.where == where) std::raise(SIGKILL);
@@ -29,9 +35,11 @@ bool write_all(int fd, const char* bytes, size_t n) {
   return true;
 }
 
-Status write_synced(const std::string& path, const std::vector<std::string_view>& pieces, const CrashPoint& crash) {
+// Writes `path`; errors name `shown` (the file the caller asked for).
+Status write_synced(const std::string& path, const std::vector<std::string_view>& pieces, const CrashPoint& crash,
+                    const std::string& shown) {
   int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-  if (fd < 0) return Status::error("cannot write '" + path + "'");
+  if (fd < 0) return cannot_write(shown, errno);
   size_t total = 0;
   for (std::string_view p : pieces) total += p.size();
   size_t first = total;  // bytes before the crash point
@@ -47,16 +55,13 @@ Status write_synced(const std::string& path, const std::vector<std::string_view>
     done += p.size();
   }
   crash_if(crash, CrashPoint::Where::kAfterBytes);  // no pieces, or a point past the end
-  if (!written) {
-    ::close(fd);
-    std::remove(path.c_str());
-    return Status::error("cannot write '" + path + "' (disk full?)");
-  }
-  const bool synced = ::fsync(fd) == 0;
+  const int write_error = written ? 0 : errno;
+  const bool synced = written && ::fsync(fd) == 0;
+  const int error = written ? errno : write_error;
   ::close(fd);
   if (!synced) {
     std::remove(path.c_str());
-    return Status::error("cannot write '" + path + "'");
+    return cannot_write(shown, error);
   }
   return Status::ok();
 }
@@ -67,11 +72,12 @@ std::vector<std::string_view> views(const std::vector<std::string>& pieces) {
 
 Status write_atomically(const std::string& path, const std::vector<std::string_view>& pieces, const CrashPoint& crash) {
   const std::string tmp = path + ".tmp" + std::to_string(::getpid());
-  PIPESHARD_RETURN_IF_ERROR(write_synced(tmp, pieces, crash));
+  PIPESHARD_RETURN_IF_ERROR(write_synced(tmp, pieces, crash, path));
   crash_if(crash, CrashPoint::Where::kBeforeRename);
   if (std::rename(tmp.c_str(), path.c_str()) != 0) {
+    const int error = errno;
     std::remove(tmp.c_str());
-    return Status::error("cannot write '" + path + "'");
+    return cannot_write(path, error);
   }
   crash_if(crash, CrashPoint::Where::kAfterRename);
   // Make the rename itself durable: until the folder is synced, a power cut may bring
@@ -87,10 +93,12 @@ Status write_atomically(const std::string& path, const std::vector<std::string_v
 
 }  // namespace
 
-Status write_file_synced(const std::string& path, const std::string& bytes) { return write_synced(path, {bytes}, {}); }
+Status write_file_synced(const std::string& path, const std::string& bytes) {
+  return write_synced(path, {bytes}, {}, path);
+}
 
 Status write_file_synced(const std::string& path, const std::vector<std::string>& pieces) {
-  return write_synced(path, views(pieces), {});
+  return write_synced(path, views(pieces), {}, path);
 }
 
 Status write_file_atomically(const std::string& path, const std::string& bytes, const CrashPoint& crash) {
@@ -99,6 +107,34 @@ Status write_file_atomically(const std::string& path, const std::string& bytes, 
 
 Status write_file_atomically(const std::string& path, const std::vector<std::string>& pieces, const CrashPoint& crash) {
   return write_atomically(path, views(pieces), crash);
+}
+
+Status check_writable_folder(const std::string& folder) {
+  const std::string dir = folder.empty() ? "." : folder;
+  std::string probe = (std::filesystem::path(dir) / ".pipeshard-probe-XXXXXX").string();
+  const int fd = ::mkstemp(probe.data());
+  if (fd < 0) return Status::error("cannot create files in '" + dir + "' (" + std::strerror(errno) + ")");
+  ::close(fd);
+  std::remove(probe.c_str());
+  return Status::ok();
+}
+
+Status check_creatable_folder(const std::string& folder) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  // Appended piece by piece: "'" + a temporary string trips GCC 12's -Wrestrict (a false alarm).
+  auto not_a_folder = [](const std::string& path) {
+    std::string message = "'";
+    message += path;
+    message += "' is a file, not a folder";
+    return Status::error(message);
+  };
+  fs::path p = folder.empty() ? fs::path(".") : fs::path(folder);
+  if (fs::exists(p, ec) && !fs::is_directory(p, ec)) return not_a_folder(folder);
+  while (!fs::exists(p, ec) && p.has_parent_path() && p.parent_path() != p) p = p.parent_path();
+  if (!fs::exists(p, ec)) p = ".";
+  if (!fs::is_directory(p, ec)) return not_a_folder(p.string());
+  return check_writable_folder(p.string());
 }
 
 }  // namespace pipeshard

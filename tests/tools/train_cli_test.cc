@@ -187,6 +187,28 @@ TEST(TrainCli, SaveIntoAMissingFolderIsRefusedBeforeTraining) {
   EXPECT_EQ(r.err, "train: error: --save '/nonexistent/x.onnx': no folder '/nonexistent'\n");
 }
 
+// A folder that takes no files (/sys, where even root creates none) is refused for every
+// output before the first step, with the file system's reason, and so is partition's --out.
+TEST(TrainCli, OutputsIntoAFolderThatTakesNoFilesAreRefusedBeforeTraining) {
+  if (std::ofstream("/sys/.pipeshard-probe")) GTEST_SKIP() << "/sys takes files on this machine";
+  const std::vector<std::pair<std::string, std::string>> outputs = {
+      {"--save", "/sys/x.onnx"}, {"--trace", "/sys/trace.json"}, {"--checkpoint", "/sys/checkpoints"}};
+  for (const auto& [flag, path] : outputs) {
+    SCOPED_TRACE(flag);
+    auto r =
+        run_command(quote(tool_path("train")) + " " + kModel + kData + kLabels + " --steps 1 " + flag + " " + path);
+    EXPECT_EQ(r.exit_code, 2) << r.err;
+    EXPECT_EQ(r.err.rfind("train: error: " + flag, 0), 0u) << r.err;
+    EXPECT_NE(r.err.find("cannot create files in '/sys' ("), std::string::npos) << r.err;
+    EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 1) << r.err;
+    EXPECT_EQ(r.out.find("step 1"), std::string::npos) << r.out;
+  }
+  auto r = run_command(quote(tool_path("partition")) + " " + quote(source_path("models/simple.onnx")) +
+                       " --stages 2 --out /sys/stages");
+  EXPECT_EQ(r.exit_code, 2) << r.err;
+  EXPECT_EQ(r.err.rfind("partition: error: --out: cannot create files in '/sys' (", 0), 0u) << r.err;
+}
+
 // --device cuda on a machine without a usable GPU (here cudaGetDeviceCount fails with
 // error 35, not 0) or from a build without the CUDA backend is one line naming why,
 // status 2, and no file written; on a machine with a GPU the same command trains, and

@@ -10,6 +10,7 @@
 #include <fmt/core.h>
 #include <CLI/CLI.hpp>
 
+#include "common/atomic_file.h"
 #include "common/cli.h"
 #include "common/host_memory.h"
 #include "importer/onnx_importer.h"
@@ -268,6 +269,8 @@ int main(int argc, char** argv) {
   o.optimizer_slots = a.optimizer == "sgd" ? 1 : 2;
   o.recompute_activations = !a.keep_activations;
   if (a.out_dir.empty()) a.out_dir = std::filesystem::path(a.model).stem().string() + "_stages";
+  // Before any work: the folder must take the files (it is created if missing).
+  if (Status s = check_creatable_folder(a.out_dir); !s) return fail("--out: " + s.message());
   if (!a.chart.empty()) {  // before any work: a chart that cannot be drawn is a bad flag
     if (Status s = check_picture_output(a.chart); !s) return fail("--chart: " + s.message());
   }

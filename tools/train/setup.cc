@@ -12,14 +12,17 @@
 #include "backend/registry.h"
 #include "comm/device_groups.h"
 #include "comm/watchdog.h"
+#include "common/atomic_file.h"
 #include "tools/plot/plot.h"
 #include "tools/train/memory_check.h"
 
 namespace pipeshard::train_cli {
 namespace {
 
-// A file a flag will write at the end of the run: its folder must exist and it must not
-// be a folder itself. Checked before any work, so a typo never costs a finished run.
+// A file a flag will write at the end of the run: its folder must exist, take new files
+// (the file system says, with its reason: a read-only folder, a read-only mount), and it
+// must not be a folder itself. Checked before any work, so a typo or a read-only folder
+// never costs a finished run.
 Status check_output_file(const std::string& flag, const std::string& path) {
   namespace fs = std::filesystem;
   std::error_code ec;
@@ -27,7 +30,7 @@ Status check_output_file(const std::string& flag, const std::string& path) {
   if (fs::is_directory(p, ec)) return Status::error(flag + " '" + path + "' is a folder; give a file name");
   if (!fs::is_directory(folder, ec))
     return Status::error(flag + " '" + path + "': no folder '" + folder.string() + "'");
-  return Status::ok();
+  return check_writable_folder(folder.string()).with_context(flag + " '" + path + "'");
 }
 
 // --device, --precision, --cuda-graph and --gpu-comm, before anything is loaded: what
@@ -61,8 +64,8 @@ Status check_flags(const Args& a, bool root, Run& run) {
   if (a.eval_data.empty() != a.eval_labels.empty()) return Status::error("--eval-data and --eval-labels go together");
   if (!a.save.empty()) PIPESHARD_RETURN_IF_ERROR(check_output_file("--save", a.save));
   if (!a.trace.empty()) PIPESHARD_RETURN_IF_ERROR(check_output_file("--trace", a.trace));
-  if (!a.checkpoint.empty() && std::filesystem::exists(a.checkpoint) && !std::filesystem::is_directory(a.checkpoint)) {
-    return Status::error("--checkpoint '" + a.checkpoint + "' is a file, not a folder");
+  if (!a.checkpoint.empty()) {  // the first checkpoint comes after work: its folder must take files now
+    PIPESHARD_RETURN_IF_ERROR(check_creatable_folder(a.checkpoint).with_context("--checkpoint"));
   }
   if (!a.plot.empty() && root) {  // a plot that cannot be drawn is a bad flag
     if (Status s = check_picture_output(a.plot); !s) return Status::error("--plot: " + s.message());
