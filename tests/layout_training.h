@@ -89,7 +89,9 @@ inline Trained train_layout(const ImportedModel& model, const Dataset& data, con
     Result<std::unique_ptr<Trainer>> t = Trainer::create(model.graph, data, *backend, config, parallel);
     ASSERT_TRUE(t.is_ok()) << t.status().message();
     ASSERT_TRUE((*t)->check_links().is_ok());
-    if (!checkpoints.resume_from.empty()) ASSERT_TRUE((*t)->load_checkpoint(checkpoints.resume_from).is_ok());
+    if (!checkpoints.resume_from.empty()) {
+      ASSERT_TRUE((*t)->load_checkpoint(checkpoints.resume_from).is_ok());
+    }
     std::vector<double> losses;
     while ((*t)->steps_done() < config.total_steps) {
       losses.push_back((*t)->step().loss);

@@ -206,7 +206,11 @@ TEST(TrainCli, OutputsIntoAFolderThatTakesNoFilesAreRefusedBeforeTraining) {
   auto r = run_command(quote(tool_path("partition")) + " " + quote(source_path("models/simple.onnx")) +
                        " --stages 2 --out /sys/stages");
   EXPECT_EQ(r.exit_code, 2) << r.err;
-  EXPECT_EQ(r.err.rfind("partition: error: --out: cannot create files in '/sys' (", 0), 0u) << r.err;
+  EXPECT_EQ(r.err.rfind("partition: error: --out: output folder '/sys/stages' cannot be used: cannot create files in "
+                        "'/sys' (",
+                        0),
+            0u)
+      << r.err;
 }
 
 // --device cuda on a machine without a usable GPU (here cudaGetDeviceCount fails with

@@ -270,7 +270,9 @@ int main(int argc, char** argv) {
   o.recompute_activations = !a.keep_activations;
   if (a.out_dir.empty()) a.out_dir = std::filesystem::path(a.model).stem().string() + "_stages";
   // Before any work: the folder must take the files (it is created if missing).
-  if (Status s = check_creatable_folder(a.out_dir); !s) return fail("--out: " + s.message());
+  if (Status s = check_creatable_folder(a.out_dir); !s) {
+    return fail("--out: output folder '" + a.out_dir + "' cannot be used: " + s.message());
+  }
   if (!a.chart.empty()) {  // before any work: a chart that cannot be drawn is a bad flag
     if (Status s = check_picture_output(a.chart); !s) return fail("--chart: " + s.message());
   }
