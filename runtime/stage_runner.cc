@@ -273,15 +273,20 @@ void StageRunner::run_action(size_t index, const Action& a, const MicroStep& ms,
               chunks_.size() > 1 ? schedule_.chunk_of(stage_, j) : -1);
 }
 
+// Chunk j − 1's output that chunk j receives as input `in` (the same value by name).
+const LinkValue& StageRunner::previous_output(int j, const LinkValue& in) const {
+  const auto& out = rank_.outgoing(j - 1);
+  const auto it = std::find_if(out.begin(), out.end(), [&](const LinkValue& l) { return l.name == in.name; });
+  PIPESHARD_CHECK(it != out.end(), "'" + in.name + "' is not among the previous chunk's outputs");
+  return *it;
+}
+
 // Chunk j − 1's outputs, as chunk j's inputs for micro-batch k: a copy between the two
 // chunks' slots.
 void StageRunner::take_from_previous(int j, int k) {
   for (const LinkValue& in : rank_.incoming(j)) {
     select(j - 1, k);
-    const auto& out = rank_.outgoing(j - 1);
-    const auto from = std::find_if(out.begin(), out.end(), [&](const LinkValue& l) { return l.name == in.name; });
-    PIPESHARD_CHECK(from != out.end(), "'" + in.name + "' is not among the previous chunk's outputs");
-    const float* source = link_value(j - 1, *from);
+    const float* source = link_value(j - 1, previous_output(j, in));
     select(j, k);
     backend_.copy(link_value(j, in), source, micro_ * in.per_sample);
   }
@@ -295,10 +300,7 @@ void StageRunner::give_to_previous(int j, int k) {
     select(j, k);
     const float* source = link_gradient(j, in, false);
     select(j - 1, k);
-    const auto& out = rank_.outgoing(j - 1);
-    const auto to = std::find_if(out.begin(), out.end(), [&](const LinkValue& l) { return l.name == in.name; });
-    PIPESHARD_CHECK(to != out.end(), "'" + in.name + "' is not among the previous chunk's outputs");
-    backend_.copy(link_gradient(j - 1, *to, true), source, micro_ * in.per_sample);
+    backend_.copy(link_gradient(j - 1, previous_output(j, in), true), source, micro_ * in.per_sample);
   }
   select(j, k);
 }

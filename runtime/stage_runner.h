@@ -121,6 +121,7 @@ class StageRunner {
   // backward).
   void take_from_previous(int j, int k);
   void give_to_previous(int j, int k);
+  const LinkValue& previous_output(int j, const LinkValue& in) const;
   // Selects chunk j and the slot of micro-batch k in the program.
   void select(int j, int k);
   void replay_or_record(ActionKind kind, const MicroStep& ms, int micro_batch, const std::function<void()>& work);
