@@ -2,6 +2,7 @@
 // a larger batch, a resumed run is the uninterrupted run, shuffling is seeded, and
 // bad data files are refused with a message naming the file and the problem.
 #include <cmath>
+#include <filesystem>
 #include <fstream>
 
 #include <gtest/gtest.h>
@@ -263,6 +264,45 @@ TEST(Trainer, ATraceWaitsForTheBackendAfterEachForwardAndBackward) {
     (*t)->step();
     EXPECT_EQ(backend.synchronizations, trace ? 4 : 0) << "two micro-batches, each a forward and a backward";
   }
+}
+
+// A data set split into shards of uneven sizes (a batch straddles two), mapped from files,
+// trains bit for bit as the same arrays read whole into memory, shuffled, across epochs.
+TEST(Trainer, ShardedMappedDataTrainsAsArraysInMemory) {
+  ImportedModel m = load_model("simple_digits");
+  Result<NpyArray> x = read_npy(source_path("data/digits_features.npy"));
+  Result<NpyArray> y = read_npy(source_path("data/digits_labels.npy"));
+  ASSERT_TRUE(x.is_ok() && y.is_ok());
+  Result<Dataset> memory = make_dataset(*x, *y, m.graph, Targets::kClassIndices);
+  ASSERT_TRUE(memory.is_ok()) << memory.status().message();
+  ScratchDir dir("shards");
+  std::filesystem::create_directories(dir / "x");
+  std::filesystem::create_directories(dir / "y");
+  const int64_t n = x->shape[0], width = x->shape[1];
+  const std::vector<float> features = x->as_float();
+  const std::vector<int64_t> labels = y->as_int64();
+  const std::vector<int64_t> cuts = {0, 100, 101, 1000, n};
+  for (size_t i = 0; i + 1 < cuts.size(); ++i) {
+    const int64_t rows = cuts[i + 1] - cuts[i];
+    const std::string name = "part-" + std::to_string(i) + ".npy";
+    ASSERT_TRUE(write_npy(dir / ("x/" + name), {rows, width}, features.data() + cuts[i] * width).is_ok());
+  }
+  ASSERT_TRUE(write_npy(dir / "y/all.npy", {n}, labels.data()).is_ok());
+  Result<Dataset> sharded = load_dataset(dir / "x", dir / "y", m.graph, Targets::kClassIndices);
+  ASSERT_TRUE(sharded.is_ok()) << sharded.status().message();
+  ASSERT_EQ(sharded->features.parts().size(), 4u);
+  TrainConfig c = sgd(64, 1, 0);
+  c.shuffle = true;
+  c.seed = 3;
+  const int64_t steps = n / 64 + 3;  // into the second epoch
+  c.total_steps = steps;
+  const RunResult a = train(m.graph, *memory, c, steps), b = train(m.graph, *sharded, c, steps);
+  EXPECT_EQ(a.losses, b.losses);
+  EXPECT_EQ(max_weight_difference(a.trained, b.trained), 0.0);
+  c.shuffle = false;  // in order: batches read in place where they lie in one shard
+  const RunResult c1 = train(m.graph, *memory, c, steps), c2 = train(m.graph, *sharded, c, steps);
+  EXPECT_EQ(c1.losses, c2.losses);
+  EXPECT_EQ(max_weight_difference(c1.trained, c2.trained), 0.0);
 }
 
 class BadData : public ::testing::Test {

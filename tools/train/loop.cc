@@ -5,6 +5,7 @@
 #include <cmath>
 #include <csignal>
 #include <string>
+#include <vector>
 
 #include <fmt/core.h>
 #include <nlohmann/json.hpp>
@@ -23,7 +24,7 @@ std::string non_finite_message(const StepResult& r) {
   const std::string first = r.first_non_finite.empty() ? "" : "the gradient of " + r.first_non_finite;
   if (!std::isfinite(r.loss)) {
     return fmt::format(
-        "step {}: the loss became {}{}", r.step, r.loss,
+        "step {}: the loss became {}{}", r.step, std::isnan(r.loss) ? std::fabs(r.loss) : r.loss,  // nan, never -nan
         first.empty() ? "" : " (first non-finite gradient in backward order: " + r.first_non_finite + ")");
   }
   return fmt::format("step {}: {} became inf or NaN, the first in backward order (loss {:.4g})", r.step, first, r.loss);
@@ -119,7 +120,9 @@ class StepLoop {
     // One all-reduce per step agrees on signals and on gradients that went bad.
     watchdog_activity(r.step, "end of step");
     bool bad_gradients = !r.gradients_finite;  // --on-nonfinite stop: the optimizer's check
-    const int signal = signals.agreed(world_, bad_gradients);
+    bool bad_data = !r.bad_data.empty();       // a row of data too big to check at load
+    const int signal = signals.agreed(world_, {&bad_gradients, &bad_data});
+    if (bad_data) return stop_for_bad_data(r.bad_data, r.step);
     if (bad_gradients) {  // before anything could save the weights this step spoiled
       const std::string first = trainer_.first_non_finite_gradient();
       stop(
@@ -151,6 +154,17 @@ class StepLoop {
     }
     if (signal != 0) return stop_on_signal(signal, r.step, config_.total_steps, checkpointed, a_, run_, world_);
     return std::nullopt;
+  }
+
+  // A batch read a bad row (data checked as it is read, kCheckAtLoadBytes): rank 0 says
+  // the first rank's message, and every rank stops before anything of this step is kept.
+  int stop_for_bad_data(const std::string& mine, int64_t step) {
+    const std::vector<std::string> all = world_.size() > 1 ? world_.gather_text(mine, 0) : std::vector{mine};
+    const auto first = std::find_if(all.begin(), all.end(), [](const std::string& m) { return !m.empty(); });
+    stop(fmt::format("step {}: {}; stopped before saving anything of this step", step,
+                     first == all.end() ? mine : *first));
+    world_.barrier();
+    return kExitBadInput;
   }
 
   // A step whose loss or gradients were not finite: every rank knows, and all stop here or
@@ -222,6 +236,16 @@ class StepLoop {
     if (r.step % run_.steps_per_epoch != 0 || !run_.eval) return std::nullopt;
     const WatchdogSlowPhase slow("evaluation");
     EvalResult e = trainer_.evaluate(*run_.eval);
+    // Evaluation data too big to check at load is checked as rank 0 reads it.
+    if (!run_.eval->features.checked() || !run_.eval->targets.checked()) {
+      bool bad = !e.bad_data.empty();
+      if (world_.size() > 1) bad = world_.all_reduce_sum(bad ? 1.0 : 0.0) > 0;
+      if (bad) {
+        stop("evaluation after step " + std::to_string(r.step) + ": " + e.bad_data);
+        world_.barrier();
+        return kExitBadInput;
+      }
+    }
     if (log_) {
       fmt::print(stderr, "{}epoch {}: train loss {:.4f}  eval loss {:.4f}{}\n", live_ ? "\r\x1b[K" : "", r.epoch,
                  epoch_loss_ / epoch_steps_, e.loss,
