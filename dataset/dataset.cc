@@ -300,6 +300,10 @@ std::vector<int64_t> BatchOrder::indices(int64_t b) {
     std::iota(out.begin(), out.end(), first);
     return out;
   }
+  if (samples_ > kHeldPermutationSamples) {
+    for (int64_t i = 0; i < batch_; ++i) out[i] = feistel(epoch, first + i);
+    return out;
+  }
   if (permutation_epoch_ != epoch) {
     // One generator per epoch, seeded from (seed, epoch): any epoch's order can be
     // recomputed on resume without replaying the ones before it.
@@ -314,6 +318,41 @@ std::vector<int64_t> BatchOrder::indices(int64_t b) {
   }
   std::copy(permutation_.begin() + first, permutation_.begin() + first + batch_, out.begin());
   return out;
+}
+
+namespace {
+
+// splitmix64's finaliser: a 64-bit mix in which every input bit moves every output bit.
+uint64_t mix64(uint64_t x) {
+  x ^= x >> 30;
+  x *= 0xbf58476d1ce4e5b9ULL;
+  x ^= x >> 27;
+  x *= 0x94d049bb133111ebULL;
+  return x ^ (x >> 31);
+}
+
+}  // namespace
+
+// A balanced Feistel network over [0, 4^h), the smallest at least `samples_` (h bits a half),
+// six rounds keyed by (seed, epoch, round): a bijection of that range. Positions that map
+// past the data are mapped again (cycle walking) until they land in it, which restricted to
+// [0, samples_) is still a bijection; 4^h < 4 samples_, so that takes under 4 tries on average.
+int64_t BatchOrder::feistel(int64_t epoch, int64_t i) const {
+  int half = 1;
+  while ((int64_t{1} << (2 * half)) < samples_) ++half;
+  const uint64_t mask = (uint64_t{1} << half) - 1;
+  const uint64_t key = mix64(seed_ ^ (0x9e3779b97f4a7c15ULL * static_cast<uint64_t>(epoch + 1)));
+  auto x = static_cast<uint64_t>(i);
+  do {
+    uint64_t left = x >> half, right = x & mask;
+    for (uint64_t round = 0; round < 6; ++round) {
+      const uint64_t next = left ^ (mix64(key + (round << 56) + right) & mask);
+      left = right;
+      right = next;
+    }
+    x = (left << half) | right;
+  } while (x >= static_cast<uint64_t>(samples_));
+  return static_cast<int64_t>(x);
 }
 
 }  // namespace pipeshard

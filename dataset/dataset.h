@@ -101,6 +101,11 @@ Result<Dataset> load_dataset(const std::string& features_path, const std::string
 // each array by its NpyArray::path. The arrays are copied, not moved from.
 Result<Dataset> make_dataset(const NpyArray& features, const NpyArray& labels, const Graph& graph, Targets targets);
 
+// Data sets up to this many samples are shuffled by a Fisher–Yates permutation held in
+// memory (8 bytes a sample: 8 MiB here); bigger ones by a keyed bijection computed per
+// index (a Feistel network), which holds nothing, so that memory does not grow with the data.
+inline constexpr int64_t kHeldPermutationSamples = int64_t{1} << 20;
+
 // Which samples make up each batch of each epoch.
 class BatchOrder {
  public:
@@ -114,6 +119,9 @@ class BatchOrder {
   int64_t epoch_of(int64_t b) const { return b / batches_per_epoch() + 1; }
 
  private:
+  // Position i of epoch `epoch`'s order, above kHeldPermutationSamples.
+  int64_t feistel(int64_t epoch, int64_t i) const;
+
   int64_t samples_, batch_;
   bool shuffle_;
   uint64_t seed_;

@@ -147,11 +147,10 @@ void Trainer::note_data_error(Status s) {
   if (data_error_.is_ok()) data_error_ = std::move(s);
 }
 
-// The features of `rows`: where the dataset holds them in order (unshuffled data, or any
+// The features of `rows`: where they lie in order in one shard (unshuffled data, or any
 // slice of it), read in place; else gathered into host_features_. A batch of the benchmark's
 // large MLP is 256 MiB, a copy that costs a GPU step's worth of time to no purpose.
 const float* Trainer::batch_rows(const std::vector<int64_t>& rows) {
-  const int64_t width = data_.features_per_sample;
   bool in_order = !rows.empty();
   for (size_t i = 1; in_order && i < rows.size(); ++i) in_order = rows[i] == rows[0] + static_cast<int64_t>(i);
   if (in_order) {

@@ -183,6 +183,29 @@ TEST(Trainer, ShuffleIsSeeded) {
   for (int64_t i = 0; i < 100; ++i) EXPECT_EQ(seen[i], i);
 }
 
+// Above kHeldPermutationSamples the order is computed per index (nothing held): still a
+// permutation of every sample each epoch, seeded, different from epoch to epoch.
+TEST(Trainer, ShuffleOfBigDataIsAPermutationHoldingNothing) {
+  const int64_t n = kHeldPermutationSamples + 32768, batch = 1024;  // n / batch batches exactly
+  BatchOrder a(n, batch, true, 5), b(n, batch, true, 5), c(n, batch, true, 6);
+  ASSERT_EQ(a.batches_per_epoch() * batch, n);
+  for (int64_t epoch = 0; epoch < 2; ++epoch) {
+    std::vector<bool> seen(static_cast<size_t>(n), false);
+    double sum = 0;
+    for (int64_t bi = epoch * a.batches_per_epoch(); bi < (epoch + 1) * a.batches_per_epoch(); ++bi) {
+      for (int64_t i : a.indices(bi)) {
+        ASSERT_TRUE(i >= 0 && i < n && !seen[static_cast<size_t>(i)]) << i;
+        seen[static_cast<size_t>(i)] = true;
+        if (bi == epoch * a.batches_per_epoch()) sum += static_cast<double>(i);
+      }
+    }
+    EXPECT_NEAR(sum / batch, n / 2.0, n * 0.05) << "the first batch is spread over the data";
+  }
+  EXPECT_EQ(a.indices(7), b.indices(7));
+  EXPECT_NE(a.indices(7), c.indices(7));
+  EXPECT_NE(a.indices(7), a.indices(7 + a.batches_per_epoch()));
+}
+
 TEST(Trainer, IncompleteLastBatchIsDropped) {
   BatchOrder o(1797, 64, false, 0);
   EXPECT_EQ(o.batches_per_epoch(), 28);

@@ -2,6 +2,7 @@
 #include "tools/train/loop.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <csignal>
 #include <string>
@@ -16,7 +17,11 @@
 namespace pipeshard::train_cli {
 namespace {
 
-constexpr int64_t kSkipsToReport = 10;  // skipped steps said one by one; the rest only counted
+constexpr int64_t kSkipsToReport = 10;
+
+// Taken as the process starts (static initialisation, after the dynamic loader): the zero
+// of the metrics' elapsed_s.
+const std::chrono::steady_clock::time_point process_start = std::chrono::steady_clock::now();  // skipped steps said one by one; the rest only counted
 
 // "step 7: the gradient of 'fc2.weight' (node 'fc2') became inf or NaN first, in backward
 // order (loss 2.31)", or "step 7: the loss became nan (...)".
@@ -201,7 +206,8 @@ class StepLoop {
   void write_metrics(const StepResult& r, double samples_per_s) {
     if (!run_.metrics.is_open()) return;
     nlohmann::json row{
-        {"step", r.step}, {"epoch", r.epoch}, {"loss", r.loss}, {"lr", r.lr}, {"samples_per_s", samples_per_s}};
+        {"step", r.step}, {"epoch", r.epoch}, {"loss", r.loss}, {"lr", r.lr}, {"samples_per_s", samples_per_s},
+        {"elapsed_s", std::chrono::duration<double>(std::chrono::steady_clock::now() - process_start).count()}};
     if (r.non_finite || r.scale_overflow) row["skipped"] = true;
     if (r.loss_scale > 0) row["loss_scale"] = r.loss_scale;
     row["backend_peak_bytes"] = run_.backend->memory_use().peak;  // this process's (rank 0's)

@@ -1,0 +1,200 @@
+#!/usr/bin/python3
+"""Data at any size: train's start-up, step rate and memory per rank against the data's size.
+
+How to run, from the repository root after building (cmake --build build --target train):
+    /usr/bin/python3 bench/data_size.py [--sizes 0.1,1,4,16] [--ranks 1,2] [--steps 3000]
+                                        [--build-dir build] [--baseline-build DIR] [--folder /var/tmp]
+
+For each size S (GB, 10^9 bytes of features), a features file of S * 10^9 / 1024 rows x 256 float32
+(a 64 MiB block of standard normals, repeated) and int64 labels in [0, 10) are generated into a
+temporary folder under --folder and deleted after that size. A 2-layer MLP, Linear(256, 256) + ReLU
++ Linear(256, 10), exported with torch.onnx.export, trains --steps steps of batch 64 (shuffled,
+SGD), in one process and under mpirun -np N (data-parallel replicas), after one unmeasured run of
+the same command (the pages it reads are then cached). Measured per run:
+  start-up   rank 0's seconds from its start to the end of the first step (--metrics' elapsed_s),
+             less that step's own time; and that less the median of five runs on a 1 MB data set
+             (the floor: MPI_Init, the model, the groups), which the target applies to under mpirun
+  steps/s    the median over the steps after the first 10 of batch / samples_per_s
+  peak RSS, peak RssAnon
+             the largest VmRSS and RssAnon of /proc/PID/status over every rank, polled every 10 ms
+             (RSS counts the file's pages a rank has mapped in; RssAnon is memory of its own)
+With --baseline-build (a build of the commit before the data was mapped: it reads the files into
+memory), the same runs with that train, where they fit in memory (2 x the file per rank), give
+the in-memory step rate to compare with.
+
+Targets (issue "Data at any size"): start-up under 0.2 s at every size; RssAnon per rank
+independent of the size (within 10 MB); steps/s within 5 % of the in-memory case. It is a
+benchmark: it exits 0 whatever the figures, 2 only when it cannot run.
+"""
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+FEATURES, HIDDEN, CLASSES, BATCH = 256, 256, 10, 64
+BLOCK_ROWS = (64 << 20) // (4 * FEATURES)
+
+
+def export_model(path):
+    import torch
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(FEATURES, HIDDEN), torch.nn.ReLU(),
+                                torch.nn.Linear(HIDDEN, CLASSES))
+    torch.onnx.export(model, torch.zeros(2, FEATURES), path, input_names=["input"], output_names=["output"],
+                      dynamic_axes={"input": {0: "batch"}, "output": {0: "batch"}}, opset_version=17)
+
+
+def write_data(folder, gigabytes):
+    rows = int(gigabytes * 1e9) // (4 * FEATURES)
+    rng = np.random.default_rng(1)
+    block = rng.standard_normal((BLOCK_ROWS, FEATURES), dtype=np.float32)
+    x = np.lib.format.open_memmap(os.path.join(folder, "x.npy"), mode="w+", dtype=np.float32,
+                                  shape=(rows, FEATURES))
+    for first in range(0, rows, BLOCK_ROWS):
+        n = min(BLOCK_ROWS, rows - first)
+        x[first:first + n] = block[:n]
+    x.flush()
+    del x
+    np.save(os.path.join(folder, "y.npy"), rng.integers(0, CLASSES, rows, dtype=np.int64))
+    return rows
+
+
+def train_pids(root):
+    """The train processes under `root` (itself, or mpirun's children)."""
+    pids, frontier = [], [root]
+    while frontier:
+        pid = frontier.pop()
+        try:
+            with open(f"/proc/{pid}/comm") as f:
+                if f.read().strip() == "train":
+                    pids.append(pid)
+            with open(f"/proc/{pid}/task/{pid}/children") as f:
+                frontier += [int(c) for c in f.read().split()]
+        except OSError:
+            pass
+    return pids
+
+
+def status_kib(pid, keys):
+    out = {}
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                name, _, value = line.partition(":")
+                if name in keys:
+                    out[name] = int(value.split()[0])
+    except OSError:
+        pass
+    return out
+
+
+def run(train, model, folder, ranks, steps, env):
+    metrics = os.path.join(folder, "m.jsonl")
+    if os.path.exists(metrics):
+        os.remove(metrics)
+    argv = [train, model, "--data", os.path.join(folder, "x.npy"), "--labels", os.path.join(folder, "y.npy"),
+            "--steps", str(steps), "--batch-size", str(BATCH), "--lr", "0.01", "--metrics", metrics]
+    if ranks > 1:
+        argv = ["mpiexec", "-n", str(ranks), "--oversubscribe", "--bind-to", "none"] + argv
+    proc = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    peak_rss, peak_anon = {}, {}
+    while proc.poll() is None:
+        for pid in train_pids(proc.pid):
+            s = status_kib(pid, ("VmHWM", "VmRSS", "RssAnon"))
+            peak_rss[pid] = max(peak_rss.get(pid, 0), s.get("VmHWM", 0), s.get("VmRSS", 0))
+            peak_anon[pid] = max(peak_anon.get(pid, 0), s.get("RssAnon", 0))
+        time.sleep(0.005)
+    err = proc.stderr.read().decode()
+    if proc.returncode != 0:
+        sys.exit(f"data_size.py: {' '.join(argv)} failed ({proc.returncode}):\n{err}")
+    with open(metrics) as f:
+        rows = [json.loads(line) for line in f]
+    step_s = [BATCH / r["samples_per_s"] for r in rows]
+    return {"startup": rows[0].get("elapsed_s", float("nan")) - step_s[0], "steps_per_s": 1 / statistics.median(step_s[10:]),
+            "rss_mib": max(peak_rss.values()) / 1024, "anon_mib": max(peak_anon.values()) / 1024}
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--sizes", default="0.1,1,4,16", help="GB of features, comma-separated")
+    p.add_argument("--ranks", default="1,2", help="process counts, comma-separated")
+    p.add_argument("--steps", type=int, default=3000)
+    p.add_argument("--build-dir", default="build")
+    p.add_argument("--baseline-build", default="", help="a build whose train reads data into memory")
+    p.add_argument("--folder", default="/var/tmp", help="where the data is generated (needs the largest size free)")
+    a = p.parse_args()
+    train = os.path.join(a.build_dir, "bin", "train")
+    baseline = os.path.join(a.baseline_build, "bin", "train") if a.baseline_build else ""
+    for tool in [train] + ([baseline] if baseline else []):
+        if not os.access(tool, os.X_OK):
+            sys.exit(f"data_size.py: no {tool}: build it first (cmake --build {a.build_dir} --target train)")
+    if shutil.which("mpiexec") is None:
+        sys.exit("data_size.py: no mpiexec")
+    env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", OMPI_ALLOW_RUN_AS_ROOT="1",
+               OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    sizes = [float(s) for s in a.sizes.split(",")]
+    ranks = [int(r) for r in a.ranks.split(",")]
+    with open("/proc/meminfo") as f:
+        mem_total_gb = int(f.readline().split()[1]) * 1024 / 1e9
+    results = []
+    with tempfile.TemporaryDirectory(dir=a.folder, prefix="pipeshard-data-size-") as top:
+        model = os.path.join(top, "mlp.onnx")
+        export_model(model)
+        floor = {}
+        tiny = os.path.join(top, "tiny")
+        os.makedirs(tiny)
+        write_data(tiny, 0.001)
+        for n in ranks:
+            floor[n] = statistics.median(run(train, model, tiny, n, 20, env)["startup"] for _ in range(5))
+        for size in sizes:
+            folder = os.path.join(top, f"{size:g}GB")
+            os.makedirs(folder)
+            t = time.perf_counter()
+            rows = write_data(folder, size)
+            print(f"{size:g} GB: {rows} rows written in {time.perf_counter() - t:.1f} s", file=sys.stderr)
+            for n in ranks:
+                run(train, model, folder, n, a.steps, env)  # caches the pages it reads
+                ours = run(train, model, folder, n, a.steps, env)
+                base = None
+                if baseline and 2 * size * n < 0.6 * mem_total_gb:
+                    run(baseline, model, folder, n, a.steps, env)
+                    base = run(baseline, model, folder, n, a.steps, env)
+                results.append({"gb": size, "ranks": n, "ours": ours, "base": base})
+                print(json.dumps(results[-1]), file=sys.stderr)
+            shutil.rmtree(folder)
+    print("| size | ranks | start-up (s) | over 1 MB (s) | steps/s | in-memory steps/s | ratio | "
+          "in-memory start-up (s) | peak RSS / rank (MiB) | peak RssAnon / rank (MiB) | in-memory RssAnon (MiB) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in results:
+        o, b = r["ours"], r["base"]
+        print(f"| {r['gb']:g} GB | {r['ranks']} | {o['startup']:.3f} | {o['startup'] - floor[r['ranks']]:.3f} | "
+              f"{o['steps_per_s']:.0f} | " + (f"{b['steps_per_s']:.0f} | {o['steps_per_s'] / b['steps_per_s']:.3f} | "
+                                             f"{b['startup']:.2f} | " if b else "— | — | — | ") +
+              f"{o['rss_mib']:.0f} | {o['anon_mib']:.1f} | " + (f"{b['anon_mib']:.0f} |" if b else "— |"))
+    # The data's share of the start-up: all of it for one process; over the floor for mpirun,
+    # whose MPI_Init alone takes longer than the target on some machines.
+    startup = [r["ours"]["startup"] - (floor[r["ranks"]] if r["ranks"] > 1 else 0) for r in results]
+    ratios = [r["ours"]["steps_per_s"] / r["base"]["steps_per_s"] for r in results if r["base"]]
+    print()
+    print(f"start-up (1 rank: all of it; N ranks: over the 1 MB run's {', '.join(f'{floor[n]:.3f}' for n in ranks)} s): at most {max(startup):.3f} s: "
+          f"{'PASS' if max(startup) < 0.2 else 'MISS'} (target < 0.2 s)")
+    for n in ranks:
+        a_n = [r["ours"]["anon_mib"] for r in results if r["ranks"] == n]
+        spread = max(a_n) - min(a_n)
+        print(f"RssAnon per rank, {n} rank{'s' if n > 1 else ''}: {min(a_n):.1f}-{max(a_n):.1f} MiB, spread "
+              f"{spread:.1f} MiB over the sizes: {'PASS' if spread <= 10 else 'MISS'} (target within 10 MB)")
+    if ratios:
+        print(f"steps/s over the in-memory case: {min(ratios):.3f}-{max(ratios):.3f}: "
+              f"{'PASS' if min(ratios) >= 0.95 else 'MISS'} (target within 5 %)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
