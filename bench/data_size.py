@@ -2,19 +2,20 @@
 """Data at any size: train's start-up, step rate and memory per rank against the data's size.
 
 How to run, from the repository root after building (cmake --build build --target train):
-    /usr/bin/python3 bench/data_size.py [--sizes 0.1,1,4,16] [--ranks 1,2] [--steps 3000]
+    /usr/bin/python3 bench/data_size.py [--sizes 0.1,1,4,16] [--ranks 1,2] [--steps 3000] [--rounds 3]
                                         [--build-dir build] [--baseline-build DIR] [--folder /var/tmp]
 
 For each size S (GB, 10^9 bytes of features), a features file of S * 10^9 / 1024 rows x 256 float32
 (a 64 MiB block of standard normals, repeated) and int64 labels in [0, 10) are generated into a
 temporary folder under --folder and deleted after that size. A 2-layer MLP, Linear(256, 256) + ReLU
 + Linear(256, 10), exported with torch.onnx.export, trains --steps steps of batch 64 (shuffled,
-SGD), in one process and under mpirun -np N (data-parallel replicas), after one unmeasured run of
-the same command (the pages it reads are then cached). Measured per run:
+SGD), in one process and under mpirun -np N (data-parallel replicas): one unmeasured run of the
+same command (the pages it reads are then cached), then --rounds paired rounds. Measured per run:
   start-up   rank 0's seconds from its start to the end of the first step (--metrics' elapsed_s),
              less that step's own time; and that less the median of five runs on a 1 MB data set
              (the floor: MPI_Init, the model, the groups), which the target applies to under mpirun
-  steps/s    the median over the steps after the first 10 of batch / samples_per_s
+  steps/s    the median over the steps after the first 10 of batch / samples_per_s; against the
+             in-memory case the paired ratio: the median over rounds of each round's ratio
   peak RSS, peak RssAnon
              the largest VmRSS and RssAnon of /proc/PID/status over every rank, polled every 10 ms
              (RSS counts the file's pages a rank has mapped in; RssAnon is memory of its own)
@@ -125,11 +126,109 @@ def run(train, model, folder, ranks, steps, env):
             "rss_mib": max(peak_rss.values()) / 1024, "anon_mib": max(peak_anon.values()) / 1024}
 
 
+def mem_total_gb():
+    with open("/proc/meminfo") as f:
+        return int(f.readline().split()[1]) * 1024 / 1e9
+
+
+def measure(train, baseline, sizes, ranks, steps, rounds, folder, progress):
+    """Every (size, ranks) cell: ours and, where it fits, the baseline, in `rounds` paired rounds
+    (the order alternating), after one unmeasured run of each. Returns (cells, floor)."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", OMPI_ALLOW_RUN_AS_ROOT="1",
+               OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    cells, floor = [], {}
+    with tempfile.TemporaryDirectory(dir=folder, prefix="pipeshard-data-size-") as top:
+        model = os.path.join(top, "mlp.onnx")
+        export_model(model)
+        tiny = os.path.join(top, "tiny")
+        os.makedirs(tiny)
+        write_data(tiny, 0.001)
+        for n in ranks:
+            floor[n] = statistics.median(run(train, model, tiny, n, 20, env)["startup"] for _ in range(5))
+        for size in sizes:
+            data = os.path.join(top, f"{size:g}GB")
+            os.makedirs(data)
+            t = time.perf_counter()
+            rows = write_data(data, size)
+            progress(f"data: {size:g} GB ({rows} rows) written in {time.perf_counter() - t:.1f} s")
+            for n in ranks:
+                sides = [("ours", train)]
+                if baseline and 2 * size * n < 0.6 * mem_total_gb():  # the old loader holds 2 x the file a rank
+                    sides.append(("base", baseline))
+                runs = {name: [] for name, _ in sides}
+                for name, tool in sides:
+                    run(tool, model, data, n, steps, env)  # caches the pages it reads
+                for r in range(rounds):
+                    for name, tool in (sides if r % 2 == 0 else sides[::-1]):
+                        runs[name].append(run(tool, model, data, n, steps, env))
+                cell = {"gb": size, "rows": rows, "ranks": n, "runs": runs}
+                cells.append(cell)
+                progress("data: " + json.dumps({k: v for k, v in cell.items() if k != "runs"} |
+                                              {name: summary(rs) for name, rs in runs.items()}))
+            shutil.rmtree(data)
+    return cells, floor
+
+
+def summary(runs):
+    """Medians over rounds; the largest memory of any round."""
+    return {"startup": statistics.median(r["startup"] for r in runs),
+            "steps_per_s": statistics.median(r["steps_per_s"] for r in runs),
+            "rss_mib": max(r["rss_mib"] for r in runs), "anon_mib": max(r["anon_mib"] for r in runs)}
+
+
+def ratio(cell):
+    """Paired: the median over rounds of ours / the baseline's steps/s."""
+    if "base" not in cell["runs"]:
+        return None
+    return statistics.median(o["steps_per_s"] / b["steps_per_s"] for o, b in zip(cell["runs"]["ours"],
+                                                                                  cell["runs"]["base"]))
+
+
+HEADER = ["size", "rows", "ranks", "start-up s", "start-up over 1 MB s", "steps/s", "in-memory steps/s",
+          "paired ratio", "in-memory start-up s", "peak RSS / rank MiB", "peak RssAnon / rank MiB",
+          "in-memory RssAnon MiB"]
+
+
+def table_rows(cells, floor):
+    rows = []
+    for c in cells:
+        o = summary(c["runs"]["ours"])
+        b = summary(c["runs"]["base"]) if "base" in c["runs"] else None
+        rows.append([f"{c['gb']:g} GB", f"{c['rows']:,}", c["ranks"], f"{o['startup']:.3f}",
+                     f"{o['startup'] - floor[c['ranks']]:+.3f}", f"{o['steps_per_s']:.0f}",
+                     f"{b['steps_per_s']:.0f}" if b else "—", f"{ratio(c):.3f}" if b else "—",
+                     f"{b['startup']:.2f}" if b else "—", f"{o['rss_mib']:.0f}", f"{o['anon_mib']:.1f}",
+                     f"{b['anon_mib']:.0f}" if b else "—"])
+    return rows
+
+
+def verdicts(cells, floor, ranks):
+    """One line per target, each ending in PASS or MISS."""
+    # The data's share of the start-up: all of it for one process; over the floor for mpirun,
+    # whose MPI_Init alone takes longer than the target on some machines.
+    startup = [summary(c["runs"]["ours"])["startup"] - (floor[c["ranks"]] if c["ranks"] > 1 else 0) for c in cells]
+    lines = [f"start-up (one process: all of it; mpirun: over the 1 MB run's "
+             f"{', '.join(f'{floor[n]:.3f} s' for n in ranks if n > 1)}): at most {max(startup):.3f} s: "
+             f"{'PASS' if max(startup) < 0.2 else 'MISS'} (target < 0.2 s)"]
+    for n in ranks:
+        anon = [summary(c["runs"]["ours"])["anon_mib"] for c in cells if c["ranks"] == n]
+        spread = max(anon) - min(anon)
+        lines.append(f"peak RssAnon per rank, {n} process{'es' if n > 1 else ''}: {min(anon):.1f}-{max(anon):.1f} MiB "
+                     f"over the sizes, spread {spread:.1f} MiB: {'PASS' if spread <= 10 else 'MISS'} "
+                     "(target within 10 MB)")
+    ratios = [ratio(c) for c in cells if ratio(c) is not None]
+    if ratios:
+        lines.append(f"steps/s over the in-memory case (paired): {min(ratios):.3f}-{max(ratios):.3f}: "
+                     f"{'PASS' if min(ratios) >= 0.95 else 'MISS'} (target within 5 %)")
+    return lines
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--sizes", default="0.1,1,4,16", help="GB of features, comma-separated")
     p.add_argument("--ranks", default="1,2", help="process counts, comma-separated")
     p.add_argument("--steps", type=int, default=3000)
+    p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--build-dir", default="build")
     p.add_argument("--baseline-build", default="", help="a build whose train reads data into memory")
     p.add_argument("--folder", default="/var/tmp", help="where the data is generated (needs the largest size free)")
@@ -141,62 +240,16 @@ def main():
             sys.exit(f"data_size.py: no {tool}: build it first (cmake --build {a.build_dir} --target train)")
     if shutil.which("mpiexec") is None:
         sys.exit("data_size.py: no mpiexec")
-    env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", OMPI_ALLOW_RUN_AS_ROOT="1",
-               OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
-    sizes = [float(s) for s in a.sizes.split(",")]
     ranks = [int(r) for r in a.ranks.split(",")]
-    with open("/proc/meminfo") as f:
-        mem_total_gb = int(f.readline().split()[1]) * 1024 / 1e9
-    results = []
-    with tempfile.TemporaryDirectory(dir=a.folder, prefix="pipeshard-data-size-") as top:
-        model = os.path.join(top, "mlp.onnx")
-        export_model(model)
-        floor = {}
-        tiny = os.path.join(top, "tiny")
-        os.makedirs(tiny)
-        write_data(tiny, 0.001)
-        for n in ranks:
-            floor[n] = statistics.median(run(train, model, tiny, n, 20, env)["startup"] for _ in range(5))
-        for size in sizes:
-            folder = os.path.join(top, f"{size:g}GB")
-            os.makedirs(folder)
-            t = time.perf_counter()
-            rows = write_data(folder, size)
-            print(f"{size:g} GB: {rows} rows written in {time.perf_counter() - t:.1f} s", file=sys.stderr)
-            for n in ranks:
-                run(train, model, folder, n, a.steps, env)  # caches the pages it reads
-                ours = run(train, model, folder, n, a.steps, env)
-                base = None
-                if baseline and 2 * size * n < 0.6 * mem_total_gb:
-                    run(baseline, model, folder, n, a.steps, env)
-                    base = run(baseline, model, folder, n, a.steps, env)
-                results.append({"gb": size, "ranks": n, "ours": ours, "base": base})
-                print(json.dumps(results[-1]), file=sys.stderr)
-            shutil.rmtree(folder)
-    print("| size | ranks | start-up (s) | over 1 MB (s) | steps/s | in-memory steps/s | ratio | "
-          "in-memory start-up (s) | peak RSS / rank (MiB) | peak RssAnon / rank (MiB) | in-memory RssAnon (MiB) |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
-    for r in results:
-        o, b = r["ours"], r["base"]
-        print(f"| {r['gb']:g} GB | {r['ranks']} | {o['startup']:.3f} | {o['startup'] - floor[r['ranks']]:.3f} | "
-              f"{o['steps_per_s']:.0f} | " + (f"{b['steps_per_s']:.0f} | {o['steps_per_s'] / b['steps_per_s']:.3f} | "
-                                             f"{b['startup']:.2f} | " if b else "— | — | — | ") +
-              f"{o['rss_mib']:.0f} | {o['anon_mib']:.1f} | " + (f"{b['anon_mib']:.0f} |" if b else "— |"))
-    # The data's share of the start-up: all of it for one process; over the floor for mpirun,
-    # whose MPI_Init alone takes longer than the target on some machines.
-    startup = [r["ours"]["startup"] - (floor[r["ranks"]] if r["ranks"] > 1 else 0) for r in results]
-    ratios = [r["ours"]["steps_per_s"] / r["base"]["steps_per_s"] for r in results if r["base"]]
+    cells, floor = measure(train, baseline, [float(s) for s in a.sizes.split(",")], ranks, a.steps, a.rounds,
+                           a.folder, lambda m: print(m, file=sys.stderr, flush=True))
+    print("| " + " | ".join(HEADER) + " |")
+    print("|" + "---|" * len(HEADER))
+    for row in table_rows(cells, floor):
+        print("| " + " | ".join(str(x) for x in row) + " |")
     print()
-    print(f"start-up (1 rank: all of it; N ranks: over the 1 MB run's {', '.join(f'{floor[n]:.3f}' for n in ranks)} s): at most {max(startup):.3f} s: "
-          f"{'PASS' if max(startup) < 0.2 else 'MISS'} (target < 0.2 s)")
-    for n in ranks:
-        a_n = [r["ours"]["anon_mib"] for r in results if r["ranks"] == n]
-        spread = max(a_n) - min(a_n)
-        print(f"RssAnon per rank, {n} rank{'s' if n > 1 else ''}: {min(a_n):.1f}-{max(a_n):.1f} MiB, spread "
-              f"{spread:.1f} MiB over the sizes: {'PASS' if spread <= 10 else 'MISS'} (target within 10 MB)")
-    if ratios:
-        print(f"steps/s over the in-memory case: {min(ratios):.3f}-{max(ratios):.3f}: "
-              f"{'PASS' if min(ratios) >= 0.95 else 'MISS'} (target within 5 %)")
+    for line in verdicts(cells, floor, ranks):
+        print(line)
     return 0
 
 
