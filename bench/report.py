@@ -318,6 +318,8 @@ def data_section(ctx, doc):
     steps, ranks = 3000, (1, 2)
     folder = "/var/tmp"
     baseline = os.path.join(ctx.baseline_build, "bin", "train") if ctx.baseline_build else ""
+    built_from = subprocess.run(["git", "-C", ctx.baseline_build, "log", "-1", "--format=%h"], capture_output=True,
+                                text=True).stdout.strip() if baseline else ""
     cells, floor = data_size.measure(ctx.tools["train"], baseline, sizes, ranks, steps, rounds, folder, ctx.progress)
     doc.heading(2, "6. Data at any size")
     doc.para(f"`bench/data_size.py` (whose docstring has the details): features of S GB (S·10⁹ bytes: S·976,562 rows × "
@@ -329,7 +331,8 @@ def data_section(ctx, doc):
              "**steps/s** = 1 / median step time after step 10. **peak RSS / RssAnon** = the largest VmRSS / RssAnon "
              "of any rank in /proc, polled every 5 ms (RSS counts the mapped file's pages a rank has touched, shared "
              "with every process mapping it; RssAnon is memory of its own). "
-             + (f"**in-memory**: `{ctx.baseline_build}/bin/train`, a build that reads the files into memory, where "
+             + (f"**in-memory**: `{ctx.baseline_build}/bin/train` (built from {built_from or 'an unknown commit'}), "
+                "a build that reads the files into memory, where "
                 "they fit (2 × the file a rank); its start-up from launch to its first metrics line; **paired ratio** "
                 "= median over rounds of ours / in-memory steps/s." if baseline else
                 "No in-memory columns: run with `--baseline-build DIR`, a build of a commit before the data was "
