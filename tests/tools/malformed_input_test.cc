@@ -9,6 +9,7 @@
 #include <cmath>
 #include <cstdint>
 #include <filesystem>
+#include <limits>
 #include <random>
 #include <string>
 #include <vector>
@@ -382,6 +383,19 @@ TEST_F(Malformed, Float64Input) {
     tt->set_elem_type(onnx::TensorProto::DOUBLE);
   });
   EXPECT_TRUE(refused(r, out_dir(), {"input 'input'", "float64", "float32"}));
+}
+
+// A weight that is not a number would make every loss NaN: refused at import, naming the
+// tensor and the element.
+TEST_F(Malformed, NonFiniteWeight) {
+  auto r = partition_edited(kSimple, [](auto& m) {
+    set_float_element(initializer_named(m, "2.weight"), 1234, std::numeric_limits<float>::quiet_NaN());
+  });
+  EXPECT_TRUE(refused(r, out_dir(), {"model.onnx: initializer '2.weight' [128, 256] holds NaN at flat index 1234"}));
+  r = partition_edited(kSimple, [](auto& m) {
+    set_float_element(initializer_named(m, "4.bias"), 7, -std::numeric_limits<float>::infinity());
+  });
+  EXPECT_TRUE(refused(r, out_dir(), {"initializer '4.bias' [10] holds -inf at flat index 7"}));
 }
 
 TEST_F(Malformed, Bfloat16Weight) {

@@ -82,6 +82,13 @@ inline void set_float_tensor(onnx::TensorProto& t, const std::vector<int64_t>& d
   t.set_raw_data(std::string(reinterpret_cast<const char*>(data.data()), data.size() * sizeof(float)));
 }
 
+// Sets element `index` (flat, row-major) of a float32 raw_data tensor to `value`.
+inline void set_float_element(onnx::TensorProto& t, size_t index, float value) {
+  ASSERT_EQ(t.data_type(), onnx::TensorProto::FLOAT) << t.name();
+  ASSERT_LT(index * sizeof(float), t.raw_data().size()) << t.name() << " holds no element " << index;
+  std::memcpy(t.mutable_raw_data()->data() + index * sizeof(float), &value, sizeof(float));
+}
+
 // Re-encodes a float32 raw_data tensor as float64.
 inline void convert_to_double(onnx::TensorProto& t) {
   const std::string& raw = t.raw_data();

@@ -2,8 +2,10 @@
 // pipeshard and onnxruntime load), and bad input refused with one line, exit status 2
 // and nothing written.
 #include <algorithm>
+#include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <set>
 #include <string>
 #include <vector>
@@ -16,6 +18,7 @@
 #include "importer/onnx_importer.h"
 #include "tests/model_builder.h"
 #include "tests/test_util.h"
+#include "tests/tools/malformed_util.h"
 
 namespace pipeshard {
 namespace {
@@ -178,6 +181,26 @@ INSTANTIATE_TEST_SUITE_P(
                "--trace '/nonexistent/trace.json': no folder"},
         BadRun{"TraceOntoAFolder", kModel + kData + kLabels + " --trace /tmp", "is a folder"}),
     [](const auto& info) { return info.param.name; });
+
+// A model whose weights hold NaN or inf would train NaN losses: refused before the first
+// step, naming the tensor and the element, with no metrics, model or checkpoint written.
+TEST(TrainCli, NonFiniteWeightsAreRefusedBeforeTraining) {
+  ScratchDir dir("nonfinite_weights");
+  for (const float bad : {std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::infinity()}) {
+    onnx::ModelProto m = testing::load_model("models/simple_digits.onnx");
+    testing::set_float_element(testing::initializer_named(m, "0.bias"), 17, bad);
+    testing::write_bytes(dir / "bad.onnx", m.SerializeAsString());
+    auto r = run_command(quote(tool_path("train")) + " " + quote(dir / "bad.onnx") + kData + kLabels +
+                         " --steps 2 --metrics " + quote(dir / "m.jsonl") + " --save " + quote(dir / "t.onnx") +
+                         " --checkpoint " + quote(dir / "ck"));
+    EXPECT_EQ(r.exit_code, 2) << r.err;
+    EXPECT_EQ(r.err, "train: error: " + (dir / "bad.onnx") + ": initializer '0.bias' [256] holds " +
+                         (std::isnan(bad) ? "NaN" : "inf") +
+                         " at flat index 17; a model's weights must be finite numbers\n");
+    for (const char* written : {"m.jsonl", "t.onnx", "ck"})
+      EXPECT_FALSE(std::filesystem::exists(dir / written)) << written;
+  }
+}
 
 // --save is checked before the first step too: a typo never costs a finished run.
 TEST(TrainCli, SaveIntoAMissingFolderIsRefusedBeforeTraining) {
