@@ -24,8 +24,8 @@ testing::CommandResult check_batchnorm_adamw(const ScratchDir& dir, const std::s
   // TMPDIR (concurrent mpiexec runs can collide in a shared one).
   const std::string env = "OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 TMPDIR=" + quote(dir.path()) + " ";
   return run_command(env + "timeout 120 " + quote(PIPESHARD_MPIEXEC) + " -n 2 --oversubscribe " +
-                     quote(tool_path("train")) + " " + quote(source_path("models/batchnorm_train.onnx")) +
-                     " --data " + quote(source_path("tests/golden/gelu_layernorm/x.npy")) + " --labels " +
+                     quote(tool_path("train")) + " " + quote(source_path("models/batchnorm_train.onnx")) + " --data " +
+                     quote(source_path("tests/golden/gelu_layernorm/x.npy")) + " --labels " +
                      quote(source_path("tests/golden/gelu_layernorm/y.npy")) +
                      " --batch-size 32 --optimizer adamw --check-equivalence 4 " + flags);
 }
