@@ -8,6 +8,7 @@
 #include <limits>
 #include <set>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <gtest/gtest.h>
@@ -174,6 +175,14 @@ INSTANTIATE_TEST_SUITE_P(
         BadRun{"MseWithIntLabels", kModel + kData + kLabels + " --loss mse", "float32"},
         BadRun{"ResumeWithoutCheckpoint", kModel + kData + kLabels + " --resume /nonexistent", "no checkpoint"},
         BadRun{"PipelineWithoutMpirun", kModel + kData + kLabels + " --stages 2", "mpirun"},
+        // Flags that would do nothing are refused, not ignored.
+        BadRun{"ScheduleWithoutStages", kModel + kData + kLabels + " --schedule gpipe",
+               "--schedule gpipe has no effect with one pipeline stage (every schedule runs forward then backward "
+               "there): give --stages P under mpirun, or drop it"},
+        BadRun{"BalanceWithoutStages", kModel + kData + kLabels + " --stages 1 --balance flops",
+               "--balance flops has no effect with one pipeline stage (there is no cut between stages to balance)"},
+        BadRun{"NegativeCheckEquivalence", kModel + kData + kLabels + " --check-equivalence -3",
+               "--check-equivalence takes a positive number of steps"},
         BadRun{"NcclOnTheCpu", kModel + kData + kLabels + " --gpu-comm nccl",
                "--gpu-comm nccl needs --device cuda: the CPU backend's tensors travel over MPI"},
         // Files written at the end of a run are checked before it starts.
@@ -200,6 +209,40 @@ TEST(TrainCli, NonFiniteWeightsAreRefusedBeforeTraining) {
     for (const char* written : {"m.jsonl", "t.onnx", "ck"})
       EXPECT_FALSE(std::filesystem::exists(dir / written)) << written;
   }
+}
+
+// --check-equivalence trains K steps to compare and stops: the outputs it would never write
+// and --resume (its one-process run starts from the model file) are refused, each named,
+// before any work, and nothing is written.
+TEST(TrainCli, CheckEquivalenceRefusesFlagsItWouldIgnore) {
+  ScratchDir dir("check_ignored");
+  const std::string eval = " --eval-labels " + quote(source_path("data/digits_labels.npy"));
+  const std::vector<std::pair<std::string, std::string>> cases = {
+      {"--save", quote(dir / "t.onnx")},      {"--metrics", quote(dir / "m.jsonl")},
+      {"--trace", quote(dir / "trace.json")}, {"--checkpoint", quote(dir / "ck")},
+      {"--tensorboard", quote(dir / "tb")},   {"--eval-data", quote(source_path("data/digits_features.npy")) + eval}};
+  for (const auto& [flag, value] : cases) {
+    SCOPED_TRACE(flag);
+    auto r = run_command(train_command("simple_digits.onnx", "--check-equivalence 2 " + flag + " " + value));
+    EXPECT_EQ(r.exit_code, 2) << r.err;
+    EXPECT_EQ(r.err, "train: error: " + flag +
+                         " has no effect with --check-equivalence, which trains K steps to compare the layout with one "
+                         "process, writes nothing and stops; drop it or --check-equivalence\n");
+    EXPECT_EQ(r.out, "");
+  }
+  auto r = run_command(train_command("simple_digits.onnx", "--check-equivalence 2 --save " + quote(dir / "t.onnx") +
+                                                               " --metrics " + quote(dir / "m.jsonl") + " --trace " +
+                                                               quote(dir / "trace.json")));
+  EXPECT_EQ(r.exit_code, 2) << r.err;
+  EXPECT_NE(r.err.find("train: error: --save, --metrics and --trace have no effect with --check-equivalence"),
+            std::string::npos)
+      << r.err;
+  r = run_command(train_command("simple_digits.onnx", "--check-equivalence 2 --resume " + quote(dir / "ck")));
+  EXPECT_EQ(r.exit_code, 2) << r.err;
+  EXPECT_EQ(r.err,
+            "train: error: --resume and --check-equivalence go apart: the check's one-process run starts from the "
+            "model file's weights, and the layout must start there too\n");
+  EXPECT_TRUE(std::filesystem::is_empty(dir.path())) << "something was written";
 }
 
 // --save is checked before the first step too: a typo never costs a finished run.
