@@ -66,6 +66,8 @@ TEST(CheckEquivalence, AGenuinelyDifferentRunFailsNamingTheTensor) {
       << r.out;
   EXPECT_GT(std::stod(m[2]), std::stod(m[3])) << "the named tensor differs by more than it may";
   EXPECT_EQ(r.out.find("equivalent: the layout"), std::string::npos) << r.out;
+  // Which train says before it starts.
+  EXPECT_NE(r.err.find("note: BatchNorm statistics are per replica: "), std::string::npos) << r.err;
 }
 
 }  // namespace

@@ -245,6 +245,44 @@ TEST(TrainCli, CheckEquivalenceRefusesFlagsItWouldIgnore) {
   EXPECT_TRUE(std::filesystem::is_empty(dir.path())) << "something was written";
 }
 
+// --sync-batchnorm on a model without BatchNorm changes nothing: the run goes on, and says so once.
+TEST(TrainCli, SyncBatchNormWithoutBatchNormSaysItHasNoEffect) {
+  auto r = run_command(train_command("simple_digits.onnx", "--steps 1 --sync-batchnorm"));
+  EXPECT_EQ(r.exit_code, 0) << r.err;
+  const std::string note = "note: --sync-batchnorm has no effect: the model has no BatchNorm\n";
+  ASSERT_NE(r.err.find(note), std::string::npos) << r.err;
+  EXPECT_EQ(r.err.find(note), r.err.rfind(note)) << r.err;
+}
+
+// Data parallelism over a model with BatchNorm: each replica normalises its own slice (PyTorch
+// DDP's default), which is not the one-process training; train says so, and that
+// --sync-batchnorm makes it equal. With --sync-batchnorm it has nothing to say.
+TEST(TrainCli, DataParallelBatchNormSaysStatisticsArePerReplica) {
+  ScratchDir dir("bn_replicas");
+  // Open MPI refuses root without these; its session folder goes under this test's own
+  // TMPDIR (concurrent mpiexec runs can collide in a shared one).
+  const std::string mpiexec = "OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 TMPDIR=" + quote(dir.path()) +
+                              " timeout 120 " + quote(PIPESHARD_MPIEXEC) + " -n 2 --oversubscribe ";
+  const std::string run = quote(tool_path("train")) + " " + quote(source_path("models/batchnorm_train.onnx")) +
+                          " --data " + quote(source_path("tests/golden/gelu_layernorm/x.npy")) + " --labels " +
+                          quote(source_path("tests/golden/gelu_layernorm/y.npy")) + " --batch-size 32 --steps 2";
+  const std::string note =
+      "note: BatchNorm statistics are per replica: each of the 2 data-parallel replicas normalises its own 16 of the "
+      "batch's 32 samples (PyTorch DDP's default too), so the run differs from one process; --sync-batchnorm takes "
+      "them over the whole batch and makes it equal to one process\n";
+  auto r = run_command(mpiexec + run);
+  EXPECT_EQ(r.exit_code, 0) << r.err;
+  ASSERT_NE(r.err.find(note), std::string::npos) << r.err;
+  EXPECT_EQ(r.err.find(note), r.err.rfind(note)) << "said once, by rank 0: " << r.err;
+  r = run_command(mpiexec + run + " --sync-batchnorm");
+  EXPECT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_EQ(r.err.find("note: BatchNorm"), std::string::npos) << r.err;
+  EXPECT_EQ(r.err.find("--sync-batchnorm"), std::string::npos) << r.err;
+  r = run_command(run);  // one process: its statistics are the whole batch's
+  EXPECT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_EQ(r.err.find("note: BatchNorm"), std::string::npos) << r.err;
+}
+
 // --save is checked before the first step too: a typo never costs a finished run.
 TEST(TrainCli, SaveIntoAMissingFolderIsRefusedBeforeTraining) {
   auto r =

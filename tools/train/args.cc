@@ -145,7 +145,8 @@ void define_layout_and_the_rest(CLI::App& app, Args& a) {
                "from its input (default: recompute, which holds one tensor less per activation for one more "
                "elementwise pass); the results are the same, bit for bit");
   app.add_flag("--sync-batchnorm", a.sync_batchnorm,
-               "BatchNorm statistics over the global batch of all replicas (default: each replica's slice)");
+               "BatchNorm statistics over the global batch of all replicas, which makes data parallelism equal to "
+               "one process (default: each replica's slice, as PyTorch DDP)");
 }
 
 }  // namespace

@@ -55,7 +55,7 @@ int stop_on_signal(int signal, int64_t step, int64_t total_steps, bool checkpoin
   return 128 + signal;
 }
 
-// "training MODEL (N parameters) on S samples: …", and what --sync-batchnorm does here.
+// "training MODEL (N parameters) on S samples: …".
 void say_what_trains(const Args& a, const Run& run) {
   const ProcessLayout& layout = run.layout;
   const TrainConfig& config = run.config;
@@ -68,12 +68,9 @@ void say_what_trains(const Args& a, const Run& run) {
                        config.micro_batches == 1 ? "" : "es");
   }
   if (layout.shards > 1) how += fmt::format(", {} tensor-parallel shards", layout.shards);
-  fmt::print(stderr, "training {} ({} parameters) on {} samples: {} steps of {} samples, {}{}\n", a.model,
+  fmt::print(stderr, "training {} ({} parameters) on {} samples: {} step{} of {} samples, {}{}\n", a.model,
              run.model->graph.total_parameter_count(), run.data->samples, config.total_steps,
-             config.batch_size * config.grad_accum, a.optimizer, how);
-  if (config.sync_batchnorm && layout.replicas == 1) {
-    fmt::print(stderr, "note: --sync-batchnorm has nothing to synchronise with one data-parallel replica\n");
-  }
+             config.total_steps == 1 ? "" : "s", config.batch_size * config.grad_accum, a.optimizer, how);
 }
 
 // The loop, one step at a time. During training every rank sees the same loss and the

@@ -255,4 +255,22 @@ void say_how_tensors_travel(const Run& run) {
   }
 }
 
+void say_how_batchnorm_normalises(const Run& run) {
+  const Graph& g = run.model->graph;
+  const bool batchnorm =
+      std::any_of(g.nodes.begin(), g.nodes.end(), [](const Node& n) { return n.kind == OpKind::kBatchNorm; });
+  const int replicas = run.layout.replicas;
+  if (run.config.sync_batchnorm && !batchnorm) {
+    fmt::print(stderr, "note: --sync-batchnorm has no effect: the model has no BatchNorm\n");
+  } else if (run.config.sync_batchnorm && replicas == 1) {
+    fmt::print(stderr, "note: --sync-batchnorm has nothing to synchronise with one data-parallel replica\n");
+  } else if (batchnorm && !run.config.sync_batchnorm && replicas > 1) {
+    fmt::print(stderr,
+               "note: BatchNorm statistics are per replica: each of the {} data-parallel replicas normalises its own "
+               "{} of the batch's {} samples (PyTorch DDP's default too), so the run differs from one process; "
+               "--sync-batchnorm takes them over the whole batch and makes it equal to one process\n",
+               replicas, run.config.batch_size / replicas, run.config.batch_size);
+  }
+}
+
 }  // namespace pipeshard::train_cli
