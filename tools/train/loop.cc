@@ -10,6 +10,7 @@
 #include <nlohmann/json.hpp>
 
 #include "comm/watchdog.h"
+#include "program/optimizer.h"
 #include "tools/train/stop_signal.h"
 
 namespace pipeshard::train_cli {
@@ -113,6 +114,11 @@ class StepLoop {
   // One step and all that follows it; the exit status when the run ends here.
   std::optional<int> step(const StopSignals& signals) {
     StepResult r = trainer_.step();
+    // A skipped step used no learning rate, and the trainer leaves it 0; the metrics, the
+    // progress line and TensorBoard show the schedule's for it, as for the steps around it.
+    if (r.non_finite || r.scale_overflow) {
+      r.lr = config_.optimizer.lr * lr_factor(config_.schedule, r.step, config_.warmup_steps, config_.total_steps);
+    }
     // One all-reduce per step agrees on signals and on gradients that went bad.
     watchdog_activity(r.step, "end of step");
     bool bad_gradients = !r.gradients_finite;  // --on-nonfinite stop: the optimizer's check
