@@ -174,7 +174,13 @@ INSTANTIATE_TEST_SUITE_P(
         BadRun{"UnknownOptimizer", kModel + kData + kLabels + " --optimizer lamb", "lamb"},
         BadRun{"MseWithIntLabels", kModel + kData + kLabels + " --loss mse", "float32"},
         BadRun{"ResumeWithoutCheckpoint", kModel + kData + kLabels + " --resume /nonexistent", "no checkpoint"},
-        BadRun{"PipelineWithoutMpirun", kModel + kData + kLabels + " --stages 2", "mpirun"},
+        BadRun{"PipelineWithoutMpirun", kModel + kData + kLabels + " --stages 2",
+               "train: error: --stages 2 needs 2 processes (one per pipeline stage and tensor-parallel shard), and "
+               "train runs alone: run it as `mpirun -np 2 train …` (or a multiple of 2 processes, for data-parallel "
+               "replicas)\n"},
+        BadRun{"TensorParallelWithoutMpirun", kModel + kData + kLabels + " --stages 2 --tensor-parallel 2",
+               "--stages 2 --tensor-parallel 2 needs 4 processes (one per pipeline stage and tensor-parallel shard), "
+               "and train runs alone: run it as `mpirun -np 4 train …`"},
         // Flags that would do nothing are refused, not ignored.
         BadRun{"ScheduleWithoutStages", kModel + kData + kLabels + " --schedule gpipe",
                "--schedule gpipe has no effect with one pipeline stage (every schedule runs forward then backward "

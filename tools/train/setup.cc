@@ -33,6 +33,20 @@ Status check_output_file(const std::string& flag, const std::string& path) {
   return check_writable_folder(folder.string()).with_context(flag + " '" + path + "'");
 }
 
+// A layout the job's processes do not fit. Alone (no mpirun, or -np 1), the library's
+// "mpirun started 1 process, which do not divide…" misleads: say how to launch it.
+Status layout_error(const Args& a, int processes, const Status& s) {
+  const int64_t per_replica = int64_t{a.stages} * a.tensor_parallel;
+  if (processes != 1 || per_replica <= 1) return s;
+  std::string flags = a.stages > 1 ? "--stages " + std::to_string(a.stages) : "";
+  if (a.tensor_parallel > 1)
+    flags += (flags.empty() ? "" : " ") + ("--tensor-parallel " + std::to_string(a.tensor_parallel));
+  const std::string n = std::to_string(per_replica);
+  return Status::error(flags + " needs " + n + " processes (one per pipeline stage and tensor-parallel shard), and " +
+                       "train runs alone: run it as `mpirun -np " + n + " train …` (or a multiple of " + n +
+                       " processes, for data-parallel replicas)");
+}
+
 // --device, --precision, --cuda-graph and --gpu-comm, before anything is loaded: what
 // the registries say the --device row and the --gpu-comm kind do.
 Status check_device(const Args& a, const BackendKind& device) {
@@ -111,7 +125,7 @@ Status load_inputs(const Args& a, int world_rank, Run& run) {
 // after the layout, which the flags alone decide: every rank reaches it or none does.
 Status set_up(const Args& a, Communicator& world, Run& run) {
   Result<ProcessLayout> layout = ProcessLayout::for_rank(world.rank(), world.size(), a.stages, a.tensor_parallel);
-  if (!layout) return layout.status();
+  if (!layout) return layout_error(a, world.size(), layout.status());
   run.layout = *layout;
   run.groups = make_process_groups(world, run.layout);
   PIPESHARD_RETURN_IF_ERROR(check_flags(a, world.rank() == 0, run));
