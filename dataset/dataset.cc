@@ -33,6 +33,22 @@ Status check_features(const NpyArray& x, const Graph& g) {
   return Status::ok();
 }
 
+// Class label `label` of row `row` is outside [0, classes). A model with one output is no
+// classifier (a softmax over one class is 1 whatever the weights) but a regression: say
+// what it needs.
+Status label_outside_classes(const std::string& path, int64_t label, size_t row, int64_t classes) {
+  const std::string range =
+      classes == 1 ? "1 class [0, 0]" : std::to_string(classes) + " classes [0, " + std::to_string(classes - 1) + "]";
+  std::string message =
+      path + ": label " + std::to_string(label) + " at row " + std::to_string(row) + " is outside the model's " + range;
+  if (classes == 1) {
+    message +=
+        "; a model with one output is a regression model: train it on float32 targets with the "
+        "mean-squared-error loss (--loss mse)";
+  }
+  return Status::error(message);
+}
+
 }  // namespace
 
 Result<Dataset> load_dataset(const std::string& features_path, const std::string& labels_path, const Graph& g,
@@ -77,11 +93,7 @@ Result<Dataset> make_dataset(const NpyArray& x, const NpyArray& y, const Graph& 
     const std::vector<int64_t> labels = y.as_int64();
     d.targets.resize(labels.size());
     for (size_t i = 0; i < labels.size(); ++i) {
-      if (labels[i] < 0 || labels[i] >= classes) {
-        return Status::error(labels_path + ": label " + std::to_string(labels[i]) + " at row " + std::to_string(i) +
-                             " is outside the model's " + std::to_string(classes) + " classes [0, " +
-                             std::to_string(classes - 1) + "]");
-      }
+      if (labels[i] < 0 || labels[i] >= classes) return label_outside_classes(labels_path, labels[i], i, classes);
       d.targets[i] = static_cast<float>(labels[i]);
     }
     d.targets_per_sample = 1;

@@ -289,6 +289,45 @@ TEST(TrainCli, DataParallelBatchNormSaysStatisticsArePerReplica) {
   EXPECT_EQ(r.err.find("note: BatchNorm"), std::string::npos) << r.err;
 }
 
+// A regression model (one output) with integer labels under the default cross-entropy:
+// a label outside its one class says what a regression needs, and labels that all fit
+// (0) are refused too, since cross-entropy over one output is 0 whatever the weights.
+TEST(TrainCli, OneOutputModelWithClassLabelsIsToldToUseMse) {
+  ScratchDir dir("regression");
+  testing::ModelBuilder b(4);
+  b.output(b.linear(b.relu(b.linear("input", 4, 8)), 8, 1), 1);
+  b.save(dir / "regressor.onnx");
+  const int64_t samples = 64;
+  std::vector<float> x(samples * 4), targets(samples);
+  std::vector<int64_t> labels(samples, 0);
+  for (int64_t i = 0; i < samples * 4; ++i) x[i] = static_cast<float>(i % 7) - 3.0f;
+  for (int64_t i = 0; i < samples; ++i) targets[i] = static_cast<float>(i % 5) - 2.0f;
+  ASSERT_TRUE(write_npy(dir / "x.npy", {samples, 4}, x.data()));
+  ASSERT_TRUE(write_npy(dir / "zeros.npy", {samples}, labels.data()));
+  labels[3] = -1;
+  ASSERT_TRUE(write_npy(dir / "ints.npy", {samples}, labels.data()));
+  ASSERT_TRUE(write_npy(dir / "y.npy", {samples, 1}, targets.data()));
+  const auto train = [&](const std::string& labels_file, const std::string& flags) {
+    return run_command(quote(tool_path("train")) + " " + quote(dir / "regressor.onnx") + " --data " +
+                       quote(dir / "x.npy") + " --labels " + quote(dir / labels_file) + " --steps 2 --save " +
+                       quote(dir / "t.onnx") + flags);
+  };
+  auto r = train("ints.npy", "");
+  EXPECT_EQ(r.exit_code, 2) << r.err;
+  EXPECT_EQ(r.err, "train: error: " + (dir / "ints.npy") +
+                       ": label -1 at row 3 is outside the model's 1 class [0, 0]; a model with one output is a "
+                       "regression model: train it on float32 targets with the mean-squared-error loss (--loss mse)\n");
+  r = train("zeros.npy", "");
+  EXPECT_EQ(r.exit_code, 2) << r.err;
+  EXPECT_EQ(r.err,
+            "train: error: --loss: cross-entropy over the model's one output is 0 whatever the weights: a model with "
+            "one output is a regression model; train it on float32 targets with the mean-squared-error loss\n");
+  EXPECT_FALSE(std::filesystem::exists(dir / "t.onnx"));
+  r = train("y.npy", " --loss mse");  // what the messages ask for
+  EXPECT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_TRUE(std::filesystem::exists(dir / "t.onnx"));
+}
+
 // --save is checked before the first step too: a typo never costs a finished run.
 TEST(TrainCli, SaveIntoAMissingFolderIsRefusedBeforeTraining) {
   auto r =

@@ -315,7 +315,7 @@ std::string flag_message(const Status& s) {
                                    {"loss_scaling", "--loss-scale"},         {"cuda_graph", "--cuda-graph"},
                                    {"sync_batchnorm", "--sync-batchnorm"},   {"stages", "--stages"},
                                    {"tensor_parallel", "--tensor-parallel"}, {"schedule", "--schedule"},
-                                   {"virtual_stages", "--virtual-stages"}};
+                                   {"virtual_stages", "--virtual-stages"},   {"loss", "--loss"}};
   return pipeshard::flag_message(s, kFlags);
 }
 
