@@ -67,8 +67,16 @@ TEST_F(Malformed, MissingFile) {
 // ---- Graph structure ------------------------------------------------------------------------
 
 TEST_F(Malformed, UnsupportedOperator) {
-  const auto r = partition_edited(kSimple, [](auto& m) { node_named(m, "/1/Relu").set_op_type("Conv"); });
-  EXPECT_TRUE(refused(r, out_dir(), {"node '/1/Relu' (Conv)", "unsupported operator"}));
+  const auto r = partition_edited(kSimple, [](auto& m) { node_named(m, "/1/Relu").set_op_type("Hardmax"); });
+  EXPECT_TRUE(refused(r, out_dir(), {"node '/1/Relu' (Hardmax)", "unsupported operator"}));
+}
+
+// A Conv1d model is refused at its convolution, not at the Unsqueeze before it that makes
+// the channel axis (the node an op-by-op walk would meet first).
+TEST_F(Malformed, Conv1dIsRefusedAtTheConvolution) {
+  EXPECT_TRUE(refused(partition_model(conv1d_model()), out_dir(),
+                      {"node '/conv/Conv' (Conv): a convolution, which pipeshard does not train; pipeshard imports MLP "
+                       "layers (Gemm, MatMul"}));
 }
 
 TEST_F(Malformed, UnknownDomain) {
@@ -487,7 +495,7 @@ TEST_F(Malformed, NodeNameWithLineBreak) {
     n.set_name("/1/Re\nlu");
     n.set_op_type("Conv");
   });
-  EXPECT_TRUE(refused(r, out_dir(), {"(Conv)", "unsupported operator"}));
+  EXPECT_TRUE(refused(r, out_dir(), {"node '/1/Re\\x0alu' (Conv)", "a convolution, which pipeshard does not train"}));
 }
 
 TEST_F(Malformed, InputNameWithLineBreak) {

@@ -328,6 +328,26 @@ TEST(TrainCli, OneOutputModelWithClassLabelsIsToldToUseMse) {
   EXPECT_TRUE(std::filesystem::exists(dir / "t.onnx"));
 }
 
+// train meets a Conv1d model (as torch.onnx.export writes it) at its convolution.
+TEST(TrainCli, Conv1dModelIsRefusedAtTheConvolution) {
+  ScratchDir dir("conv1d");
+  testing::write_bytes(dir / "conv1d.onnx", testing::conv1d_model().SerializeAsString());
+  const int64_t samples = 64;
+  std::vector<float> x(samples * 16, 0.5f);
+  std::vector<int64_t> y(samples, 1);
+  ASSERT_TRUE(write_npy(dir / "x.npy", {samples, 16}, x.data()));
+  ASSERT_TRUE(write_npy(dir / "y.npy", {samples}, y.data()));
+  auto r = run_command(quote(tool_path("train")) + " " + quote(dir / "conv1d.onnx") + " --data " +
+                       quote(dir / "x.npy") + " --labels " + quote(dir / "y.npy") + " --steps 1");
+  EXPECT_EQ(r.exit_code, 2) << r.err;
+  EXPECT_EQ(r.err.rfind("train: error: " + (dir / "conv1d.onnx") +
+                            ": node '/conv/Conv' (Conv): a convolution, which pipeshard does not train; ",
+                        0),
+            0u)
+      << r.err;
+  EXPECT_EQ(r.err.find("Unsqueeze"), std::string::npos) << r.err;
+}
+
 // --save is checked before the first step too: a typo never costs a finished run.
 TEST(TrainCli, SaveIntoAMissingFolderIsRefusedBeforeTraining) {
   auto r =
