@@ -3,8 +3,8 @@
 
 How to run, from the repository root after building (cmake --build build --target train partition
 bench_sgemm bench_allreduce):
-    /usr/bin/python3 bench/report.py [--quick] [--sections cpu,batch,parallel,allreduce,partition,gpu]
-                                     [--out bench/reports/DATE.md] [--build-dir build]
+    /usr/bin/python3 bench/report.py [--quick] [--sections cpu,batch,parallel,allreduce,partition,data,gpu]
+                                     [--out bench/reports/DATE.md] [--build-dir build] [--baseline-build DIR]
 
 Sections (default all; each alternates ours and PyTorch where there is a peer):
   cpu        models A and B against PyTorch (bench/cpu_vs_pytorch.py's race)
@@ -14,6 +14,8 @@ Sections (default all; each alternates ours and PyTorch where there is a peer):
   allreduce  bus bandwidth vs message size: the communicator's all-reduce, blocking and async
              (bench_allreduce under mpirun), raw MPI_Allreduce, and PyTorch's gloo
   partition  `partition` wall time on synthetic deep MLPs of 100..5000 layers, 2..64 stages
+  data       start-up, steps/s and memory per rank with data of 0.1 to 16 GB (bench/data_size.py);
+             --baseline-build DIR adds an in-memory build beside it
   gpu        only where nvidia-smi finds a GPU; otherwise the report says "not run: no GPU"
 The report goes to --out (default bench/reports/<UTC date>.md), its PNGs to the folder of the same
 name without .md. The header records the date, machine, load average and the CPU time that other
@@ -40,17 +42,18 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import cpu_vs_pytorch as cvp  # noqa: E402
+import data_size  # noqa: E402
 import report_allreduce as allreduce  # noqa: E402
 import report_partition as partition  # noqa: E402
 import report_plots as plots  # noqa: E402
 import report_training as training  # noqa: E402
 
 ROOT = cvp.ROOT
-SECTIONS = ("cpu", "batch", "parallel", "allreduce", "partition", "gpu")
+SECTIONS = ("cpu", "batch", "parallel", "allreduce", "partition", "data", "gpu")
 TOOLS = {"cpu": ("train", "bench_sgemm"), "batch": ("train", "bench_sgemm"), "parallel": ("train",),
-         "allreduce": ("bench_allreduce",), "partition": ("partition",), "gpu": ("train",)}
-NEEDS_MPI = {"parallel", "allreduce"}
-NEEDS_TORCH = {"cpu", "batch", "parallel", "allreduce"}
+         "allreduce": ("bench_allreduce",), "partition": ("partition",), "data": ("train",), "gpu": ("train",)}
+NEEDS_MPI = {"parallel", "allreduce", "data"}
+NEEDS_TORCH = {"cpu", "batch", "parallel", "allreduce", "data"}
 OTHERS_NOISY = 0.05  # other processes used more than this share of the machine: say so
 
 
@@ -206,6 +209,7 @@ def write_header(doc, ctx, facts, total, timings, started):
 class Context:
     def __init__(self, args, folder, image_dir, image_link):
         self.quick, self.folder = args.quick, folder
+        self.baseline_build = args.baseline_build
         self.tools = {t: os.path.join(args.build_dir, "bin", t) for t in ("train", "partition", "bench_sgemm",
                                                                            "bench_allreduce")}
         self.mpirun = shutil.which("mpirun")
@@ -309,8 +313,35 @@ def partition_section(ctx, doc):
                        f"({res[(deepest, 1)]['wall'] * 1e3:.0f} ms with --stages 1, i.e. without the search).")
 
 
+def data_section(ctx, doc):
+    sizes, rounds = ((0.1, 1), 1) if ctx.quick else ((0.1, 1, 4, 16), 3)
+    steps, ranks = 3000, (1, 2)
+    folder = "/var/tmp"
+    baseline = os.path.join(ctx.baseline_build, "bin", "train") if ctx.baseline_build else ""
+    cells, floor = data_size.measure(ctx.tools["train"], baseline, sizes, ranks, steps, rounds, folder, ctx.progress)
+    doc.heading(2, "6. Data at any size")
+    doc.para(f"`bench/data_size.py` (whose docstring has the details): features of S GB (S·10⁹ bytes: S·976,562 rows × "
+             f"256 float32) and int64 labels generated into {folder} and deleted after each size; Linear(256, 256) + ReLU "
+             f"+ Linear(256, 10), {steps} steps of batch 64, shuffled, SGD; `{ctx.build_rel}/bin/train` in one process "
+             "and under `mpirun -np 2` (data-parallel replicas), one unmeasured run then "
+             f"{rounds} round(s). **start-up** = rank 0's `elapsed_s` at the end of step 1 − that step's time; "
+             "**over 1 MB** = that − the same on a 1 MB data set (MPI_Init, the model, the groups: not the data). "
+             "**steps/s** = 1 / median step time after step 10. **peak RSS / RssAnon** = the largest VmRSS / RssAnon "
+             "of any rank in /proc, polled every 5 ms (RSS counts the mapped file's pages a rank has touched, shared "
+             "with every process mapping it; RssAnon is memory of its own). "
+             + (f"**in-memory**: `{ctx.baseline_build}/bin/train`, a build that reads the files into memory, where "
+                "they fit (2 × the file a rank); its start-up from launch to its first metrics line; **paired ratio** "
+                "= median over rounds of ours / in-memory steps/s." if baseline else
+                "No in-memory columns: run with `--baseline-build DIR`, a build of a commit before the data was "
+                "mapped."))
+    doc.table(data_size.HEADER, data_size.table_rows(cells, floor))
+    lines = data_size.verdicts(cells, floor, ranks)
+    doc.code("\n".join(lines))
+    ctx.summary.append("Data at any size: " + "; ".join(lines) + ".")
+
+
 def gpu_section(ctx, doc):
-    doc.heading(2, "6. GPU")
+    doc.heading(2, "7. GPU")
     smi = shutil.which("nvidia-smi")
     probe = subprocess.run([smi, "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"],
                            capture_output=True, text=True) if smi else None
@@ -342,7 +373,8 @@ def gpu_section(ctx, doc):
 
 
 RUNNERS = {"cpu": training.cpu_section, "batch": training.batch_section, "parallel": training.parallel_section,
-           "allreduce": allreduce_section, "partition": partition_section, "gpu": gpu_section}
+           "allreduce": allreduce_section, "partition": partition_section, "data": data_section,
+           "gpu": gpu_section}
 
 
 # --------------------------------------------------------------------------- main
@@ -353,6 +385,8 @@ def parse_args():
     ap.add_argument("--out", help="the Markdown file (default bench/reports/<UTC date>.md); PNGs go to the folder "
                                   "of the same name without .md")
     ap.add_argument("--build-dir", default=os.path.join(ROOT, "build"), help="where bin/ holds the tools (default build/)")
+    ap.add_argument("--baseline-build", default="", help="section data: a build whose train reads the data into "
+                                                         "memory, for the in-memory columns")
     return ap.parse_args()
 
 

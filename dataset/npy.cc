@@ -1,7 +1,13 @@
 #include "dataset/npy.h"
 
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <bit>
+#include <cerrno>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -286,6 +292,46 @@ Result<NpyArray> read_npy_unlabelled(const std::string& path) {
   return array;
 }
 
+// Closes a file descriptor when it goes out of scope.
+struct FileCloser {
+  int fd;
+  ~FileCloser() { ::close(fd); }
+};
+
+Result<NpyView> map_npy_unlabelled(const std::string& path) {
+  std::error_code ec;
+  if (!fs::exists(path, ec)) return Status::error("no such file");
+  if (!fs::is_regular_file(path, ec)) return Status::error("not a regular file");
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return Status::error(std::string("cannot open for reading: ") + std::strerror(errno));
+  const FileCloser closer{fd};
+  struct stat st {};
+  if (::fstat(fd, &st) != 0)
+    return Status::error(std::string("cannot determine the file size: ") + std::strerror(errno));
+  const auto file_size = static_cast<int64_t>(st.st_size);
+  std::vector<unsigned char> prefix(static_cast<size_t>(std::min(file_size, kMaxPrefixBytes)));
+  size_t got = 0;
+  while (got < prefix.size()) {
+    const ssize_t n = ::pread(fd, prefix.data() + got, prefix.size() - got, static_cast<off_t>(got));
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) return Status::error("cannot read the file");
+    got += static_cast<size_t>(n);
+  }
+  Result<Layout> layout = parse_layout(prefix.data(), static_cast<int64_t>(prefix.size()), file_size);
+  if (!layout) return layout.status();
+  NpyView view;
+  view.path = path;
+  view.type = layout->type;
+  view.shape = std::move(layout->shape);
+  if (layout->data_bytes == 0) return view;  // nothing to map (mmap refuses a length of 0)
+  void* base = ::mmap(nullptr, static_cast<size_t>(file_size), PROT_READ, MAP_SHARED, fd, 0);
+  if (base == MAP_FAILED) return Status::error(std::string("cannot map the file: ") + std::strerror(errno));
+  const auto size = static_cast<size_t>(file_size);
+  view.owner = std::shared_ptr<const void>(base, [size](const void* p) { ::munmap(const_cast<void*>(p), size); });
+  view.data = static_cast<const uint8_t*>(base) + layout->data_offset;
+  return view;
+}
+
 Result<NpyArray> parse_npy_unlabelled(std::string_view bytes, const std::string& label) {
   const auto size = static_cast<int64_t>(bytes.size());
   const auto* data = reinterpret_cast<const unsigned char*>(bytes.data());
@@ -386,6 +432,29 @@ Result<NpyArray> read_npy(const std::string& path) {
   Result<NpyArray> array = read_npy_unlabelled(path);
   if (!array) return array.status().with_context(path);
   return array;
+}
+
+Result<NpyView> map_npy(const std::string& path) {
+  Result<NpyView> view = map_npy_unlabelled(path);
+  if (!view) return view.status().with_context(path);
+  return view;
+}
+
+int64_t NpyView::elements() const {
+  int64_t n = 1;
+  for (int64_t d : shape) n *= d;
+  return n;
+}
+
+NpyView view_npy(NpyArray array) {
+  auto owned = std::make_shared<const NpyArray>(std::move(array));
+  NpyView view;
+  view.path = owned->path;
+  view.type = owned->type;
+  view.shape = owned->shape;
+  view.data = owned->bytes.data();
+  view.owner = owned;
+  return view;
 }
 
 Result<NpyArray> parse_npy(std::string_view bytes, const std::string& label) {

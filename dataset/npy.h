@@ -18,6 +18,7 @@
 #define PIPESHARD_DATASET_NPY_H_
 
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -67,6 +68,28 @@ Result<NpyArray> read_npy(const std::string& path);
 // as read_npy; `label` stands for the path in messages and in NpyArray::path. The data is
 // copied into the result, so an array is never larger than `bytes`.
 Result<NpyArray> parse_npy(std::string_view bytes, const std::string& label);
+
+// An array's elements where they already lie: in a file mapped read-only (map_npy), or in
+// an NpyArray held in memory (view_npy). Copies share the bytes' owner.
+struct NpyView {
+  std::string path;  // for messages
+  NpyType type = NpyType::kFloat32;
+  std::vector<int64_t> shape;
+  const uint8_t* data = nullptr;      // [elements() * npy_type_size(type)], little-endian
+  std::shared_ptr<const void> owner;  // keeps `data` alive: the mapping, or the array
+
+  int64_t elements() const;
+  int64_t bytes() const { return elements() * npy_type_size(type); }
+};
+
+// Maps the .npy file at `path` read-only (mmap, MAP_SHARED): only the header is read and
+// checked, as read_npy checks it, so this costs the same for 1 KB and for 100 GB. Pages are
+// read as they are touched, into the page cache, which every process mapping the file
+// shares; none of it counts as the process's anonymous memory. Errors as read_npy's.
+Result<NpyView> map_npy(const std::string& path);
+
+// A view of `array`, which the view then owns.
+NpyView view_npy(NpyArray array);
 
 // Writes a C-order little-endian .npy file, format version 1.0, that numpy.load reads.
 // `data` points at product(shape) elements (one element for an empty `shape`); the caller

@@ -143,15 +143,23 @@ Status Trainer::build(const TrainConfig& config, Communicator* device_replicas, 
   return Status::ok();
 }
 
-// The features of `rows`: where the dataset holds them in order (unshuffled data, or any
+void Trainer::note_data_error(Status s) {
+  if (data_error_.is_ok()) data_error_ = std::move(s);
+}
+
+// The features of `rows`: where they lie in order in one shard (unshuffled data, or any
 // slice of it), read in place; else gathered into host_features_. A batch of the benchmark's
 // large MLP is 256 MiB, a copy that costs a GPU step's worth of time to no purpose.
 const float* Trainer::batch_rows(const std::vector<int64_t>& rows) {
-  const int64_t width = data_.features_per_sample;
   bool in_order = !rows.empty();
   for (size_t i = 1; in_order && i < rows.size(); ++i) in_order = rows[i] == rows[0] + static_cast<int64_t>(i);
-  if (in_order) return data_.features.data() + rows[0] * width;
-  gather_rows(data_.features, width, rows, host_features_);
+  if (in_order) {
+    if (const float* p = data_.features.in_place(rows[0], static_cast<int64_t>(rows.size()))) {
+      note_data_error(data_.features.check_rows(rows[0], static_cast<int64_t>(rows.size())));
+      return p;
+    }
+  }
+  note_data_error(data_.features.gather(rows, host_features_));
   return host_features_.data();
 }
 
@@ -171,7 +179,7 @@ StageRunner::MicroStep Trainer::micro_step(int64_t step, int64_t micro, int64_t 
   ms.replay = config_.cuda_graph && warmed_up_;
   if (reads_data()) ms.features = batch_rows(rows);
   if (computes_loss()) {
-    gather_rows(data_.targets, data_.targets_per_sample, rows, host_targets_);
+    note_data_error(data_.targets.gather(rows, host_targets_));
     backend_.upload(targets_.data(), host_targets_.data(), b * data_.targets_per_sample);
   }
   return ms;
@@ -200,6 +208,10 @@ StepResult Trainer::step() {
     const int64_t batch_index = (r.step - 1) * k + micro;
     if (micro == 0) r.epoch = order_.epoch_of(batch_index);
     r.loss += runner_->run(micro_step(r.step, micro, batch_index), loss);
+  }
+  if (!data_error_.is_ok()) {
+    r.bad_data = data_error_.message();
+    data_error_ = Status::ok();
   }
   warmed_up_ = true;
   watchdog_activity(r.step, "loss all-reduce");

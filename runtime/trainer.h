@@ -72,12 +72,18 @@ struct StepResult {
   // overflowed under it (the scale has halved for the next step). The same on every rank.
   double loss_scale = 0;
   bool scale_overflow = false;
+  // The first row this rank's batches read this step that breaks its data's rule (a NaN
+  // feature, a label out of range: the message names the file, row and column), for data
+  // too big to check whole at load (kCheckAtLoadBytes); empty when all were good. The step
+  // ran on what was read; the caller agrees over the ranks and stops.
+  std::string bad_data;
 };
 
 struct EvalResult {
   double loss = 0;
   double accuracy = -1;  // fraction of correct argmax; -1 for MSE
   int64_t samples = 0;
+  std::string bad_data;  // as StepResult::bad_data, for the evaluation data, on rank 0
 };
 
 class Trainer {
@@ -187,6 +193,7 @@ class Trainer {
   // This rank's slice of global batch `batch_index`, read into the runner's inputs.
   StageRunner::MicroStep micro_step(int64_t step, int64_t micro, int64_t batch_index);
   const float* batch_rows(const std::vector<int64_t>& rows);
+  void note_data_error(Status s);  // keeps the step's first
   // The last stage's loss of micro-batch k, its output gradient written and scaled.
   double micro_batch_loss(int micro_batch);
   // Inf or NaN in the step (StepResult::non_finite, scale_overflow): whether the update
@@ -230,6 +237,7 @@ class Trainer {
   DeviceBuffer targets_;              // [local_batch * targets_per_sample]
   std::vector<float> host_features_;  // [local_batch * features_per_sample]: a gathered batch
   std::vector<float> host_targets_;   // [local_batch * targets_per_sample]
+  Status data_error_;                 // the first bad row read this step
   // Evaluation on rank 0, forward-only, in chunks of the whole batch: of a cut model, the
   // whole model assembled in eval_graph_; of a whole one trained in micro-batches, the
   // same graph as the training program (which holds only one micro-batch).

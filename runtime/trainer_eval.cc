@@ -81,8 +81,9 @@ EvalResult Trainer::evaluate(const Dataset& data) {
     const int64_t rows = std::min(b, data.samples - first);
     std::vector<int64_t> idx(static_cast<size_t>(rows));
     for (int64_t i = 0; i < rows; ++i) idx[i] = first + i;
-    gather_rows(data.features, data.features_per_sample, idx, features);
-    gather_rows(data.targets, data.targets_per_sample, idx, targets_host);
+    Status read = data.features.gather(idx, features);
+    if (read.is_ok()) read = data.targets.gather(idx, targets_host);
+    if (!read.is_ok() && e.bad_data.empty()) e.bad_data = read.message();
     backend_.upload(targets.data(), targets_host.data(), rows * data.targets_per_sample);
     program->forward({features.data()}, rows, Mode::kEval, 0);
     e.loss += apply_loss(*program, config_.loss, log_probs, targets.data(), rows, data.samples);

@@ -14,6 +14,7 @@ packages=(
   libcli11-dev nlohmann-json3-dev libfmt-dev       # command line, plan.json, output
   libgtest-dev libgmock-dev libonnx-testdata      # tests (ONNX's own backend node tests)
   python3-matplotlib                               # pictures: partition --chart, train --plot
+  python3-torch python3-onnx                       # the README's own-model recipe, run by a test
   clang-14 libclang-rt-14-dev libomp-14-dev        # fuzz targets (libFuzzer, sanitizers): scripts/fuzz_replay.sh
   clang-format-14                                  # the house format (.clang-format): scripts/format.sh
 )

@@ -58,11 +58,14 @@ inline Dataset random_classes(int64_t features, int64_t samples = 192, uint32_t 
   d.targets_per_sample = 1;
   std::mt19937 rng(seed);
   std::normal_distribution<float> normal(0.0f, 1.0f);
-  for (int64_t i = 0; i < samples * features; ++i) d.features.push_back(normal(rng));
+  std::vector<float> x, y;
+  for (int64_t i = 0; i < samples * features; ++i) x.push_back(normal(rng));
   for (int64_t i = 0; i < samples; ++i) {
-    const float* x = d.features.data() + i * features;
-    d.targets.push_back(static_cast<float>(std::max_element(x, x + 10) - x));
+    const float* row = x.data() + i * features;
+    y.push_back(static_cast<float>(std::max_element(row, row + 10) - row));
   }
+  d.features = Rows::of_floats(std::move(x), features);
+  d.targets = Rows::of_floats(std::move(y), 1);
   return d;
 }
 

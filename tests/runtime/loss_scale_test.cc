@@ -128,8 +128,8 @@ class Overflow : public ::testing::Test {
     data_.samples = 32;
     data_.features_per_sample = 4;
     data_.targets_per_sample = 2;
-    data_.features.assign(32 * 4, 1e15f);
-    data_.targets.assign(32 * 2, 0.0f);
+    data_.features = Rows::of_floats(std::vector<float>(32 * 4, 1e15f), 4);
+    data_.targets = Rows::of_floats(std::vector<float>(32 * 2, 0.0f), 2);
   }
 
   TrainConfig base(OptimizerKind kind) const {

@@ -2,8 +2,10 @@
 // weights. `stop` (the default) ends the run with status 2, naming the step and the first
 // parameter in backward order whose gradient went bad; `skip` goes on, counting the step
 // as taken, and the rest of the run is the run without that step's update.
+#include <algorithm>
 #include <cmath>
 #include <filesystem>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -30,7 +32,7 @@ constexpr int64_t kPoisonedStep = 3;  // its batch holds the NaN sample (--no-sh
 class NonFinite : public ::testing::Test {
  protected:
   void SetUp() override {
-    // The first kSamples digits, one feature of one sample of batch kPoisonedStep NaN; and
+    // The first kSamples digits, one sample of batch kPoisonedStep poisoned; and
     // the same samples without that batch.
     Result<NpyArray> x = read_npy(source_path("data/digits_features.npy"));
     Result<NpyArray> y = read_npy(source_path("data/digits_labels.npy"));
@@ -44,7 +46,9 @@ class NonFinite : public ::testing::Test {
     const int64_t first = (kPoisonedStep - 1) * kBatch;
     removed.erase(removed.begin() + first * kFeatures, removed.begin() + (first + kBatch) * kFeatures);
     removed_labels.erase(removed_labels.begin() + first, removed_labels.begin() + first + kBatch);
-    features[(first + 5) * kFeatures + 20] = NAN;
+    // Data holding NaN is refused at load; finite features this large make the first
+    // layer overflow to inf of both signs, and the next one inf - inf: a NaN loss.
+    std::fill_n(features.begin() + (first + 5) * kFeatures, kFeatures, std::numeric_limits<float>::max());
     ASSERT_TRUE(write_npy(dir_ / "x.npy", {kSamples, kFeatures}, features.data()));
     ASSERT_TRUE(write_npy(dir_ / "y.npy", {kSamples}, labels.data()));
     ASSERT_TRUE(write_npy(dir_ / "x_removed.npy", {kSamples - kBatch, kFeatures}, removed.data()));

@@ -2,6 +2,7 @@
 // a larger batch, a resumed run is the uninterrupted run, shuffling is seeded, and
 // bad data files are refused with a message naming the file and the problem.
 #include <cmath>
+#include <filesystem>
 #include <fstream>
 
 #include <gtest/gtest.h>
@@ -182,6 +183,29 @@ TEST(Trainer, ShuffleIsSeeded) {
   for (int64_t i = 0; i < 100; ++i) EXPECT_EQ(seen[i], i);
 }
 
+// Above kHeldPermutationSamples the order is computed per index (nothing held): still a
+// permutation of every sample each epoch, seeded, different from epoch to epoch.
+TEST(Trainer, ShuffleOfBigDataIsAPermutationHoldingNothing) {
+  const int64_t n = kHeldPermutationSamples + 32768, batch = 1024;  // n / batch batches exactly
+  BatchOrder a(n, batch, true, 5), b(n, batch, true, 5), c(n, batch, true, 6);
+  ASSERT_EQ(a.batches_per_epoch() * batch, n);
+  for (int64_t epoch = 0; epoch < 2; ++epoch) {
+    std::vector<bool> seen(static_cast<size_t>(n), false);
+    double sum = 0;
+    for (int64_t bi = epoch * a.batches_per_epoch(); bi < (epoch + 1) * a.batches_per_epoch(); ++bi) {
+      for (int64_t i : a.indices(bi)) {
+        ASSERT_TRUE(i >= 0 && i < n && !seen[static_cast<size_t>(i)]) << i;
+        seen[static_cast<size_t>(i)] = true;
+        if (bi == epoch * a.batches_per_epoch()) sum += static_cast<double>(i);
+      }
+    }
+    EXPECT_NEAR(sum / batch, n / 2.0, n * 0.05) << "the first batch is spread over the data";
+  }
+  EXPECT_EQ(a.indices(7), b.indices(7));
+  EXPECT_NE(a.indices(7), c.indices(7));
+  EXPECT_NE(a.indices(7), a.indices(7 + a.batches_per_epoch()));
+}
+
 TEST(Trainer, IncompleteLastBatchIsDropped) {
   BatchOrder o(1797, 64, false, 0);
   EXPECT_EQ(o.batches_per_epoch(), 28);
@@ -263,6 +287,45 @@ TEST(Trainer, ATraceWaitsForTheBackendAfterEachForwardAndBackward) {
     (*t)->step();
     EXPECT_EQ(backend.synchronizations, trace ? 4 : 0) << "two micro-batches, each a forward and a backward";
   }
+}
+
+// A data set split into shards of uneven sizes (a batch straddles two), mapped from files,
+// trains bit for bit as the same arrays read whole into memory, shuffled, across epochs.
+TEST(Trainer, ShardedMappedDataTrainsAsArraysInMemory) {
+  ImportedModel m = load_model("simple_digits");
+  Result<NpyArray> x = read_npy(source_path("data/digits_features.npy"));
+  Result<NpyArray> y = read_npy(source_path("data/digits_labels.npy"));
+  ASSERT_TRUE(x.is_ok() && y.is_ok());
+  Result<Dataset> memory = make_dataset(*x, *y, m.graph, Targets::kClassIndices);
+  ASSERT_TRUE(memory.is_ok()) << memory.status().message();
+  ScratchDir dir("shards");
+  std::filesystem::create_directories(dir / "x");
+  std::filesystem::create_directories(dir / "y");
+  const int64_t n = x->shape[0], width = x->shape[1];
+  const std::vector<float> features = x->as_float();
+  const std::vector<int64_t> labels = y->as_int64();
+  const std::vector<int64_t> cuts = {0, 100, 101, 1000, n};
+  for (size_t i = 0; i + 1 < cuts.size(); ++i) {
+    const int64_t rows = cuts[i + 1] - cuts[i];
+    const std::string name = "part-" + std::to_string(i) + ".npy";
+    ASSERT_TRUE(write_npy(dir / ("x/" + name), {rows, width}, features.data() + cuts[i] * width).is_ok());
+  }
+  ASSERT_TRUE(write_npy(dir / "y/all.npy", {n}, labels.data()).is_ok());
+  Result<Dataset> sharded = load_dataset(dir / "x", dir / "y", m.graph, Targets::kClassIndices);
+  ASSERT_TRUE(sharded.is_ok()) << sharded.status().message();
+  ASSERT_EQ(sharded->features.parts().size(), 4u);
+  TrainConfig c = sgd(64, 1, 0);
+  c.shuffle = true;
+  c.seed = 3;
+  const int64_t steps = n / 64 + 3;  // into the second epoch
+  c.total_steps = steps;
+  const RunResult a = train(m.graph, *memory, c, steps), b = train(m.graph, *sharded, c, steps);
+  EXPECT_EQ(a.losses, b.losses);
+  EXPECT_EQ(max_weight_difference(a.trained, b.trained), 0.0);
+  c.shuffle = false;  // in order: batches read in place where they lie in one shard
+  const RunResult c1 = train(m.graph, *memory, c, steps), c2 = train(m.graph, *sharded, c, steps);
+  EXPECT_EQ(c1.losses, c2.losses);
+  EXPECT_EQ(max_weight_difference(c1.trained, c2.trained), 0.0);
 }
 
 class BadData : public ::testing::Test {

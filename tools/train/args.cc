@@ -36,8 +36,12 @@ std::vector<std::string> device_group_names() {
 // The model, the data and the optimization: what is trained, on what, how.
 void define_training(CLI::App& app, Args& a) {
   app.add_option("model", a.model, "ONNX model to train (as written by torch.onnx.export)")->required();
-  app.add_option("--data", a.data, "features, float32 .npy of shape [N, ...]")->required();
-  app.add_option("--labels", a.labels, "int64/int32 class ids [N] (cross-entropy) or float32 targets (mse)")
+  app.add_option("--data", a.data,
+                 "features, float32 .npy of shape [N, ...]: a file, or a folder or glob of shards (in name "
+                 "order), mapped, not read")
+      ->required();
+  app.add_option("--labels", a.labels,
+                 "int64/int32 class ids [N] (cross-entropy) or float32 targets (mse): a file, folder or glob")
       ->required();
   app.add_option("--eval-data", a.eval_data, "features to evaluate on after each epoch");
   app.add_option("--eval-labels", a.eval_labels, "labels of --eval-data");

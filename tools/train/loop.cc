@@ -2,9 +2,11 @@
 #include "tools/train/loop.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <csignal>
 #include <string>
+#include <vector>
 
 #include <fmt/core.h>
 #include <nlohmann/json.hpp>
@@ -16,7 +18,11 @@
 namespace pipeshard::train_cli {
 namespace {
 
-constexpr int64_t kSkipsToReport = 10;  // skipped steps said one by one; the rest only counted
+constexpr int64_t kSkipsToReport = 10;
+
+// Taken as the process starts (static initialisation, after the dynamic loader): the zero
+// of the metrics' elapsed_s.
+const std::chrono::steady_clock::time_point process_start = std::chrono::steady_clock::now();  // skipped steps said one by one; the rest only counted
 
 // "step 7: the gradient of 'fc2.weight' (node 'fc2') became inf or NaN first, in backward
 // order (loss 2.31)", or "step 7: the loss became nan (...)".
@@ -24,7 +30,7 @@ std::string non_finite_message(const StepResult& r) {
   const std::string first = r.first_non_finite.empty() ? "" : "the gradient of " + r.first_non_finite;
   if (!std::isfinite(r.loss)) {
     return fmt::format(
-        "step {}: the loss became {}{}", r.step, r.loss,
+        "step {}: the loss became {}{}", r.step, std::isnan(r.loss) ? std::fabs(r.loss) : r.loss,  // nan, never -nan
         first.empty() ? "" : " (first non-finite gradient in backward order: " + r.first_non_finite + ")");
   }
   return fmt::format("step {}: {} became inf or NaN, the first in backward order (loss {:.4g})", r.step, first, r.loss);
@@ -122,7 +128,9 @@ class StepLoop {
     // One all-reduce per step agrees on signals and on gradients that went bad.
     watchdog_activity(r.step, "end of step");
     bool bad_gradients = !r.gradients_finite;  // --on-nonfinite stop: the optimizer's check
-    const int signal = signals.agreed(world_, bad_gradients);
+    bool bad_data = !r.bad_data.empty();       // a row of data too big to check at load
+    const int signal = signals.agreed(world_, {&bad_gradients, &bad_data});
+    if (bad_data) return stop_for_bad_data(r.bad_data, r.step);
     if (bad_gradients) {  // before anything could save the weights this step spoiled
       const std::string first = trainer_.first_non_finite_gradient();
       stop(
@@ -154,6 +162,17 @@ class StepLoop {
     }
     if (signal != 0) return stop_on_signal(signal, r.step, config_.total_steps, checkpointed, a_, run_, world_);
     return std::nullopt;
+  }
+
+  // A batch read a bad row (data checked as it is read, kCheckAtLoadBytes): rank 0 says
+  // the first rank's message, and every rank stops before anything of this step is kept.
+  int stop_for_bad_data(const std::string& mine, int64_t step) {
+    const std::vector<std::string> all = world_.size() > 1 ? world_.gather_text(mine, 0) : std::vector{mine};
+    const auto first = std::find_if(all.begin(), all.end(), [](const std::string& m) { return !m.empty(); });
+    stop(fmt::format("step {}: {}; stopped before saving anything of this step", step,
+                     first == all.end() ? mine : *first));
+    world_.barrier();
+    return kExitBadInput;
   }
 
   // A step whose loss or gradients were not finite: every rank knows, and all stop here or
@@ -190,7 +209,8 @@ class StepLoop {
   void write_metrics(const StepResult& r, double samples_per_s) {
     if (!run_.metrics.is_open()) return;
     nlohmann::json row{
-        {"step", r.step}, {"epoch", r.epoch}, {"loss", r.loss}, {"lr", r.lr}, {"samples_per_s", samples_per_s}};
+        {"step", r.step}, {"epoch", r.epoch}, {"loss", r.loss}, {"lr", r.lr}, {"samples_per_s", samples_per_s},
+        {"elapsed_s", std::chrono::duration<double>(std::chrono::steady_clock::now() - process_start).count()}};
     if (r.non_finite || r.scale_overflow) row["skipped"] = true;
     if (r.loss_scale > 0) row["loss_scale"] = r.loss_scale;
     row["backend_peak_bytes"] = run_.backend->memory_use().peak;  // this process's (rank 0's)
@@ -225,6 +245,16 @@ class StepLoop {
     if (r.step % run_.steps_per_epoch != 0 || !run_.eval) return std::nullopt;
     const WatchdogSlowPhase slow("evaluation");
     EvalResult e = trainer_.evaluate(*run_.eval);
+    // Evaluation data too big to check at load is checked as rank 0 reads it.
+    if (!run_.eval->features.checked() || !run_.eval->targets.checked()) {
+      bool bad = !e.bad_data.empty();
+      if (world_.size() > 1) bad = world_.all_reduce_sum(bad ? 1.0 : 0.0) > 0;
+      if (bad) {
+        stop("evaluation after step " + std::to_string(r.step) + ": " + e.bad_data);
+        world_.barrier();
+        return kExitBadInput;
+      }
+    }
     if (log_) {
       fmt::print(stderr, "{}epoch {}: train loss {:.4f}  eval loss {:.4f}{}\n", live_ ? "\r\x1b[K" : "", r.epoch,
                  epoch_loss_ / epoch_steps_, e.loss,

@@ -1,5 +1,7 @@
 #include "tools/train/stop_signal.h"
 
+#include <vector>
+
 namespace pipeshard {
 namespace {
 
@@ -25,11 +27,13 @@ StopSignals::~StopSignals() {
   sigaction(SIGTERM, &old_term_, nullptr);
 }
 
-int StopSignals::agreed(Communicator& world, bool& flag) const {
-  // [SIGINT, SIGTERM, flag]
-  double seen[3] = {static_cast<double>(got_sigint), static_cast<double>(got_sigterm), flag ? 1.0 : 0.0};
-  if (world.size() > 1) world.all_reduce_sum(seen, 3);
-  flag = seen[2] > 0;
+int StopSignals::agreed(Communicator& world, std::initializer_list<bool*> flags) const {
+  // [SIGINT, SIGTERM, flags...]
+  std::vector<double> seen{static_cast<double>(got_sigint), static_cast<double>(got_sigterm)};
+  for (const bool* flag : flags) seen.push_back(*flag ? 1.0 : 0.0);
+  if (world.size() > 1) world.all_reduce_sum(seen.data(), static_cast<int64_t>(seen.size()));
+  size_t i = 2;
+  for (bool* flag : flags) *flag = seen[i++] > 0;
   return seen[1] > 0 ? SIGTERM : seen[0] > 0 ? SIGINT : 0;
 }
 

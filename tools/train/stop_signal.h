@@ -12,6 +12,7 @@
 #define PIPESHARD_TOOLS_TRAIN_STOP_SIGNAL_H_
 
 #include <csignal>
+#include <initializer_list>
 
 #include "comm/comm.h"
 
@@ -28,10 +29,11 @@ class StopSignals {
   StopSignals& operator=(const StopSignals&) = delete;
 
   // The signal to stop for, or 0 to go on: SIGTERM if any rank has received one, else
-  // SIGINT if any has. Collective over `world` when it has more than one rank. `flag`
-  // rides on the same all-reduce: it comes back true when it was true on any rank (the
-  // training loop's "a gradient was not finite here", which costs no collective of its own).
-  int agreed(Communicator& world, bool& flag) const;
+  // SIGINT if any has. Collective over `world` when it has more than one rank. The `flags`
+  // ride on the same all-reduce: each comes back true when it was true on any rank (the
+  // training loop's "a gradient was not finite here", "a batch read bad data here"), which
+  // costs no collective of their own.
+  int agreed(Communicator& world, std::initializer_list<bool*> flags) const;
 
  private:
   struct sigaction old_int_ {
