@@ -91,12 +91,13 @@ void define_outputs_and_device(CLI::App& app, Args& a) {
                  "memory over MPI, any number of processes per GPU) or nccl (data- and tensor-parallel groups over "
                  "NCCL, one GPU per process; pipeline stages stay staged; not yet verified on a multi-GPU machine)")
       ->check(CLI::IsMember(device_group_names()));
-  app.add_option("--check-equivalence", a.check_equivalence,
-                 "train K steps in this layout and in one process (on the same device and precision) on the "
-                 "same data, print the largest loss difference and the tensor furthest from the reference, and stop: "
-                 "exit status 0 when they agree to float rounding (1e-5 of each loss, and of each tensor's largest "
-                 "value or 1; under adam/adamw a tensor whose gradient is rounding noise may differ by Adam's step "
-                 "bound), 1 when they do not");
+  app.add_option(
+      "--check-equivalence", a.check_equivalence,
+      "train K steps in this layout and in one process (on the same device and precision) on the same data, "
+      "print the largest loss and weight difference and the tensor furthest from the reference, and stop: exit "
+      "status 0 when they agree to float rounding (1e-5 of each loss, and of each tensor's largest value or 1; "
+      "under adam/adamw a tensor whose gradient is rounding noise may differ by Adam's step bound), 1 when they "
+      "do not");
 }
 
 // The layout across processes, what is observed, and the rest.

@@ -66,6 +66,7 @@ Reference train_alone(const Graph& graph, const Dataset& data, const TrainConfig
 // One tensor against the reference.
 struct TensorCheck {
   double difference = 0;        // largest |ours − reference| over its elements; inf where one is NaN
+  double relative = 0;          // difference / the larger of 1 and its largest value
   double allowed = 0;           // absolute
   double gradient = 0;          // its largest |gradient| in the reference's steps (0: a statistic)
   bool rounding_level = false;  // held to Adam's step bound (check_equivalence.h)
@@ -89,6 +90,7 @@ std::vector<TensorCheck> check_tensors(const Graph& graph, const Graph& ours, co
       const double d = std::fabs(static_cast<double>(ours.params[p].data[i]) - want[i]);
       c.difference = std::isnan(d) ? std::numeric_limits<double>::infinity() : std::max(c.difference, d);
     }
+    c.relative = c.difference / scale;
     c.allowed = kEquivalenceTolerance * scale;
     c.rounding_level = graph.params[p].trainable && normalises_steps(config.optimizer.kind);
     for (const std::vector<double>& step : ref.gradients) {
@@ -158,8 +160,10 @@ int check_equivalence(const Graph& graph, const Dataset& data, const TrainConfig
     }
     const std::vector<TensorCheck> checks = check_tensors(graph, ours, ref, config);
     size_t worst = 0;
-    for (size_t p = 1; p < checks.size(); ++p) {
+    double weight_diff = 0;  // relative
+    for (size_t p = 0; p < checks.size(); ++p) {
       if (checks[p].excess() > checks[worst].excess()) worst = p;
+      weight_diff = std::max(weight_diff, checks[p].relative);
     }
     const TensorCheck& w = checks[worst];
     const std::string tensor =
@@ -167,9 +171,10 @@ int check_equivalence(const Graph& graph, const Dataset& data, const TrainConfig
                     graph.params[worst].trainable ? fmt::format("; its gradient up to {:.2e}", w.gradient)
                                                   : std::string("; a running statistic"));
     fmt::print(
-        "check-equivalence: {} steps on {} process{} vs 1: largest loss difference {:.2e} (relative, {:.0e} "
-        "allowed); the tensor furthest from the reference: {}\n",
-        steps, world.size(), world.size() == 1 ? "" : "es", loss_diff, kEquivalenceTolerance, tensor);
+        "check-equivalence: {} steps on {} process{} vs 1: largest loss difference {:.2e} (relative), largest weight "
+        "difference {:.2e} (relative to each tensor's largest value, at least 1); furthest for what it may differ: "
+        "{}\n",
+        steps, world.size(), world.size() == 1 ? "" : "es", loss_diff, weight_diff, tensor);
     say_rounding_level(graph, checks, config);
     const bool loss_same = loss_diff <= kEquivalenceTolerance, tensors_same = w.difference <= w.allowed;
     same = loss_same && tensors_same;

@@ -20,9 +20,9 @@ inline constexpr double kEquivalenceTolerance = 1e-5;
 // --check-equivalence K: the requested layout trains K steps; rank 0 also trains the
 // same K steps alone on the whole batch, on a backend like the layout's own (`make_backend`: the
 // CPU's, or a second one on its GPU in the same precision, so that the check compares
-// layouts, not devices), then prints the loss difference and the tensor that differs most
-// for what it is allowed, with its gradient. Every rank returns 0 when the two agree to
-// float rounding, 1 otherwise (the status train exits with).
+// layouts, not devices), then prints the largest loss and weight differences and the tensor
+// that differs most for what it is allowed, with its gradient. Every rank returns 0 when the
+// two agree to float rounding, 1 otherwise (the status train exits with).
 //
 // Float rounding: each step's loss within kEquivalenceTolerance of the reference's
 // (relative), and each tensor within kEquivalenceTolerance of the larger of 1 and its
