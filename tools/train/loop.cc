@@ -18,11 +18,11 @@
 namespace pipeshard::train_cli {
 namespace {
 
-constexpr int64_t kSkipsToReport = 10;
+constexpr int64_t kSkipsToReport = 10;  // skipped steps said one by one; the rest only counted
 
 // Taken as the process starts (static initialisation, after the dynamic loader): the zero
 // of the metrics' elapsed_s.
-const std::chrono::steady_clock::time_point process_start = std::chrono::steady_clock::now();  // skipped steps said one by one; the rest only counted
+const std::chrono::steady_clock::time_point process_start = std::chrono::steady_clock::now();
 
 // "step 7: the gradient of 'fc2.weight' (node 'fc2') became inf or NaN first, in backward
 // order (loss 2.31)", or "step 7: the loss became nan (...)".
@@ -209,7 +209,11 @@ class StepLoop {
   void write_metrics(const StepResult& r, double samples_per_s) {
     if (!run_.metrics.is_open()) return;
     nlohmann::json row{
-        {"step", r.step}, {"epoch", r.epoch}, {"loss", r.loss}, {"lr", r.lr}, {"samples_per_s", samples_per_s},
+        {"step", r.step},
+        {"epoch", r.epoch},
+        {"loss", r.loss},
+        {"lr", r.lr},
+        {"samples_per_s", samples_per_s},
         {"elapsed_s", std::chrono::duration<double>(std::chrono::steady_clock::now() - process_start).count()}};
     if (r.non_finite || r.scale_overflow) row["skipped"] = true;
     if (r.loss_scale > 0) row["loss_scale"] = r.loss_scale;
