@@ -46,6 +46,22 @@ Status check_features(const NpyView& x, const Graph& g) {
   return Status::ok();
 }
 
+// Class label `label` of row `row` is outside [0, classes). A model with one output is no
+// classifier (a softmax over one class is 1 whatever the weights) but a regression: say
+// what it needs.
+Status label_outside_classes(const std::string& path, int64_t label, int64_t row, int64_t classes) {
+  const std::string range =
+      classes == 1 ? "1 class [0, 0]" : std::to_string(classes) + " classes [0, " + std::to_string(classes - 1) + "]";
+  std::string message =
+      path + ": label " + std::to_string(label) + " at row " + std::to_string(row) + " is outside the model's " + range;
+  if (classes == 1) {
+    message +=
+        "; a model with one output is a regression model: train it on float32 targets with the "
+        "mean-squared-error loss (--loss mse)";
+  }
+  return Status::error(message);
+}
+
 Status check_labels(const NpyView& y, const Graph& g, Targets targets) {
   const Shape& out = g.values[g.outputs[0]].shape;
   if (targets == Targets::kClassIndices) {
@@ -217,11 +233,7 @@ Status Rows::check_part_rows(size_t part, int64_t first, int64_t n) const {
   if (rule_ == RowRule::kClassIndex) {
     for (int64_t r = first; r < first + n; ++r) {
       const int64_t label = integer_at(v, r);
-      if (label < 0 || label >= classes_) {
-        return Status::error(v.path + ": label " + std::to_string(label) + " at row " + std::to_string(r) +
-                             " is outside the model's " + std::to_string(classes_) + " classes [0, " +
-                             std::to_string(classes_ - 1) + "]");
-      }
+      if (label < 0 || label >= classes_) return label_outside_classes(v.path, label, r, classes_);
     }
     return Status::ok();
   }

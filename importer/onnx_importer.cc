@@ -4,6 +4,7 @@
 #include "importer/onnx_importer.h"
 
 #include <algorithm>
+#include <cmath>
 #include <functional>
 #include <queue>
 #include <unordered_set>
@@ -269,6 +270,22 @@ Status import_inputs(ImportContext& ctx) {
   return Status::ok();
 }
 
+// A weight that is inf or NaN makes every loss and gradient through it one too: training
+// or evaluating the model could only fail later, after writing metrics. Refused here, where
+// every tool reads a model, naming the first such element.
+Status check_finite_parameters(const Graph& g) {
+  for (const Parameter& p : g.params) {
+    const auto bad = std::find_if(p.data.begin(), p.data.end(), [](float v) { return !std::isfinite(v); });
+    if (bad == p.data.end()) continue;
+    std::string dims;
+    for (int64_t d : p.dims) dims += (dims.empty() ? "" : ", ") + std::to_string(d);
+    const char* what = std::isnan(*bad) ? "NaN" : *bad > 0 ? "inf" : "-inf";
+    return Status::error("initializer '" + p.name + "' [" + dims + "] holds " + what + " at flat index " +
+                         std::to_string(bad - p.data.begin()) + "; a model's weights must be finite numbers");
+  }
+  return Status::ok();
+}
+
 }  // namespace
 
 Result<ImportedModel> import_onnx_model(std::shared_ptr<onnx::ModelProto> model, const std::string& base_dir,
@@ -292,6 +309,7 @@ Result<ImportedModel> import_onnx_model(std::shared_ptr<onnx::ModelProto> model,
   if (Status s = check_structure(ctx); !s) return fail(s);
   if (Status s = import_inputs(ctx); !s) return fail(s);
   if (Status s = detail::recognise_nodes(ctx); !s) return fail(s);
+  if (Status s = check_finite_parameters(ctx.graph); !s) return fail(s);
   if (Status s = detail::infer_shapes(ctx); !s) return fail(s);
 
   ImportedModel out;

@@ -10,7 +10,8 @@
 // also hold the "pipeshard" domain's AllReduce and AllGather.
 //
 // Everything else, and every malformed file, is refused with a Status whose message
-// names the file and, where there is one, the node, its op type and the reason.
+// names the file and, where there is one, the node, its op type and the reason; so is a
+// weight (an initializer a layer uses) that is inf or NaN, by its name and flat index.
 #ifndef PIPESHARD_IMPORTER_ONNX_IMPORTER_H_
 #define PIPESHARD_IMPORTER_ONNX_IMPORTER_H_
 

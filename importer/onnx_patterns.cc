@@ -8,13 +8,15 @@
 //   LayerNorm   ReduceMean/Sub/Pow/ReduceMean/Add/Sqrt/Div[/Mul/Add] | LayerNormalization
 //   the rest    one ONNX op each
 //
-// Pass 1 runs the multi-node recognisers at their anchors; pass 2 maps what is left one
-// to one and refuses anything else, naming the node.
+// Layers of other networks (convolutions, pooling, recurrent layers) are refused first, at
+// the layer; then pass 1 runs the multi-node recognisers at their anchors, and pass 2 maps
+// what is left one to one and refuses anything else, naming the node.
 #include <cmath>
 #include <functional>
 #include <limits>
 #include <map>
 #include <set>
+#include <string>
 
 #include "importer/import_context.h"
 #include "importer/onnx_importer.h"
@@ -537,6 +539,50 @@ Status recognise_add(ImportContext& ctx, int i, Node& node) {
 }
 
 // The ONNX ops of the default domain that map to one node each.
+constexpr const char* kWhatImports =
+    "pipeshard imports MLP layers (Gemm, MatMul, Relu, LeakyRelu, Sigmoid, Tanh, GELU, SiLU, Softmax, LogSoftmax, "
+    "LayerNorm, BatchNormalization, Dropout, Flatten, Reshape, Add, Identity, Constant)";
+
+// Layers of other kinds of network, by ONNX op: what each is. A model with one is refused
+// at that layer, before any other node is looked at: the Unsqueeze that feeds a Conv1d its
+// channel axis is not what its exporter needs to hear about.
+const std::map<std::string, const char*>& layers_of_other_networks() {
+  static const std::map<std::string, const char*> kLayers = {
+      {"Conv", "a convolution"},
+      {"ConvTranspose", "a transposed convolution"},
+      {"ConvInteger", "a quantized convolution"},
+      {"QLinearConv", "a quantized convolution"},
+      {"DeformConv", "a deformable convolution"},
+      {"MaxPool", "pooling"},
+      {"AveragePool", "pooling"},
+      {"LpPool", "pooling"},
+      {"GlobalMaxPool", "pooling"},
+      {"GlobalAveragePool", "pooling"},
+      {"GlobalLpPool", "pooling"},
+      {"MaxRoiPool", "pooling"},
+      {"RoiAlign", "pooling"},
+      {"RNN", "a recurrent layer"},
+      {"GRU", "a recurrent layer"},
+      {"LSTM", "a recurrent layer"},
+      {"Attention", "attention"},
+      {"InstanceNormalization", "instance normalisation (of convolution channels)"},
+      {"GroupNormalization", "group normalisation (of convolution channels)"},
+      {"LRN", "local response normalisation (of convolution channels)"}};
+  return kLayers;
+}
+
+Status refuse_layers_of_other_networks(const ImportContext& ctx) {
+  for (int i : ctx.topo_order) {
+    const NodeProto& n = ctx.node(i);
+    if (!is_default_domain(n)) continue;
+    auto it = layers_of_other_networks().find(n.op_type());
+    if (it != layers_of_other_networks().end()) {
+      return ctx.node_error(i, std::string(it->second) + ", which pipeshard does not train; " + kWhatImports);
+    }
+  }
+  return Status::ok();
+}
+
 const std::map<std::string, Recogniser>& single_node_ops() {
   static const std::map<std::string, Recogniser> kOps = {{"Relu", recognise_activation},
                                                          {"LeakyRelu", recognise_activation},
@@ -574,10 +620,7 @@ Status recognise_single(ImportContext& ctx, int i) {
   } else if (auto it = single_node_ops().find(op); it != single_node_ops().end()) {
     recognise = it->second;
   } else {
-    return ctx.node_error(i,
-                          "unsupported operator; pipeshard imports MLP layers (Gemm, MatMul, Relu, LeakyRelu, "
-                          "Sigmoid, Tanh, GELU, SiLU, Softmax, LogSoftmax, LayerNorm, BatchNormalization, "
-                          "Dropout, Flatten, Reshape, Add, Identity, Constant)");
+    return ctx.node_error(i, std::string("unsupported operator; ") + kWhatImports);
   }
   PIPESHARD_RETURN_IF_ERROR(recognise(ctx, i, node));
   ctx.emit(std::move(node));
@@ -603,6 +646,7 @@ void mark_auxiliary(ImportContext& ctx) {
 }  // namespace
 
 Status recognise_nodes(ImportContext& ctx) {
+  PIPESHARD_RETURN_IF_ERROR(refuse_layers_of_other_networks(ctx));
   mark_auxiliary(ctx);
   // Pass 1: multi-node concepts at their anchors.
   for (int i : ctx.topo_order) {

@@ -38,6 +38,15 @@ Status check_batchnorm(const TrainConfig& config, const ProcessLayout& layout, c
 
 Status check_train_config(const TrainConfig& config, const ProcessLayout& layout, const Graph& graph, int64_t samples) {
   const int64_t d = layout.replicas, m = config.micro_batches;
+  if (config.loss == LossKind::kCrossEntropy && graph.outputs.size() == 1) {
+    const Shape& out = graph.values[graph.outputs[0]].shape;
+    if (out.rank() == 2 && out.features() == 1) {  // a softmax over one class is 1: nothing would train
+      return Status::invalid("loss",
+                             "cross-entropy over the model's one output is 0 whatever the weights: a model with one "
+                             "output is a regression model; train it on float32 targets with the mean-squared-error "
+                             "loss");
+    }
+  }
   if (config.batch_size < 1 || config.batch_size > kMaxBatchSize) {
     return Status::invalid("batch_size", "the batch size must be between 1 and " + std::to_string(kMaxBatchSize) +
                                              ", not " + std::to_string(config.batch_size));

@@ -61,8 +61,9 @@ inline Targets targets_of(LossKind loss) {
   return loss == LossKind::kCrossEntropy ? Targets::kClassIndices : Targets::kValues;
 }
 
-// OK when `config` can train `graph` on `samples` samples in `layout`: batch sizes,
-// micro-batches and accumulation that divide, a registered schedule, a valid loss scale,
+// OK when `config` can train `graph` on `samples` samples in `layout`: a loss the model's
+// output can train (not cross-entropy over one output, which is 0 whatever the weights),
+// batch sizes, micro-batches and accumulation that divide, a registered schedule, a valid loss scale,
 // a recorded step only where it can be, BatchNorm statistics over enough values. Errors
 // are Status::invalid, naming the TrainConfig field they are about; Trainer::create runs
 // the same check.

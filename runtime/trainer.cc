@@ -291,6 +291,21 @@ std::string Trainer::first_non_finite_gradient() {
   return first.empty() ? first : first.substr(kKeyWidth + 1);
 }
 
+std::vector<double> Trainer::gradient_magnitudes() const {
+  PIPESHARD_CHECK(rank_.is_whole(), "gradient magnitudes of a trainer of part of a model");
+  const Graph& g = rank_.graph();
+  std::vector<float> grads(static_cast<size_t>(program_->trainable_elements()));
+  backend_.download(grads.data(), program_->gradients(), program_->trainable_elements());
+  std::vector<double> out(g.params.size(), 0.0);
+  for (size_t q = 0; q < g.params.size(); ++q) {
+    const int64_t at = program_->parameter_offset(static_cast<int>(q));
+    for (int64_t i = 0; at >= 0 && i < g.params[q].elements(); ++i) {
+      out[q] = std::max(out[q], static_cast<double>(std::fabs(grads[at + i])));
+    }
+  }
+  return out;
+}
+
 // torch's clip_grad_norm_ over the whole model: each rank adds up its parameters' squares
 // by whole-model parameter, a parameter split over the shards counting every slice and a
 // replicated one once; the sums travel as one vector, and every rank adds it up in the

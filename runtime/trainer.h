@@ -113,6 +113,11 @@ class Trainer {
   // (the highest stage's latest node), as "'fc2.weight' (node 'fc2', stage 1)"; empty when
   // every gradient is finite, and elsewhere. Collective over the world.
   std::string first_non_finite_gradient();
+  // The largest magnitude in each parameter's gradient of the last step, as the optimizer
+  // took it (unscaled and clipped), indexed like the whole model's Graph::params (0 for
+  // running statistics and parameters no node uses): for checks that judge a run by its
+  // gradients (train --check-equivalence). One process only: the trainer of a whole model.
+  std::vector<double> gradient_magnitudes() const;
   int64_t steps_done() const { return optimizer_->steps_taken(); }
   // --cuda-graph: the recordings the backend made (0 without it, or on a backend that
   // cannot record).

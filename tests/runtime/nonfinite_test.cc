@@ -136,6 +136,33 @@ TEST_F(NonFinite, SkipGoesOnExactlyAsIfTheBatchWereNotThere) {
   }
 }
 
+// A skipped step logs the learning rate the schedule set for it, not 0: here every step
+// overflows (as in the test above, the weights never change), under a warm-up of 4 steps.
+TEST_F(NonFinite, SkippedStepsLogTheScheduledLearningRate) {
+  testing::ModelBuilder b(4);
+  b.output(b.linear(b.linear("input", 4, 4), 4, 2), 2);
+  for (auto& t : *b.model().mutable_graph()->mutable_initializer()) {
+    const float value = t.name() == "fc0.weight" ? 1e-19f : t.name() == "fc1.weight" ? 1e19f : 0.0f;
+    for (int i = 0; i < t.float_data_size(); ++i) t.set_float_data(i, value);
+  }
+  b.save(dir_ / "overflow.onnx");
+  const std::vector<float> x(32 * 4, 1e19f), y(32 * 2, 0.0f);
+  ASSERT_TRUE(write_npy(dir_ / "big_x.npy", {32, 4}, x.data()));
+  ASSERT_TRUE(write_npy(dir_ / "zero_y.npy", {32, 2}, y.data()));
+  const auto r = run_command(quote(tool_path("train")) + " " + quote(dir_ / "overflow.onnx") + " --data " +
+                             quote(dir_ / "big_x.npy") + " --labels " + quote(dir_ / "zero_y.npy") +
+                             " --loss mse --steps 3 --lr 0.1 --lr-schedule warmup --warmup-steps 4 --on-nonfinite skip "
+                             "--metrics " +
+                             quote(dir_ / "m.jsonl"));
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  const auto rows = metrics(dir_ / "m.jsonl");
+  ASSERT_EQ(rows.size(), 3u);
+  for (size_t i = 0; i < rows.size(); ++i) {
+    EXPECT_TRUE(rows[i].value("skipped", false)) << rows[i].dump();
+    EXPECT_NEAR(rows[i]["lr"].get<double>(), 0.1 * static_cast<double>(i + 1) / 4, 1e-7) << rows[i].dump();
+  }
+}
+
 // Two pipeline stages: the stages agree to stop or skip together. The bad gradient named
 // is stage 1's, which backward reaches first; skipping gives the one-process run exactly
 // (one micro-batch: the same sums in the same order).

@@ -9,6 +9,7 @@
 #include <cmath>
 #include <cstdint>
 #include <filesystem>
+#include <limits>
 #include <random>
 #include <string>
 #include <vector>
@@ -66,8 +67,16 @@ TEST_F(Malformed, MissingFile) {
 // ---- Graph structure ------------------------------------------------------------------------
 
 TEST_F(Malformed, UnsupportedOperator) {
-  const auto r = partition_edited(kSimple, [](auto& m) { node_named(m, "/1/Relu").set_op_type("Conv"); });
-  EXPECT_TRUE(refused(r, out_dir(), {"node '/1/Relu' (Conv)", "unsupported operator"}));
+  const auto r = partition_edited(kSimple, [](auto& m) { node_named(m, "/1/Relu").set_op_type("Hardmax"); });
+  EXPECT_TRUE(refused(r, out_dir(), {"node '/1/Relu' (Hardmax)", "unsupported operator"}));
+}
+
+// A Conv1d model is refused at its convolution, not at the Unsqueeze before it that makes
+// the channel axis (the node an op-by-op walk would meet first).
+TEST_F(Malformed, Conv1dIsRefusedAtTheConvolution) {
+  EXPECT_TRUE(refused(partition_model(conv1d_model()), out_dir(),
+                      {"node '/conv/Conv' (Conv): a convolution, which pipeshard does not train; pipeshard imports MLP "
+                       "layers (Gemm, MatMul"}));
 }
 
 TEST_F(Malformed, UnknownDomain) {
@@ -384,6 +393,19 @@ TEST_F(Malformed, Float64Input) {
   EXPECT_TRUE(refused(r, out_dir(), {"input 'input'", "float64", "float32"}));
 }
 
+// A weight that is not a number would make every loss NaN: refused at import, naming the
+// tensor and the element.
+TEST_F(Malformed, NonFiniteWeight) {
+  auto r = partition_edited(kSimple, [](auto& m) {
+    set_float_element(initializer_named(m, "2.weight"), 1234, std::numeric_limits<float>::quiet_NaN());
+  });
+  EXPECT_TRUE(refused(r, out_dir(), {"model.onnx: initializer '2.weight' [128, 256] holds NaN at flat index 1234"}));
+  r = partition_edited(kSimple, [](auto& m) {
+    set_float_element(initializer_named(m, "4.bias"), 7, -std::numeric_limits<float>::infinity());
+  });
+  EXPECT_TRUE(refused(r, out_dir(), {"initializer '4.bias' [10] holds -inf at flat index 7"}));
+}
+
 TEST_F(Malformed, Bfloat16Weight) {
   const auto r = partition_edited(
       kSimple, [](auto& m) { initializer_named(m, "2.weight").set_data_type(onnx::TensorProto::BFLOAT16); });
@@ -473,7 +495,7 @@ TEST_F(Malformed, NodeNameWithLineBreak) {
     n.set_name("/1/Re\nlu");
     n.set_op_type("Conv");
   });
-  EXPECT_TRUE(refused(r, out_dir(), {"(Conv)", "unsupported operator"}));
+  EXPECT_TRUE(refused(r, out_dir(), {"node '/1/Re\\x0alu' (Conv)", "a convolution, which pipeshard does not train"}));
 }
 
 TEST_F(Malformed, InputNameWithLineBreak) {

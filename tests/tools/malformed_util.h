@@ -14,6 +14,7 @@
 #include <fstream>
 #include <functional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "tests/test_util.h"
@@ -82,6 +83,13 @@ inline void set_float_tensor(onnx::TensorProto& t, const std::vector<int64_t>& d
   t.set_raw_data(std::string(reinterpret_cast<const char*>(data.data()), data.size() * sizeof(float)));
 }
 
+// Sets element `index` (flat, row-major) of a float32 raw_data tensor to `value`.
+inline void set_float_element(onnx::TensorProto& t, size_t index, float value) {
+  ASSERT_EQ(t.data_type(), onnx::TensorProto::FLOAT) << t.name();
+  ASSERT_LT(index * sizeof(float), t.raw_data().size()) << t.name() << " holds no element " << index;
+  std::memcpy(t.mutable_raw_data()->data() + index * sizeof(float), &value, sizeof(float));
+}
+
 // Re-encodes a float32 raw_data tensor as float64.
 inline void convert_to_double(onnx::TensorProto& t) {
   const std::string& raw = t.raw_data();
@@ -107,6 +115,69 @@ inline void set_constant_scalar(onnx::ModelProto& m, const std::string& name, fl
     }
   }
   ADD_FAILURE() << name << " has no value attribute";
+}
+
+// What torch.onnx.export (opset 14) writes for a Conv1d model on input [batch, 16]:
+//   x.unsqueeze(1) -> nn.Conv1d(1, 4, 3) -> flatten(1) -> nn.Linear(56, 10)
+// as the nodes /Constant, /Unsqueeze, /conv/Conv, /Flatten, /fc/Gemm (weights 0.01).
+inline onnx::ModelProto conv1d_model() {
+  onnx::ModelProto m;
+  m.set_ir_version(8);
+  m.set_producer_name("pytorch");
+  m.add_opset_import()->set_version(14);
+  onnx::GraphProto& g = *m.mutable_graph();
+  g.set_name("main_graph");
+  const auto value = [](onnx::ValueInfoProto* vi, const std::string& name, int64_t width) {
+    vi->set_name(name);
+    auto* tt = vi->mutable_type()->mutable_tensor_type();
+    tt->set_elem_type(onnx::TensorProto::FLOAT);
+    tt->mutable_shape()->add_dim()->set_dim_param("batch");
+    tt->mutable_shape()->add_dim()->set_dim_value(width);
+  };
+  value(g.add_input(), "input", 16);
+  value(g.add_output(), "output", 10);
+  const auto node = [&g](const std::string& op, const std::string& name, const std::vector<std::string>& inputs,
+                         const std::string& output) {
+    onnx::NodeProto* n = g.add_node();
+    n->set_op_type(op);
+    n->set_name(name);
+    for (const std::string& i : inputs) n->add_input(i);
+    n->add_output(output);
+    return n;
+  };
+  const auto ints = [](onnx::NodeProto* n, const std::string& name, const std::vector<int64_t>& values) {
+    onnx::AttributeProto* a = n->add_attribute();
+    a->set_name(name);
+    a->set_type(onnx::AttributeProto::INTS);
+    for (int64_t v : values) a->add_ints(v);
+  };
+  onnx::NodeProto* axes = node("Constant", "/Constant", {}, "/Constant_output_0");
+  onnx::AttributeProto* a = axes->add_attribute();
+  a->set_name("value");
+  a->set_type(onnx::AttributeProto::TENSOR);
+  a->mutable_t()->set_data_type(onnx::TensorProto::INT64);
+  a->mutable_t()->add_dims(1);
+  a->mutable_t()->add_int64_data(1);
+  node("Unsqueeze", "/Unsqueeze", {"input", "/Constant_output_0"}, "/Unsqueeze_output_0");
+  onnx::NodeProto* conv =
+      node("Conv", "/conv/Conv", {"/Unsqueeze_output_0", "conv.weight", "conv.bias"}, "/conv/Conv_output_0");
+  ints(conv, "dilations", {1});
+  ints(conv, "kernel_shape", {3});
+  ints(conv, "pads", {0, 0});
+  ints(conv, "strides", {1});
+  node("Flatten", "/Flatten", {"/conv/Conv_output_0"}, "/Flatten_output_0");
+  onnx::NodeProto* fc = node("Gemm", "/fc/Gemm", {"/Flatten_output_0", "fc.weight", "fc.bias"}, "output");
+  onnx::AttributeProto* trans_b = fc->add_attribute();
+  trans_b->set_name("transB");
+  trans_b->set_type(onnx::AttributeProto::INT);
+  trans_b->set_i(1);
+  for (const auto& [name, dims] : std::vector<std::pair<std::string, std::vector<int64_t>>>{
+           {"conv.weight", {4, 1, 3}}, {"conv.bias", {4}}, {"fc.weight", {10, 56}}, {"fc.bias", {10}}}) {
+    onnx::TensorProto* t = g.add_initializer();
+    t->set_name(name);
+    set_float_tensor(*t, dims);
+  }
+  return m;
 }
 
 inline onnx::TensorShapeProto* graph_output_shape(onnx::ModelProto& m) {

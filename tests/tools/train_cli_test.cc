@@ -2,10 +2,13 @@
 // pipeshard and onnxruntime load), and bad input refused with one line, exit status 2
 // and nothing written.
 #include <algorithm>
+#include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <set>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <gtest/gtest.h>
@@ -16,6 +19,7 @@
 #include "importer/onnx_importer.h"
 #include "tests/model_builder.h"
 #include "tests/test_util.h"
+#include "tests/tools/malformed_util.h"
 
 namespace pipeshard {
 namespace {
@@ -170,7 +174,21 @@ INSTANTIATE_TEST_SUITE_P(
         BadRun{"UnknownOptimizer", kModel + kData + kLabels + " --optimizer lamb", "lamb"},
         BadRun{"MseWithIntLabels", kModel + kData + kLabels + " --loss mse", "float32"},
         BadRun{"ResumeWithoutCheckpoint", kModel + kData + kLabels + " --resume /nonexistent", "no checkpoint"},
-        BadRun{"PipelineWithoutMpirun", kModel + kData + kLabels + " --stages 2", "mpirun"},
+        BadRun{"PipelineWithoutMpirun", kModel + kData + kLabels + " --stages 2",
+               "train: error: --stages 2 needs 2 processes (one per pipeline stage and tensor-parallel shard), and "
+               "train runs alone: run it as `mpirun -np 2 train …` (or a multiple of 2 processes, for data-parallel "
+               "replicas)\n"},
+        BadRun{"TensorParallelWithoutMpirun", kModel + kData + kLabels + " --stages 2 --tensor-parallel 2",
+               "--stages 2 --tensor-parallel 2 needs 4 processes (one per pipeline stage and tensor-parallel shard), "
+               "and train runs alone: run it as `mpirun -np 4 train …`"},
+        // Flags that would do nothing are refused, not ignored.
+        BadRun{"ScheduleWithoutStages", kModel + kData + kLabels + " --schedule gpipe",
+               "--schedule gpipe has no effect with one pipeline stage (every schedule runs forward then backward "
+               "there): give --stages P under mpirun, or drop it"},
+        BadRun{"BalanceWithoutStages", kModel + kData + kLabels + " --stages 1 --balance flops",
+               "--balance flops has no effect with one pipeline stage (there is no cut between stages to balance)"},
+        BadRun{"NegativeCheckEquivalence", kModel + kData + kLabels + " --check-equivalence -3",
+               "--check-equivalence takes a positive number of steps"},
         BadRun{"NcclOnTheCpu", kModel + kData + kLabels + " --gpu-comm nccl",
                "--gpu-comm nccl needs --device cuda: the CPU backend's tensors travel over MPI"},
         // Files written at the end of a run are checked before it starts.
@@ -178,6 +196,157 @@ INSTANTIATE_TEST_SUITE_P(
                "--trace '/nonexistent/trace.json': no folder"},
         BadRun{"TraceOntoAFolder", kModel + kData + kLabels + " --trace /tmp", "is a folder"}),
     [](const auto& info) { return info.param.name; });
+
+// A model whose weights hold NaN or inf would train NaN losses: refused before the first
+// step, naming the tensor and the element, with no metrics, model or checkpoint written.
+TEST(TrainCli, NonFiniteWeightsAreRefusedBeforeTraining) {
+  ScratchDir dir("nonfinite_weights");
+  for (const float bad : {std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::infinity()}) {
+    onnx::ModelProto m = testing::load_model("models/simple_digits.onnx");
+    testing::set_float_element(testing::initializer_named(m, "0.bias"), 17, bad);
+    testing::write_bytes(dir / "bad.onnx", m.SerializeAsString());
+    auto r = run_command(quote(tool_path("train")) + " " + quote(dir / "bad.onnx") + kData + kLabels +
+                         " --steps 2 --metrics " + quote(dir / "m.jsonl") + " --save " + quote(dir / "t.onnx") +
+                         " --checkpoint " + quote(dir / "ck"));
+    EXPECT_EQ(r.exit_code, 2) << r.err;
+    EXPECT_EQ(r.err, "train: error: " + (dir / "bad.onnx") + ": initializer '0.bias' [256] holds " +
+                         (std::isnan(bad) ? "NaN" : "inf") +
+                         " at flat index 17; a model's weights must be finite numbers\n");
+    for (const char* written : {"m.jsonl", "t.onnx", "ck"})
+      EXPECT_FALSE(std::filesystem::exists(dir / written)) << written;
+  }
+}
+
+// --check-equivalence trains K steps to compare and stops: the outputs it would never write
+// and --resume (its one-process run starts from the model file) are refused, each named,
+// before any work, and nothing is written.
+TEST(TrainCli, CheckEquivalenceRefusesFlagsItWouldIgnore) {
+  ScratchDir dir("check_ignored");
+  const std::string eval = " --eval-labels " + quote(source_path("data/digits_labels.npy"));
+  const std::vector<std::pair<std::string, std::string>> cases = {
+      {"--save", quote(dir / "t.onnx")},      {"--metrics", quote(dir / "m.jsonl")},
+      {"--trace", quote(dir / "trace.json")}, {"--checkpoint", quote(dir / "ck")},
+      {"--tensorboard", quote(dir / "tb")},   {"--eval-data", quote(source_path("data/digits_features.npy")) + eval}};
+  for (const auto& [flag, value] : cases) {
+    SCOPED_TRACE(flag);
+    auto r = run_command(train_command("simple_digits.onnx", "--check-equivalence 2 " + flag + " " + value));
+    EXPECT_EQ(r.exit_code, 2) << r.err;
+    EXPECT_EQ(r.err, "train: error: " + flag +
+                         " has no effect with --check-equivalence, which trains K steps to compare the layout with one "
+                         "process, writes nothing and stops; drop it or --check-equivalence\n");
+    EXPECT_EQ(r.out, "");
+  }
+  auto r = run_command(train_command("simple_digits.onnx", "--check-equivalence 2 --save " + quote(dir / "t.onnx") +
+                                                               " --metrics " + quote(dir / "m.jsonl") + " --trace " +
+                                                               quote(dir / "trace.json")));
+  EXPECT_EQ(r.exit_code, 2) << r.err;
+  EXPECT_NE(r.err.find("train: error: --save, --metrics and --trace have no effect with --check-equivalence"),
+            std::string::npos)
+      << r.err;
+  r = run_command(train_command("simple_digits.onnx", "--check-equivalence 2 --resume " + quote(dir / "ck")));
+  EXPECT_EQ(r.exit_code, 2) << r.err;
+  EXPECT_EQ(r.err,
+            "train: error: --resume and --check-equivalence go apart: the check's one-process run starts from the "
+            "model file's weights, and the layout must start there too\n");
+  EXPECT_TRUE(std::filesystem::is_empty(dir.path())) << "something was written";
+}
+
+// --sync-batchnorm on a model without BatchNorm changes nothing: the run goes on, and says so once.
+TEST(TrainCli, SyncBatchNormWithoutBatchNormSaysItHasNoEffect) {
+  auto r = run_command(train_command("simple_digits.onnx", "--steps 1 --sync-batchnorm"));
+  EXPECT_EQ(r.exit_code, 0) << r.err;
+  const std::string note = "note: --sync-batchnorm has no effect: the model has no BatchNorm\n";
+  ASSERT_NE(r.err.find(note), std::string::npos) << r.err;
+  EXPECT_EQ(r.err.find(note), r.err.rfind(note)) << r.err;
+}
+
+// Data parallelism over a model with BatchNorm: each replica normalises its own slice (PyTorch
+// DDP's default), which is not the one-process training; train says so, and that
+// --sync-batchnorm makes it equal. With --sync-batchnorm it has nothing to say.
+TEST(TrainCli, DataParallelBatchNormSaysStatisticsArePerReplica) {
+  ScratchDir dir("bn_replicas");
+  // Open MPI refuses root without these; its session folder goes under this test's own
+  // TMPDIR (concurrent mpiexec runs can collide in a shared one).
+  const std::string mpiexec = "OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 TMPDIR=" + quote(dir.path()) +
+                              " timeout 120 " + quote(PIPESHARD_MPIEXEC) + " -n 2 --oversubscribe ";
+  const std::string run = quote(tool_path("train")) + " " + quote(source_path("models/batchnorm_train.onnx")) +
+                          " --data " + quote(source_path("tests/golden/gelu_layernorm/x.npy")) + " --labels " +
+                          quote(source_path("tests/golden/gelu_layernorm/y.npy")) + " --batch-size 32 --steps 2";
+  const std::string note =
+      "note: BatchNorm statistics are per replica: each of the 2 data-parallel replicas normalises its own 16 of the "
+      "batch's 32 samples (PyTorch DDP's default too), so the run differs from one process; --sync-batchnorm takes "
+      "them over the whole batch and makes it equal to one process\n";
+  auto r = run_command(mpiexec + run);
+  EXPECT_EQ(r.exit_code, 0) << r.err;
+  ASSERT_NE(r.err.find(note), std::string::npos) << r.err;
+  EXPECT_EQ(r.err.find(note), r.err.rfind(note)) << "said once, by rank 0: " << r.err;
+  r = run_command(mpiexec + run + " --sync-batchnorm");
+  EXPECT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_EQ(r.err.find("note: BatchNorm"), std::string::npos) << r.err;
+  EXPECT_EQ(r.err.find("--sync-batchnorm"), std::string::npos) << r.err;
+  r = run_command(run);  // one process: its statistics are the whole batch's
+  EXPECT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_EQ(r.err.find("note: BatchNorm"), std::string::npos) << r.err;
+}
+
+// A regression model (one output) with integer labels under the default cross-entropy:
+// a label outside its one class says what a regression needs, and labels that all fit
+// (0) are refused too, since cross-entropy over one output is 0 whatever the weights.
+TEST(TrainCli, OneOutputModelWithClassLabelsIsToldToUseMse) {
+  ScratchDir dir("regression");
+  testing::ModelBuilder b(4);
+  b.output(b.linear(b.relu(b.linear("input", 4, 8)), 8, 1), 1);
+  b.save(dir / "regressor.onnx");
+  const int64_t samples = 64;
+  std::vector<float> x(samples * 4), targets(samples);
+  std::vector<int64_t> labels(samples, 0);
+  for (int64_t i = 0; i < samples * 4; ++i) x[i] = static_cast<float>(i % 7) - 3.0f;
+  for (int64_t i = 0; i < samples; ++i) targets[i] = static_cast<float>(i % 5) - 2.0f;
+  ASSERT_TRUE(write_npy(dir / "x.npy", {samples, 4}, x.data()));
+  ASSERT_TRUE(write_npy(dir / "zeros.npy", {samples}, labels.data()));
+  labels[3] = -1;
+  ASSERT_TRUE(write_npy(dir / "ints.npy", {samples}, labels.data()));
+  ASSERT_TRUE(write_npy(dir / "y.npy", {samples, 1}, targets.data()));
+  const auto train = [&](const std::string& labels_file, const std::string& flags) {
+    return run_command(quote(tool_path("train")) + " " + quote(dir / "regressor.onnx") + " --data " +
+                       quote(dir / "x.npy") + " --labels " + quote(dir / labels_file) + " --steps 2 --save " +
+                       quote(dir / "t.onnx") + flags);
+  };
+  auto r = train("ints.npy", "");
+  EXPECT_EQ(r.exit_code, 2) << r.err;
+  EXPECT_EQ(r.err, "train: error: " + (dir / "ints.npy") +
+                       ": label -1 at row 3 is outside the model's 1 class [0, 0]; a model with one output is a "
+                       "regression model: train it on float32 targets with the mean-squared-error loss (--loss mse)\n");
+  r = train("zeros.npy", "");
+  EXPECT_EQ(r.exit_code, 2) << r.err;
+  EXPECT_EQ(r.err,
+            "train: error: --loss: cross-entropy over the model's one output is 0 whatever the weights: a model with "
+            "one output is a regression model; train it on float32 targets with the mean-squared-error loss\n");
+  EXPECT_FALSE(std::filesystem::exists(dir / "t.onnx"));
+  r = train("y.npy", " --loss mse");  // what the messages ask for
+  EXPECT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_TRUE(std::filesystem::exists(dir / "t.onnx"));
+}
+
+// train meets a Conv1d model (as torch.onnx.export writes it) at its convolution.
+TEST(TrainCli, Conv1dModelIsRefusedAtTheConvolution) {
+  ScratchDir dir("conv1d");
+  testing::write_bytes(dir / "conv1d.onnx", testing::conv1d_model().SerializeAsString());
+  const int64_t samples = 64;
+  std::vector<float> x(samples * 16, 0.5f);
+  std::vector<int64_t> y(samples, 1);
+  ASSERT_TRUE(write_npy(dir / "x.npy", {samples, 16}, x.data()));
+  ASSERT_TRUE(write_npy(dir / "y.npy", {samples}, y.data()));
+  auto r = run_command(quote(tool_path("train")) + " " + quote(dir / "conv1d.onnx") + " --data " +
+                       quote(dir / "x.npy") + " --labels " + quote(dir / "y.npy") + " --steps 1");
+  EXPECT_EQ(r.exit_code, 2) << r.err;
+  EXPECT_EQ(r.err.rfind("train: error: " + (dir / "conv1d.onnx") +
+                            ": node '/conv/Conv' (Conv): a convolution, which pipeshard does not train; ",
+                        0),
+            0u)
+      << r.err;
+  EXPECT_EQ(r.err.find("Unsqueeze"), std::string::npos) << r.err;
+}
 
 // --save is checked before the first step too: a typo never costs a finished run.
 TEST(TrainCli, SaveIntoAMissingFolderIsRefusedBeforeTraining) {

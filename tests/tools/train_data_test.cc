@@ -69,8 +69,9 @@ TEST(TrainData, ShardsTrainAsTheWholeFileUnderMpirun) {
     ASSERT_TRUE(write_npy(dir / ("y/" + name), {rows}, labels.data() + cuts[i]).is_ok());
   }
   const std::string flags = "--steps 20 --batch-size 64 --lr 0.05 --optimizer adamw --save ";
-  auto whole = run_command(mpiexec(dir, 2) + train(source_path("data/digits_features.npy"),
-                                                   source_path("data/digits_labels.npy"), flags + quote(dir / "whole.onnx")));
+  auto whole =
+      run_command(mpiexec(dir, 2) + train(source_path("data/digits_features.npy"),
+                                          source_path("data/digits_labels.npy"), flags + quote(dir / "whole.onnx")));
   ASSERT_EQ(whole.exit_code, 0) << whole.err;
   auto sharded = run_command(mpiexec(dir, 2) + train(dir / "x", dir / "y/shard-*.npy", flags + quote(dir / "d2.onnx")));
   ASSERT_EQ(sharded.exit_code, 0) << sharded.err;

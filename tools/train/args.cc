@@ -4,7 +4,9 @@
 #include <charconv>
 #include <cmath>
 #include <cstdio>
+#include <string>
 #include <system_error>
+#include <utility>
 #include <vector>
 
 #include "backend/registry.h"
@@ -89,9 +91,13 @@ void define_outputs_and_device(CLI::App& app, Args& a) {
                  "memory over MPI, any number of processes per GPU) or nccl (data- and tensor-parallel groups over "
                  "NCCL, one GPU per process; pipeline stages stay staged; not yet verified on a multi-GPU machine)")
       ->check(CLI::IsMember(device_group_names()));
-  app.add_option("--check-equivalence", a.check_equivalence,
-                 "train K steps in this layout and in one process (on the same device and precision) on the "
-                 "same data, print the largest loss and weight difference, and stop");
+  app.add_option(
+      "--check-equivalence", a.check_equivalence,
+      "train K steps in this layout and in one process (on the same device and precision) on the same data, "
+      "print the largest loss and weight difference and the tensor furthest from the reference, and stop: exit "
+      "status 0 when they agree to float rounding (1e-5 of each loss, and of each tensor's largest value or 1; "
+      "under adam/adamw a tensor whose gradient is rounding noise may differ by Adam's step bound), 1 when they "
+      "do not");
 }
 
 // The layout across processes, what is observed, and the rest.
@@ -144,7 +150,8 @@ void define_layout_and_the_rest(CLI::App& app, Args& a) {
                "from its input (default: recompute, which holds one tensor less per activation for one more "
                "elementwise pass); the results are the same, bit for bit");
   app.add_flag("--sync-batchnorm", a.sync_batchnorm,
-               "BatchNorm statistics over the global batch of all replicas (default: each replica's slice)");
+               "BatchNorm statistics over the global batch of all replicas, which makes data parallelism equal to "
+               "one process (default: each replica's slice, as PyTorch DDP)");
 }
 
 }  // namespace
@@ -178,10 +185,63 @@ Status parse_command_line(int argc, char** argv, bool prints, Args& a, std::opti
   a.momentum_given = app.count("--momentum") > 0;
   a.eps_given = app.count("--eps") > 0;
   a.weight_decay_given = app.count("--weight-decay") > 0;
+  a.pipeline_schedule_given = app.count("--schedule") > 0;
+  a.balance_given = app.count("--balance") > 0;
   return parsed;
 }
 
+namespace {
+
+// "--save", "--save and --metrics", "--save, --metrics and --trace".
+std::string flag_list(const std::vector<std::string>& flags) {
+  std::string out;
+  for (size_t i = 0; i < flags.size(); ++i) out += (i == 0 ? "" : i + 1 == flags.size() ? " and " : ", ") + flags[i];
+  return out;
+}
+
+// Flags that this run would ignore, refused instead (a run that ends with status 0 must
+// have done what its flags said). --check-equivalence trains K steps to compare and stops:
+// it writes no file, evaluates nothing, and its one-process run starts from the model
+// file's weights. With one pipeline stage every schedule is forward then backward and
+// there is no cut to balance.
+Status check_flags_take_effect(const Args& a) {
+  if (a.check_equivalence < 0) return Status::error("--check-equivalence takes a positive number of steps");
+  if (a.check_equivalence > 0) {
+    std::vector<std::string> unused;
+    for (const auto& [flag, value] : {std::pair<const char*, const std::string&>{"--save", a.save},
+                                      {"--metrics", a.metrics},
+                                      {"--trace", a.trace},
+                                      {"--checkpoint", a.checkpoint},
+                                      {"--tensorboard", a.tensorboard},
+                                      {"--eval-data", a.eval_data}}) {
+      if (!value.empty()) unused.push_back(flag);
+    }
+    if (!unused.empty()) {
+      return Status::error(flag_list(unused) + (unused.size() == 1 ? " has" : " have") +
+                           " no effect with --check-equivalence, which trains K steps to compare the layout with one "
+                           "process, writes nothing and stops; drop " +
+                           (unused.size() == 1 ? "it" : "them") + " or --check-equivalence");
+    }
+    if (!a.resume.empty()) {
+      return Status::error(
+          "--resume and --check-equivalence go apart: the check's one-process run starts from the model file's "
+          "weights, and the layout must start there too");
+    }
+  }
+  if (a.stages == 1 && (a.pipeline_schedule_given || a.balance_given)) {
+    const std::string flag = a.pipeline_schedule_given ? "--schedule " + a.pipeline_schedule : "--balance " + a.balance;
+    const char* why = a.pipeline_schedule_given ? "every schedule runs forward then backward there"
+                                                : "there is no cut between stages to balance";
+    return Status::error(flag + " has no effect with one pipeline stage (" + why +
+                         "): give --stages P under mpirun, or drop it");
+  }
+  return Status::ok();
+}
+
+}  // namespace
+
 Result<TrainConfig> make_config(const Args& a) {
+  PIPESHARD_RETURN_IF_ERROR(check_flags_take_effect(a));
   TrainConfig c;
   c.loss = a.loss == "mse" ? LossKind::kMse : LossKind::kCrossEntropy;
   OptimizerConfig& o = c.optimizer;
@@ -260,7 +320,7 @@ std::string flag_message(const Status& s) {
                                    {"loss_scaling", "--loss-scale"},         {"cuda_graph", "--cuda-graph"},
                                    {"sync_batchnorm", "--sync-batchnorm"},   {"stages", "--stages"},
                                    {"tensor_parallel", "--tensor-parallel"}, {"schedule", "--schedule"},
-                                   {"virtual_stages", "--virtual-stages"}};
+                                   {"virtual_stages", "--virtual-stages"},   {"loss", "--loss"}};
   return pipeshard::flag_message(s, kFlags);
 }
 

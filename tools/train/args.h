@@ -33,6 +33,7 @@ struct Args {
   double comm_timeout = 60;
   double lr = 0, momentum = 0, eps = 0, weight_decay = 0, clip = 0;
   bool lr_given = false, momentum_given = false, eps_given = false, weight_decay_given = false;
+  bool pipeline_schedule_given = false, balance_given = false;  // --schedule, --balance
   bool nesterov = false, no_shuffle = false;
   int64_t batch_size = 32, steps = 0, epochs = 0, grad_accum = 1, warmup = 0, checkpoint_every = 0;
   int64_t check_equivalence = 0;
@@ -49,7 +50,9 @@ void define(CLI::App& app, Args& a);
 // once), with the exit status it ends the process with in `answered`.
 Status parse_command_line(int argc, char** argv, bool prints, Args& a, std::optional<int>& answered);
 
-// Turns the flags into a TrainConfig, refusing flags the chosen optimizer has no use for.
+// Turns the flags into a TrainConfig, refusing flags the chosen optimizer has no use for,
+// and flags that would do nothing in this run: outputs and --resume with
+// --check-equivalence, --schedule and --balance with one pipeline stage.
 Result<TrainConfig> make_config(const Args& a);
 
 // A library error in train's words: the flag of the TrainConfig setting it is about

@@ -12,16 +12,17 @@
 #include <nlohmann/json.hpp>
 
 #include "comm/watchdog.h"
+#include "program/optimizer.h"
 #include "tools/train/stop_signal.h"
 
 namespace pipeshard::train_cli {
 namespace {
 
-constexpr int64_t kSkipsToReport = 10;
+constexpr int64_t kSkipsToReport = 10;  // skipped steps said one by one; the rest only counted
 
 // Taken as the process starts (static initialisation, after the dynamic loader): the zero
 // of the metrics' elapsed_s.
-const std::chrono::steady_clock::time_point process_start = std::chrono::steady_clock::now();  // skipped steps said one by one; the rest only counted
+const std::chrono::steady_clock::time_point process_start = std::chrono::steady_clock::now();
 
 // "step 7: the gradient of 'fc2.weight' (node 'fc2') became inf or NaN first, in backward
 // order (loss 2.31)", or "step 7: the loss became nan (...)".
@@ -61,7 +62,7 @@ int stop_on_signal(int signal, int64_t step, int64_t total_steps, bool checkpoin
   return 128 + signal;
 }
 
-// "training MODEL (N parameters) on S samples: …", and what --sync-batchnorm does here.
+// "training MODEL (N parameters) on S samples: …".
 void say_what_trains(const Args& a, const Run& run) {
   const ProcessLayout& layout = run.layout;
   const TrainConfig& config = run.config;
@@ -74,12 +75,9 @@ void say_what_trains(const Args& a, const Run& run) {
                        config.micro_batches == 1 ? "" : "es");
   }
   if (layout.shards > 1) how += fmt::format(", {} tensor-parallel shards", layout.shards);
-  fmt::print(stderr, "training {} ({} parameters) on {} samples: {} steps of {} samples, {}{}\n", a.model,
+  fmt::print(stderr, "training {} ({} parameters) on {} samples: {} step{} of {} samples, {}{}\n", a.model,
              run.model->graph.total_parameter_count(), run.data->samples, config.total_steps,
-             config.batch_size * config.grad_accum, a.optimizer, how);
-  if (config.sync_batchnorm && layout.replicas == 1) {
-    fmt::print(stderr, "note: --sync-batchnorm has nothing to synchronise with one data-parallel replica\n");
-  }
+             config.total_steps == 1 ? "" : "s", config.batch_size * config.grad_accum, a.optimizer, how);
 }
 
 // The loop, one step at a time. During training every rank sees the same loss and the
@@ -122,6 +120,11 @@ class StepLoop {
   // One step and all that follows it; the exit status when the run ends here.
   std::optional<int> step(const StopSignals& signals) {
     StepResult r = trainer_.step();
+    // A skipped step used no learning rate, and the trainer leaves it 0; the metrics, the
+    // progress line and TensorBoard show the schedule's for it, as for the steps around it.
+    if (r.non_finite || r.scale_overflow) {
+      r.lr = config_.optimizer.lr * lr_factor(config_.schedule, r.step, config_.warmup_steps, config_.total_steps);
+    }
     // One all-reduce per step agrees on signals and on gradients that went bad.
     watchdog_activity(r.step, "end of step");
     bool bad_gradients = !r.gradients_finite;  // --on-nonfinite stop: the optimizer's check
@@ -206,7 +209,11 @@ class StepLoop {
   void write_metrics(const StepResult& r, double samples_per_s) {
     if (!run_.metrics.is_open()) return;
     nlohmann::json row{
-        {"step", r.step}, {"epoch", r.epoch}, {"loss", r.loss}, {"lr", r.lr}, {"samples_per_s", samples_per_s},
+        {"step", r.step},
+        {"epoch", r.epoch},
+        {"loss", r.loss},
+        {"lr", r.lr},
+        {"samples_per_s", samples_per_s},
         {"elapsed_s", std::chrono::duration<double>(std::chrono::steady_clock::now() - process_start).count()}};
     if (r.non_finite || r.scale_overflow) row["skipped"] = true;
     if (r.loss_scale > 0) row["loss_scale"] = r.loss_scale;

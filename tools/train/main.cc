@@ -32,7 +32,10 @@ int run_training(Communicator& world, Run& run, int argc, char** argv) {
   // What only a neighbour can tell: the rank that finds a mismatch says so, and its exit
   // ends the job.
   if (Status s = run.trainer->check_links(); !s) return fail(s.message());
-  if (root) say_how_tensors_travel(run);
+  if (root) {
+    say_how_tensors_travel(run);
+    say_how_batchnorm_normalises(run);
+  }
   if (a.check_equivalence > 0) {
     const auto same_kind = [&a, &run]() -> std::unique_ptr<Backend> {
       Result<std::unique_ptr<Backend>> backend = make_backend_like_this_one(a, run);

@@ -33,6 +33,20 @@ Status check_output_file(const std::string& flag, const std::string& path) {
   return check_writable_folder(folder.string()).with_context(flag + " '" + path + "'");
 }
 
+// A layout the job's processes do not fit. Alone (no mpirun, or -np 1), the library's
+// "mpirun started 1 process, which do not divide…" misleads: say how to launch it.
+Status layout_error(const Args& a, int processes, const Status& s) {
+  const int64_t per_replica = int64_t{a.stages} * a.tensor_parallel;
+  if (processes != 1 || per_replica <= 1) return s;
+  std::string flags = a.stages > 1 ? "--stages " + std::to_string(a.stages) : "";
+  if (a.tensor_parallel > 1)
+    flags += (flags.empty() ? "" : " ") + ("--tensor-parallel " + std::to_string(a.tensor_parallel));
+  const std::string n = std::to_string(per_replica);
+  return Status::error(flags + " needs " + n + " processes (one per pipeline stage and tensor-parallel shard), and " +
+                       "train runs alone: run it as `mpirun -np " + n + " train …` (or a multiple of " + n +
+                       " processes, for data-parallel replicas)");
+}
+
 // --device, --precision, --cuda-graph and --gpu-comm, before anything is loaded: what
 // the registries say the --device row and the --gpu-comm kind do.
 Status check_device(const Args& a, const BackendKind& device) {
@@ -111,7 +125,7 @@ Status load_inputs(const Args& a, int world_rank, Run& run) {
 // after the layout, which the flags alone decide: every rank reaches it or none does.
 Status set_up(const Args& a, Communicator& world, Run& run) {
   Result<ProcessLayout> layout = ProcessLayout::for_rank(world.rank(), world.size(), a.stages, a.tensor_parallel);
-  if (!layout) return layout.status();
+  if (!layout) return layout_error(a, world.size(), layout.status());
   run.layout = *layout;
   run.groups = make_process_groups(world, run.layout);
   PIPESHARD_RETURN_IF_ERROR(check_flags(a, world.rank() == 0, run));
@@ -252,6 +266,24 @@ void say_how_tensors_travel(const Run& run) {
                : d    ? "data-parallel"
                       : "tensor-parallel",
                layout.stages > 1 ? "; " + staged : "");
+  }
+}
+
+void say_how_batchnorm_normalises(const Run& run) {
+  const Graph& g = run.model->graph;
+  const bool batchnorm =
+      std::any_of(g.nodes.begin(), g.nodes.end(), [](const Node& n) { return n.kind == OpKind::kBatchNorm; });
+  const int replicas = run.layout.replicas;
+  if (run.config.sync_batchnorm && !batchnorm) {
+    fmt::print(stderr, "note: --sync-batchnorm has no effect: the model has no BatchNorm\n");
+  } else if (run.config.sync_batchnorm && replicas == 1) {
+    fmt::print(stderr, "note: --sync-batchnorm has nothing to synchronise with one data-parallel replica\n");
+  } else if (batchnorm && !run.config.sync_batchnorm && replicas > 1) {
+    fmt::print(stderr,
+               "note: BatchNorm statistics are per replica: each of the {} data-parallel replicas normalises its own "
+               "{} of the batch's {} samples (PyTorch DDP's default too), so the run differs from one process; "
+               "--sync-batchnorm takes them over the whole batch and makes it equal to one process\n",
+               replicas, run.config.batch_size / replicas, run.config.batch_size);
   }
 }
 
