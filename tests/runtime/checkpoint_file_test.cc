@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <cstring>
 #include <fstream>
+#include <limits>
 #include <optional>
 #include <string>
 #include <vector>
@@ -245,6 +246,20 @@ TEST_F(CheckpointIntegrity, TensorsThatDoNotFitAreRefusedNamingThem) {
   nlohmann::json huge = layout.header;
   huge["tensors"][0]["elements"] = (uint64_t{1} << 62) + 1;
   EXPECT_NE(load(rebuild(bytes_, huge)).find("needs 4611686018427387905 float32 values"), std::string::npos);
+}
+
+// Checksums prove a file is as written, not that its numbers are sound: a NaN written
+// by a run that had gone bad is refused on resume, naming the tensor and the index.
+TEST_F(CheckpointIntegrity, ANonFiniteTensorIsRefusedThoughItsChecksumsHold) {
+  const Layout layout(bytes_);
+  std::string bytes = bytes_;
+  const Layout::Part& part = layout.tensors[1];
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  std::memcpy(&bytes[part.begin + 3 * sizeof(float)], &nan, sizeof nan);
+  nlohmann::json header = layout.header;
+  header["tensors"][1]["crc32c"] = crc32c(std::string_view(bytes).substr(part.begin, part.end - part.begin));
+  EXPECT_EQ(load(rebuild(bytes, header)),
+            file() + ": " + part.what + " holds NaN at flat index 3; a checkpoint's tensors must be finite numbers");
 }
 
 }  // namespace
