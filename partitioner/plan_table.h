@@ -15,9 +15,9 @@ namespace pipeshard {
 // "1,234,567".
 std::string with_commas(int64_t v);
 
-// Prints the table of `plan` (cut from `g`) on stdout; `dir` is the folder the stage files
-// were written to, which its last line names.
-void print_plan_table(const Graph& g, const Plan& plan, const std::string& dir);
+// The table of `plan` (cut from `g`), lines ending in '\n'; `dir` is the folder the stage
+// files were written to, which its last line names.
+std::string plan_table_text(const Graph& g, const Plan& plan, const std::string& dir);
 
 }  // namespace pipeshard
 

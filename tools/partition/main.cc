@@ -204,7 +204,7 @@ int main(int argc, char** argv) {
   if (a.json) {
     fmt::print("{}\n", plan_json_text(*plan, m->graph));
   } else {
-    print_plan_table(m->graph, *plan, a.out_dir);
+    fmt::print("{}", plan_table_text(m->graph, *plan, a.out_dir));
   }
   if (!a.chart.empty()) {
     if (Status s = draw_picture(partition_chart_data(*plan), a.chart); !s) return fail("--chart: " + s.message());
