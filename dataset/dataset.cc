@@ -189,8 +189,11 @@ Result<Dataset> load_dataset(const std::string& features_path, const std::string
 }
 
 Result<Dataset> make_dataset(const NpyArray& x, const NpyArray& y, const Graph& g, Targets targets) {
+  return dataset_of_views(view_npy(x), view_npy(y), g, targets);
+}
+
+Result<Dataset> dataset_of_views(NpyView xv, NpyView yv, const Graph& g, Targets targets) {
   PIPESHARD_RETURN_IF_ERROR(check_model(g));
-  NpyView xv = view_npy(x), yv = view_npy(y);
   PIPESHARD_RETURN_IF_ERROR(check_features(xv, g));
   PIPESHARD_RETURN_IF_ERROR(check_labels(yv, g, targets));
   return assemble({std::move(xv)}, {std::move(yv)}, g, targets);

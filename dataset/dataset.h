@@ -101,6 +101,11 @@ Result<Dataset> load_dataset(const std::string& features_path, const std::string
 // each array by its NpyArray::path. The arrays are copied, not moved from.
 Result<Dataset> make_dataset(const NpyArray& features, const NpyArray& labels, const Graph& graph, Targets targets);
 
+// The same checks and result for arrays that lie elsewhere in memory (the Python module's
+// NumPy arrays), read in place, never copied: messages name each by its NpyView::path,
+// and each view's `owner` keeps its bytes alive for as long as the data set.
+Result<Dataset> dataset_of_views(NpyView features, NpyView labels, const Graph& graph, Targets targets);
+
 // Data sets up to this many samples are shuffled by a Fisher–Yates permutation held in
 // memory (8 bytes a sample: 8 MiB here); bigger ones by a keyed bijection computed per
 // index (a Feistel network), which holds nothing, so that memory does not grow with the data.

@@ -17,6 +17,8 @@ packages=(
   python3-torch python3-onnx                       # the README's own-model recipe, run by a test
   clang-14 libclang-rt-14-dev libomp-14-dev        # fuzz targets (libFuzzer, sanitizers): scripts/fuzz_replay.sh
   clang-format-14                                  # the house format (.clang-format): scripts/format.sh
+  python3-dev pybind11-dev python3-numpy           # the Python package (python/): import pipeshard
+  python3-pytest                                   # its tests (tests/python/)
 )
 # Node.js and npm run onnxruntime-node in the tests; a machine may already have them
 # from elsewhere (NodeSource bundles npm), and Debian's npm would conflict with that.

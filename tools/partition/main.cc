@@ -15,6 +15,7 @@
 #include "common/host_memory.h"
 #include "importer/onnx_importer.h"
 #include "partitioner/plan.h"
+#include "partitioner/plan_table.h"
 #include "partitioner/stage_writer.h"
 #include "schedule/predict.h"
 #include "schedule/registry.h"
@@ -27,89 +28,6 @@ namespace {
 using namespace pipeshard;
 
 int fail(const std::string& message) { return report_bad_input("partition", message); }
-
-std::string with_commas(int64_t v) {
-  std::string digits = std::to_string(v < 0 ? -v : v), out;
-  for (size_t i = 0; i < digits.size(); ++i) {
-    if (i && (digits.size() - i) % 3 == 0) out += ',';
-    out += digits[i];
-  }
-  return v < 0 ? "-" + out : out;
-}
-
-// "Linear Relu Linear" or, for long stages, "Linear Relu … Linear (40 nodes)".
-std::string node_summary(const Graph& g, const StagePlan& s) {
-  std::string out;
-  const size_t n = s.nodes.size();
-  for (size_t i = 0; i < n; ++i) {
-    if (n > 6 && i == 3) {
-      out += "… ";
-      i = n - 2;
-    }
-    out += op_kind_name(g.nodes[s.nodes[i]]);
-    out += ' ';
-  }
-  if (n > 6) out += fmt::format("({} nodes)", n);
-  return out;
-}
-
-std::string shard_summary(const StagePlan& s) {
-  int counts[5] = {0, 0, 0, 0, 0};
-  for (ShardRole r : s.roles) ++counts[static_cast<int>(r)];
-  std::string out;
-  const ShardRole order[] = {ShardRole::kColumn, ShardRole::kRow, ShardRole::kColumnGather, ShardRole::kShardLocal};
-  for (ShardRole r : order) {
-    if (counts[static_cast<int>(r)]) out += fmt::format("{}×{} ", counts[static_cast<int>(r)], shard_role_name(r));
-  }
-  return out.empty() ? "replicated" : out;
-}
-
-void print_table(const ImportedModel& m, const Plan& plan, const std::string& dir) {
-  const Graph& g = m.graph;
-  const PartitionOptions& o = plan.options;
-  const bool chunked = plan.chunks_per_stage > 1;
-  fmt::print("{}: {} nodes in {} layers, {} parameters -> {} stage{}{}{} (balanced by {})\n\n", plan.model,
-             g.nodes.size(), plan.layers, with_commas(plan.total_parameters), o.stages, o.stages == 1 ? "" : "s",
-             chunked ? fmt::format(" x {} chunks each", plan.chunks_per_stage) : "",
-             o.tensor_parallel > 1 ? fmt::format(" x {} tensor-parallel shards", o.tensor_parallel) : "",
-             balance_name(o.balance));
-  // With several chunks per stage a row is a chunk, and "stage" says which stage runs it.
-  const std::string chunk_column = chunked ? fmt::format("{:>5}  ", "chunk") : "";
-  fmt::print("{}{:>5}  {:>7}  {:>12}  {:>6}  {:>15}  {:>10}  {}\n", chunk_column, "stage", "layers", "parameters",
-             "share", "act. out/sample", "memory", o.tensor_parallel > 1 ? "nodes / sharding" : "nodes");
-  for (const StagePlan& s : plan.stages) {
-    const std::string layers = s.end_layer - s.first_layer == 1 ? std::to_string(s.first_layer)
-                                                                : fmt::format("{}-{}", s.first_layer, s.end_layer - 1);
-    const double share = plan.total_parameters ? 100.0 * s.parameters / plan.total_parameters : 0.0;
-    fmt::print("{}{:>5}  {:>7}  {:>12}  {:>5.1f}%  {:>15}  {:>10}  {}{}\n",
-               chunked ? fmt::format("{:>5}  ", s.stage) : "", s.holder, layers, with_commas(s.parameters), share,
-               bytes_text(s.activation_bytes_out), bytes_text(s.memory_bytes), node_summary(g, s),
-               o.tensor_parallel > 1 ? "/ " + shard_summary(s) : "");
-  }
-  fmt::print("{}{:>5}  {:>7}  {:>12}  {:>5.1f}%\n\n", chunked ? fmt::format("{:>5}  ", "") : "", "total", plan.layers,
-             with_commas(plan.total_parameters), 100.0);
-  fmt::print("balance: largest / mean {} {} = {:.3f}; activations crossing cuts: {} per sample\n",
-             chunked ? "chunk" : "stage", balance_name(o.balance), plan.balance, bytes_text(plan.crossing_bytes));
-  if (chunked) {
-    std::string per_stage;
-    const std::vector<int64_t> bytes = memory_per_stage(plan);
-    for (size_t st = 0; st < bytes.size(); ++st) {
-      per_stage += fmt::format("{}stage {} {}", st ? ", " : "", st, bytes_text(bytes[st]));
-    }
-    fmt::print("memory per rank, its chunks together: {}\n", per_stage);
-  }
-  const int m_batches = micro_batch_count(o);
-  fmt::print(
-      "memory: per rank, fp32 weights + grads + {} optimizer slot{}, activations of batch {} in {} "
-      "micro-batch{} under {}{}\n",
-      o.optimizer_slots, o.optimizer_slots == 1 ? "" : "s", o.batch_size, m_batches, m_batches == 1 ? "" : "es",
-      find_schedule(o.schedule)->title,
-      o.recompute_activations ? "" : ", activation functions' outputs kept (--keep-activations)");
-  size_t files = 0;
-  for (const StagePlan& s : plan.stages) files += s.files.size();
-  fmt::print("wrote {} {} file{} and plan.json to {}/\n", files, chunked ? "chunk" : "stage", files == 1 ? "" : "s",
-             dir);
-}
 
 // The flags of the PartitionOptions settings (Status::invalid names them).
 const FlagNames kFlags = {{"stages", "--stages"},         {"tensor_parallel", "--tensor-parallel"},
@@ -286,7 +204,7 @@ int main(int argc, char** argv) {
   if (a.json) {
     fmt::print("{}\n", plan_json_text(*plan, m->graph));
   } else {
-    print_table(*m, *plan, a.out_dir);
+    fmt::print("{}", plan_table_text(m->graph, *plan, a.out_dir));
   }
   if (!a.chart.empty()) {
     if (Status s = draw_picture(partition_chart_data(*plan), a.chart); !s) return fail("--chart: " + s.message());

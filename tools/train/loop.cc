@@ -87,7 +87,8 @@ class StepLoop {
  public:
   StepLoop(const Args& a, Run& run, Communicator& world)
       : a_(a), run_(run), world_(world), trainer_(*run.trainer), config_(run.config), root_(world.rank() == 0),
-        live_(root_ && stderr_is_terminal()), log_(root_), log_every_(std::max<int64_t>(1, config_.total_steps / 20)),
+        live_(root_ && run.log && stderr_is_terminal()), log_(root_ && run.log),
+        log_every_(std::max<int64_t>(1, config_.total_steps / 20)),
         checkpoint_every_(a.checkpoint_every > 0 ? a.checkpoint_every : run.steps_per_epoch) {}
 
   LoopOutcome run() {
@@ -115,7 +116,10 @@ class StepLoop {
   }
 
  private:
-  int stop(const std::string& message) const { return root_ ? fail(message) : kExitBadInput; }
+  int stop(const std::string& message) const {
+    if (root_) run_.say_bad_input(message);
+    return kExitBadInput;
+  }
 
   // One step and all that follows it; the exit status when the run ends here.
   std::optional<int> step(const StopSignals& signals) {
@@ -148,6 +152,14 @@ class StepLoop {
     if (std::optional<int> exit = skip_if_non_finite(r)) return exit;
     say_overflow(r);
     write_metrics(r, samples_per_s);
+    if (run_.on_step && root_) {
+      run_.on_step({.step = r.step,
+                    .epoch = r.epoch,
+                    .loss = r.loss,
+                    .lr = r.lr,
+                    .samples_per_s = samples_per_s,
+                    .skipped = r.non_finite || r.scale_overflow});
+    }
     if (run_.board) {
       if (Status s = run_.board->add_step(trainer_, r, samples_per_s); !s) return stop(s.message());
     }
@@ -268,6 +280,13 @@ class StepLoop {
       if (Status s = run_.board->add_eval(r.step, e); !s) return stop(s.message());
     }
     if (out_.curves) out_.curves->add_eval(r.epoch, r.step, e.loss, e.accuracy);
+    if (run_.on_eval && root_) {
+      run_.on_eval({.epoch = r.epoch,
+                    .step = r.step,
+                    .train_loss = epoch_loss_ / epoch_steps_,
+                    .loss = e.loss,
+                    .accuracy = e.accuracy});
+    }
     return std::nullopt;
   }
 

@@ -92,20 +92,29 @@ Status check_flags(const Args& a, bool root, Run& run) {
   return Status::ok();
 }
 
-// The injected faults (tests only), the model and the data, and the run's length.
+// The injected faults (tests only), the model and the data, and the run's length. A model
+// or data set the caller has put in `run` already (the Python module's, from memory) is
+// taken as it is; the others are read from the files the flags name.
 Status load_inputs(const Args& a, int world_rank, Run& run) {
   Result<InjectedFaults> faults = faults_from_environment();
   if (!faults) return faults.status();
   run.checkpoint_crash = faults->checkpoint;
   set_training_fault(*faults, world_rank);
-  Result<ImportedModel> model = import_onnx_file(a.model);
-  if (!model) return model.status();
-  run.model = std::move(*model);
-  Result<Dataset> data = load_dataset(a.data, a.labels, run.model->graph, targets_of(run.config.loss));
+  if (!run.model) {
+    Result<ImportedModel> model = import_onnx_file(a.model);
+    if (!model) return model.status();
+    run.model = std::move(*model);
+  }
+  const Targets targets = targets_of(run.config.loss);
+  Result<Dataset> data =
+      run.data_arrays ? dataset_of_views(run.data_arrays->features, run.data_arrays->labels, run.model->graph, targets)
+                      : load_dataset(a.data, a.labels, run.model->graph, targets);
   if (!data) return data.status();
   run.data = std::move(*data);
   if (!a.eval_data.empty()) {
-    Result<Dataset> e = load_dataset(a.eval_data, a.eval_labels, run.model->graph, targets_of(run.config.loss));
+    Result<Dataset> e = run.eval_arrays ? dataset_of_views(run.eval_arrays->features, run.eval_arrays->labels,
+                                                           run.model->graph, targets)
+                                        : load_dataset(a.eval_data, a.eval_labels, run.model->graph, targets);
     if (!e) return e.status();
     run.eval = std::move(*e);
   }
@@ -183,7 +192,7 @@ Status create_trainer(const Args& a, Communicator& world, Run& run) {
 // Every rank reports how its set-up went, and rank 0 prints each distinct failure once —
 // naming the ranks when not all of them hit it — instead of one copy per process.
 // Collective; true when every rank succeeded.
-bool agree_on_set_up(Communicator& world, const Status& mine) {
+bool agree_on_set_up(Communicator& world, const Run& run, const Status& mine) {
   const std::vector<std::string> all = world.gather_text(mine.is_ok() ? std::string() : mine.message(), 0);
   if (world.all_reduce_sum(mine.is_ok() ? 0.0 : 1.0) == 0.0) return true;
   std::vector<std::pair<std::string, std::vector<int>>> distinct;  // message, ranks, in rank order
@@ -195,12 +204,12 @@ bool agree_on_set_up(Communicator& world, const Status& mine) {
   }
   for (const auto& [message, ranks] : distinct) {
     if (static_cast<int>(ranks.size()) == world.size()) {
-      fail(message);
+      run.say_bad_input(message);
       continue;
     }
     std::string who = ranks.size() == 1 ? "rank " : "ranks ";
     for (size_t i = 0; i < ranks.size(); ++i) who += (i ? ", " : "") + std::to_string(ranks[i]);
-    fail(who + ": " + message);
+    run.say_bad_input(who + ": " + message);
   }
   // The other ranks exit once rank 0 has printed: mpirun ends the whole job at the first
   // non-zero exit, which could otherwise cut rank 0 off before its line is out.
@@ -223,17 +232,17 @@ Result<std::unique_ptr<Backend>> make_backend_like_this_one(const Args& a, const
 }
 
 bool set_up_run(const Args& a, const Status& parsed, Communicator& world, Run& run) {
-  if (!agree_on_set_up(world, parsed ? set_up(a, world, run) : parsed)) return false;
-  if (!agree_on_set_up(world, check_device_groups(a, world, run))) return false;
-  if (!agree_on_set_up(world, create_backend(a, run))) return false;
-  if (!agree_on_set_up(world, check_memory(world, run))) return false;
+  if (!agree_on_set_up(world, run, parsed ? set_up(a, world, run) : parsed)) return false;
+  if (!agree_on_set_up(world, run, check_device_groups(a, world, run))) return false;
+  if (!agree_on_set_up(world, run, create_backend(a, run))) return false;
+  if (!agree_on_set_up(world, run, check_memory(world, run))) return false;
   // Every rank is here: NCCL's set-up waits on the other ranks of each group, watched as
   // training is. Not create_trainer, where --resume may keep one rank reading for long.
   arm_watchdog(a, world, run.layout);
   run.device_groups = make_device_groups(choose_device_groups(*run.device, world.size(), a.gpu_comm), run.groups,
                                          *run.backend, device_of_this_process(*run.device));
   watchdog_disarm();
-  if (!agree_on_set_up(world, create_trainer(a, world, run))) return false;
+  if (!agree_on_set_up(world, run, create_trainer(a, world, run))) return false;
   arm_watchdog(a, world, run.layout);  // from here on, for good
   return true;
 }
