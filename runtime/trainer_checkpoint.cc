@@ -134,9 +134,11 @@ Status Trainer::restore(const Checkpoint& c) {
     // Two copies of one tensor would leave which one is restored to the file's order.
     if (tensors[index][it->second]) return Status::error("tensor '" + t.name + "' (" + t.role + ") appears twice");
     // Checksums prove the bytes are the ones written, not that the run was sound when it
-    // wrote them: resuming from inf or NaN would only fail later, as a divergence.
+    // wrote them: resuming from weights of inf or NaN would only fail later, as a
+    // divergence. (Optimizer state may hold inf and go on: Adam's second moment of a
+    // gradient above 1.8e19 overflows, and divides the step to 0.)
     const auto bad = std::find_if(t.data.begin(), t.data.end(), [](float v) { return !std::isfinite(v); });
-    if (bad != t.data.end()) {
+    if (index == 0 && bad != t.data.end()) {
       return Status::error("tensor '" + t.name + "' (" + t.role + ") holds " + (std::isnan(*bad) ? "NaN" : "inf") +
                            " at flat index " + std::to_string(bad - t.data.begin()) +
                            "; a checkpoint's tensors must be finite numbers");

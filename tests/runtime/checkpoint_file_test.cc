@@ -248,8 +248,9 @@ TEST_F(CheckpointIntegrity, TensorsThatDoNotFitAreRefusedNamingThem) {
   EXPECT_NE(load(rebuild(bytes_, huge)).find("needs 4611686018427387905 float32 values"), std::string::npos);
 }
 
-// Checksums prove a file is as written, not that its numbers are sound: a NaN written
-// by a run that had gone bad is refused on resume, naming the tensor and the index.
+// Checksums prove a file is as written, not that its numbers are sound: a NaN weight
+// written by a run that had gone bad is refused on resume, naming the tensor and the index.
+// (Optimizer state may hold inf: Overflow.ResumedRunGoesOnWithItsScale resumes one.)
 TEST_F(CheckpointIntegrity, ANonFiniteTensorIsRefusedThoughItsChecksumsHold) {
   const Layout layout(bytes_);
   std::string bytes = bytes_;
