@@ -292,14 +292,15 @@ Status Rows::gather(const std::vector<int64_t>& indices, std::vector<float>& out
   // Shuffled rows of a mapped file lie on 4 KiB pages all over it: each costs a TLB miss and a
   // page walk, which the copies would take one after another. Touching every row first lets
   // the CPU overlap them.
-  const int64_t row_bytes = width_ * (parts_.empty() ? 4 : npy_type_size(parts_[0].type));
-  for (int64_t index : indices) {
-    const auto [part, row] = locate(index);
-    __builtin_prefetch(parts_[part].data + row * row_bytes);
+  std::vector<std::pair<size_t, int64_t>> where(indices.size());  // part, row within it
+  for (size_t i = 0; i < indices.size(); ++i) {
+    where[i] = locate(indices[i]);
+    const NpyView& v = parts_[where[i].first];
+    __builtin_prefetch(v.data + where[i].second * width_ * npy_type_size(v.type));
   }
   Status status;
   for (size_t i = 0; i < indices.size(); ++i) {
-    const auto [part, row] = locate(indices[i]);
+    const auto [part, row] = where[i];
     const NpyView& v = parts_[part];
     float* to = out.data() + i * width_;
     if (v.type == NpyType::kFloat32) {
