@@ -71,6 +71,26 @@ class NonFinite : public ::testing::Test {
     return rows;
   }
 
+  // overflow.onnx, big_x.npy and zero_y.npy: a model and data whose gradients overflow
+  // under a finite loss (StopNamesTheLayerWhoseGradientOverflowedUnderAFiniteLoss says how).
+  void write_overflowing_run() const {
+    testing::ModelBuilder b(4);
+    b.output(b.linear(b.linear("input", 4, 4), 4, 2), 2);
+    for (auto& t : *b.model().mutable_graph()->mutable_initializer()) {
+      const float value = t.name() == "fc0.weight" ? 1e-19f : t.name() == "fc1.weight" ? 1e19f : 0.0f;
+      for (int i = 0; i < t.float_data_size(); ++i) t.set_float_data(i, value);
+    }
+    b.save(dir_ / "overflow.onnx");
+    const std::vector<float> x(32 * 4, 1e19f), y(32 * 2, 0.0f);
+    ASSERT_TRUE(write_npy(dir_ / "big_x.npy", {32, 4}, x.data()));
+    ASSERT_TRUE(write_npy(dir_ / "zero_y.npy", {32, 2}, y.data()));
+  }
+  // train on them, before the run's own flags.
+  std::string overflowing_train() const {
+    return quote(tool_path("train")) + " " + quote(dir_ / "overflow.onnx") + " --data " + quote(dir_ / "big_x.npy") +
+           " --labels " + quote(dir_ / "zero_y.npy");
+  }
+
   ScratchDir dir_{"nonfinite"};
 };
 
@@ -91,19 +111,8 @@ TEST_F(NonFinite, StopNamesTheStepAndTheFirstGradientInBackwardOrder) {
 // still fits the loss's double), the gradient reaching fc0's output is about 4e38 (past
 // float's 3.4e38: inf) and fc1's own gradients stay finite. Backward meets fc0's first.
 TEST_F(NonFinite, StopNamesTheLayerWhoseGradientOverflowedUnderAFiniteLoss) {
-  testing::ModelBuilder b(4);
-  b.output(b.linear(b.linear("input", 4, 4), 4, 2), 2);
-  for (auto& t : *b.model().mutable_graph()->mutable_initializer()) {
-    const float value = t.name() == "fc0.weight" ? 1e-19f : t.name() == "fc1.weight" ? 1e19f : 0.0f;
-    for (int i = 0; i < t.float_data_size(); ++i) t.set_float_data(i, value);
-  }
-  b.save(dir_ / "overflow.onnx");
-  const std::vector<float> x(32 * 4, 1e19f), y(32 * 2, 0.0f);
-  ASSERT_TRUE(write_npy(dir_ / "big_x.npy", {32, 4}, x.data()));
-  ASSERT_TRUE(write_npy(dir_ / "zero_y.npy", {32, 2}, y.data()));
-  const auto r = run_command(quote(tool_path("train")) + " " + quote(dir_ / "overflow.onnx") + " --data " +
-                             quote(dir_ / "big_x.npy") + " --labels " + quote(dir_ / "zero_y.npy") +
-                             " --loss mse --steps 3 --checkpoint " + quote(dir_ / "ckpt"));
+  ASSERT_NO_FATAL_FAILURE(write_overflowing_run());
+  const auto r = run_command(overflowing_train() + " --loss mse --steps 3 --checkpoint " + quote(dir_ / "ckpt"));
   EXPECT_EQ(r.exit_code, 2) << r.err;
   EXPECT_NE(r.err.find("train: error: step 1: the gradient of 'fc0.weight' (node 'fc0') became inf or NaN, the first "
                        "in backward order (loss "),
@@ -139,18 +148,8 @@ TEST_F(NonFinite, SkipGoesOnExactlyAsIfTheBatchWereNotThere) {
 // A skipped step logs the learning rate the schedule set for it, not 0: here every step
 // overflows (as in the test above, the weights never change), under a warm-up of 4 steps.
 TEST_F(NonFinite, SkippedStepsLogTheScheduledLearningRate) {
-  testing::ModelBuilder b(4);
-  b.output(b.linear(b.linear("input", 4, 4), 4, 2), 2);
-  for (auto& t : *b.model().mutable_graph()->mutable_initializer()) {
-    const float value = t.name() == "fc0.weight" ? 1e-19f : t.name() == "fc1.weight" ? 1e19f : 0.0f;
-    for (int i = 0; i < t.float_data_size(); ++i) t.set_float_data(i, value);
-  }
-  b.save(dir_ / "overflow.onnx");
-  const std::vector<float> x(32 * 4, 1e19f), y(32 * 2, 0.0f);
-  ASSERT_TRUE(write_npy(dir_ / "big_x.npy", {32, 4}, x.data()));
-  ASSERT_TRUE(write_npy(dir_ / "zero_y.npy", {32, 2}, y.data()));
-  const auto r = run_command(quote(tool_path("train")) + " " + quote(dir_ / "overflow.onnx") + " --data " +
-                             quote(dir_ / "big_x.npy") + " --labels " + quote(dir_ / "zero_y.npy") +
+  ASSERT_NO_FATAL_FAILURE(write_overflowing_run());
+  const auto r = run_command(overflowing_train() +
                              " --loss mse --steps 3 --lr 0.1 --lr-schedule warmup --warmup-steps 4 --on-nonfinite skip "
                              "--metrics " +
                              quote(dir_ / "m.jsonl"));
