@@ -38,28 +38,31 @@ std::string non_finite_message(const StepResult& r) {
 
 const char* signal_name(int signal) { return signal == SIGINT ? "SIGINT" : "SIGTERM"; }
 
-// The end of a run that SIGINT or SIGTERM stopped after `step`: a checkpoint, unless
-// this step has just written one, then every rank waits until it is on disk (a rank that
-// exits first makes mpirun end the job, rank 0 included). Returns 128 + the signal, as a
-// shell reports a process the signal ended: 130 for SIGINT, 143 for SIGTERM.
-int stop_on_signal(int signal, int64_t step, int64_t total_steps, bool checkpointed, const Args& a, Run& run,
-                   Communicator& world) {
+// The end of a run that SIGINT or SIGTERM (`signal`), or the caller's Run::on_step
+// (`signal` 0), stopped after `step`: a checkpoint, unless this step has just written one,
+// then every rank waits until it is on disk (a rank that exits first makes mpirun end the
+// job, rank 0 included). Returns 128 + the signal, as a shell reports a process the signal
+// ended (130 for SIGINT, 143 for SIGTERM), or kExitStoppedByCaller. Rank 0 says where it
+// stopped, unless the caller asked for silence (Run::log) and stopped it itself.
+int stop_early(int signal, int64_t step, int64_t total_steps, bool checkpointed, const Args& a, Run& run,
+               Communicator& world) {
   const bool root = world.rank() == 0;
-  const WatchdogSlowPhase slow("checkpoint after a signal");
+  const WatchdogSlowPhase slow(signal != 0 ? "checkpoint after a signal" : "checkpoint after the caller stopped");
   if (!a.checkpoint.empty() && !checkpointed) {
     if (Status s = run.trainer->save_checkpoint(a.checkpoint, run.checkpoint_crash); !s) {
-      return root ? fail(s.message()) : kExitBadInput;
+      if (root) run.say_bad_input(s.message());
+      return kExitBadInput;
     }
   }
-  if (root) {
+  if (root && (signal != 0 || run.log)) {
     const std::string where =
         a.checkpoint.empty() ? "nothing saved (no --checkpoint folder given)"
                              : fmt::format("checkpoint in {} (continue with --resume {})", a.checkpoint, a.checkpoint);
     fmt::print(stderr, "{}stopped by {} after step {}/{}: {}\n", stderr_is_terminal() ? "\r\x1b[K" : "",
-               signal_name(signal), step, total_steps, where);
+               signal != 0 ? signal_name(signal) : "the caller", step, total_steps, where);
   }
   world.barrier();
-  return 128 + signal;
+  return signal != 0 ? 128 + signal : kExitStoppedByCaller;
 }
 
 // "training MODEL (N parameters) on S samples: …".
@@ -133,7 +136,8 @@ class StepLoop {
     watchdog_activity(r.step, "end of step");
     bool bad_gradients = !r.gradients_finite;  // --on-nonfinite stop: the optimizer's check
     bool bad_data = !r.bad_data.empty();       // a row of data too big to check at load
-    const int signal = signals.agreed(world_, {&bad_gradients, &bad_data});
+    bool caller_stop = caller_stop_;           // the previous step's on_step asked to stop
+    const int signal = signals.agreed(world_, {&bad_gradients, &bad_data, &caller_stop});
     if (bad_data) return stop_for_bad_data(r.bad_data, r.step);
     if (bad_gradients) {  // before anything could save the weights this step spoiled
       const std::string first = trainer_.first_non_finite_gradient();
@@ -153,12 +157,18 @@ class StepLoop {
     say_overflow(r);
     write_metrics(r, samples_per_s);
     if (run_.on_step && root_) {
-      run_.on_step({.step = r.step,
-                    .epoch = r.epoch,
-                    .loss = r.loss,
-                    .lr = r.lr,
-                    .samples_per_s = samples_per_s,
-                    .skipped = r.non_finite || r.scale_overflow});
+      const bool go_on = run_.on_step({.step = r.step,
+                                       .epoch = r.epoch,
+                                       .total_steps = config_.total_steps,
+                                       .loss = r.loss,
+                                       .lr = r.lr,
+                                       .samples_per_s = samples_per_s,
+                                       .skipped = r.non_finite || r.scale_overflow});
+      if (!go_on) {
+        caller_stop_ = true;
+        // Alone it stops after this step; otherwise after the next, whose all-reduce tells the others.
+        if (world_.size() == 1) caller_stop = true;
+      }
     }
     if (run_.board) {
       if (Status s = run_.board->add_step(trainer_, r, samples_per_s); !s) return stop(s.message());
@@ -172,7 +182,9 @@ class StepLoop {
       const WatchdogSlowPhase slow("checkpoint");
       if (Status s = trainer_.save_checkpoint(a_.checkpoint, run_.checkpoint_crash); !s) return stop(s.message());
     }
-    if (signal != 0) return stop_on_signal(signal, r.step, config_.total_steps, checkpointed, a_, run_, world_);
+    if (signal != 0 || caller_stop) {
+      return stop_early(signal, r.step, config_.total_steps, checkpointed, a_, run_, world_);
+    }
     return std::nullopt;
   }
 
@@ -302,6 +314,7 @@ class StepLoop {
   std::chrono::steady_clock::time_point last_;  // the end of the previous step
   double epoch_loss_ = 0;
   int64_t epoch_steps_ = 0, current_epoch_ = 0;
+  bool caller_stop_ = false;  // on rank 0: on_step asked to stop
   LoopOutcome out_;
 };
 

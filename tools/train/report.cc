@@ -97,32 +97,40 @@ Status report_bubble(const Run& run, bool log) {
 
 int report_finished_run(const Args& a, Run& run, Communicator& world, const LoopOutcome& loop) {
   const bool root = world.rank() == 0;
-  // What goes wrong in a collective part is said once, by rank 0; every rank stops with status 2.
-  const auto stop = [root](const std::string& message) { return root ? fail(message) : kExitBadInput; };
+  const bool log = root && run.log;  // the Python module may ask for silence
+  // What goes wrong is said once, by rank 0. In a collective part every rank stops with
+  // status 2; where rank 0 works alone, it alone does.
+  const auto fail_here = [&run](const std::string& message) {
+    run.say_bad_input(message);
+    return kExitBadInput;
+  };
+  const auto stop = [root, &fail_here](const std::string& message) {
+    return root ? fail_here(message) : kExitBadInput;
+  };
   Trainer& trainer = *run.trainer;
   // Every process's peak of backend memory, to rank 0 (collective).
   const std::vector<std::string> peaks = world.gather_text(std::to_string(run.backend->memory_use().peak), 0);
-  if (root) say_how_it_went(run, loop, peaks);
+  if (log) say_how_it_went(run, loop, peaks);
   const WatchdogSlowPhase slow("writing results");  // rank 0 writes, the others wait
   // The trained model first: what follows only describes the run.
   if (!a.save.empty()) {
     Graph trained = run.model->graph;      // host copy for the saved model
     trainer.download_parameters(trained);  // gathers every stage and shard on rank 0
     if (root) {
-      if (Status s = write_trained_model(*run.model, trained, a.save); !s) return fail(s.message());
-      fmt::print(stderr, "wrote {}\n", a.save);
+      if (Status s = write_trained_model(*run.model, trained, a.save); !s) return fail_here(s.message());
+      if (log) fmt::print(stderr, "wrote {}\n", a.save);
     }
   }
   if (run.layout.stages > 1) {
-    if (Status s = report_bubble(run, root); !s) return stop(s.message());
+    if (Status s = report_bubble(run, log); !s) return stop(s.message());
   }
   if (!a.trace.empty()) {
     if (Status s = trainer.write_trace(a.trace); !s) return stop(s.message());
-    if (root) fmt::print(stderr, "wrote {} (open it in https://ui.perfetto.dev or chrome://tracing)\n", a.trace);
+    if (log) fmt::print(stderr, "wrote {} (open it in https://ui.perfetto.dev or chrome://tracing)\n", a.trace);
   }
   if (loop.curves) {
-    if (Status s = draw_picture(loop.curves->data(), a.plot); !s) return fail("--plot: " + s.message());
-    fmt::print(stderr, "wrote {}\n", a.plot);
+    if (Status s = draw_picture(loop.curves->data(), a.plot); !s) return fail_here("--plot: " + s.message());
+    if (log) fmt::print(stderr, "wrote {}\n", a.plot);
   }
   return 0;
 }

@@ -27,11 +27,15 @@ namespace pipeshard::train_cli {
 // "train: error: <message>" on stderr; returns kExitBadInput.
 inline int fail(const std::string& message) { return report_bad_input("train", message); }
 
+// The exit status of a run that Run::on_step stopped.
+inline constexpr int kExitStoppedByCaller = 3;
+
 inline bool stderr_is_terminal() { return ::isatty(STDERR_FILENO) == 1; }
 
 // One step as rank 0 saw it, for Run::on_step (the --metrics row's figures).
 struct StepRow {
   int64_t step = 0, epoch = 0;  // 1-based
+  int64_t total_steps = 0;      // the run's last step
   double loss = 0, lr = 0;      // lr: the schedule's, also for a skipped step
   double samples_per_s = 0;     // since the previous step's end
   bool skipped = false;         // --on-nonfinite skip or --loss-scale dynamic skipped it
@@ -83,8 +87,10 @@ struct Run {
   // Whether rank 0 says on stderr what it trains and how its steps go.
   bool log = true;
   // Called on rank 0 after each step that ends the loop's work on it, and after each
-  // evaluation.
-  std::function<void(const StepRow&)> on_step;
+  // evaluation. on_step returns false to stop the run as SIGINT would (a checkpoint when
+  // --checkpoint is given, then exit status kExitStoppedByCaller): in one process after
+  // this step; under MPI after the next, whose end-of-step all-reduce tells the others.
+  std::function<bool(const StepRow&)> on_step;
   std::function<void(const EvalRow&)> on_eval;
 };
 
