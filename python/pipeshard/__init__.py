@@ -15,6 +15,10 @@ wrong type raise TypeError.
 
 from ._pipeshard import Evaluation, Model, Plan, Step, TrainResult, load
 
+# -- PyTorch in and out (_load.py): load() also of an onnx.ModelProto.
+from ._load import load  # noqa: F811  (wraps _pipeshard.load)
+# -- end of PyTorch in and out
+
 __all__ = ["load", "train", "Model", "Plan", "TrainResult", "Step", "Evaluation"]
 
 # train's keywords: the flag each stands for, and the Python type it takes. None (the
