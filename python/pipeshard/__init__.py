@@ -15,11 +15,16 @@ wrong type raise TypeError.
 
 from ._pipeshard import Evaluation, Model, Plan, Step, TrainResult, load
 
-# -- PyTorch in and out (_load.py): load() also of an onnx.ModelProto.
+# -- PyTorch in and out (_load.py, _torch.py): load() also of an onnx.ModelProto,
+# from_torch(module, example_input), and .to_torch(module) on a Model and a TrainResult.
 from ._load import load  # noqa: F811  (wraps _pipeshard.load)
+from ._torch import from_torch, model_to_torch, result_to_torch
+
+Model.to_torch = model_to_torch
+TrainResult.to_torch = result_to_torch
 # -- end of PyTorch in and out
 
-__all__ = ["load", "train", "Model", "Plan", "TrainResult", "Step", "Evaluation"]
+__all__ = ["load", "train", "from_torch", "Model", "Plan", "TrainResult", "Step", "Evaluation"]
 
 # train's keywords: the flag each stands for, and the Python type it takes. None (the
 # default of every keyword) leaves the flag out, so that train's own default applies.
