@@ -32,17 +32,22 @@ T value_or_raise(Result<T> r) {
   return std::move(*r);
 }
 
-std::shared_ptr<Model> load(const py::object& source) {
+// `label` names a model given as bytes in messages and Model.path (default "<bytes>";
+// pipeshard.load passes "<ModelProto>", pipeshard.from_torch "<torch Sequential>" for an
+// nn.Sequential). A file is named by its path.
+std::shared_ptr<Model> load(const py::object& source, const std::optional<std::string>& label) {
   ImportedModel imported;
   if (py::isinstance<py::bytes>(source)) {
     const std::string bytes = source.cast<std::string>();
-    imported = value_or_raise(import_onnx_bytes(bytes, ".", "<bytes>"));
+    imported = value_or_raise(import_onnx_bytes(bytes, ".", label.value_or("<bytes>")));
   } else if (py::isinstance<py::str>(source) || py::hasattr(source, "__fspath__")) {
+    if (label) throw py::type_error("pipeshard.load: label names bytes; a file is named by its path");
     const std::string path = py::str(py::module_::import("os").attr("fspath")(source));
     imported = value_or_raise(import_onnx_file(path));
   } else {
-    throw py::type_error("pipeshard.load takes a path (str or os.PathLike) or the bytes of an .onnx file, not " +
-                         std::string(py::str(py::type::of(source).attr("__name__"))));
+    throw py::type_error(
+        "pipeshard.load takes a path (str or os.PathLike), the bytes of an .onnx file or an onnx.ModelProto, not " +
+        std::string(py::str(py::type::of(source).attr("__name__"))));
   }
   Graph graph = imported.graph;
   return std::make_shared<Model>(Model{std::move(imported), std::move(graph)});
@@ -205,7 +210,8 @@ PYBIND11_MODULE(_pipeshard, m) {
           },
           py::arg("folder"), "Writes the stage files and plan.json into `folder` (created if missing).");
 
-  m.def("load", &load, py::arg("source"),
-        "Imports an ONNX MLP from a path or the file's bytes. ValueError: a file pipeshard cannot train.");
+  m.def("load", &load, py::arg("source"), py::arg("label") = py::none(),
+        "Imports an ONNX MLP from a path or the file's bytes (named `label` in messages, default \"<bytes>\"). "
+        "ValueError: a file pipeshard cannot train. pipeshard.load (pipeshard/_load.py) also takes a ModelProto.");
   define_training(m);
 }

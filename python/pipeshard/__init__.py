@@ -18,13 +18,20 @@ import os
 import sys
 import textwrap
 
-from ._pipeshard import Evaluation, Model, Plan, Step, TrainResult, load
+from ._pipeshard import Evaluation, Model, Plan, Step, TrainResult
 from . import _pipeshard
+from ._load import load  # _pipeshard.load, and of an onnx.ModelProto too
+from ._torch import from_torch, model_to_torch, result_to_torch
+
+# PyTorch in and out (_torch.py): .to_torch(module) on a Model and a TrainResult.
+Model.to_torch = model_to_torch
+TrainResult.to_torch = result_to_torch
 
 __all__ = [
     "load",
     "train",
     "check_equivalence",
+    "from_torch",
     "rank",
     "world_size",
     "Model",
