@@ -143,6 +143,7 @@ void run_call(const Call& c, const train_cli::Args& a, const Status& parsed, con
   run->eval_arrays = eval;
   run->on_step = [&c, &out](const StepRow& r) {
     out.result.history.push_back(r);
+    if (out.callback_error) return false;  // it raised: called no more while the others learn it
     if (c.callback.is_none()) return true;
     py::gil_scoped_acquire python;
     try {

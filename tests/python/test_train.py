@@ -8,27 +8,7 @@ import onnx.numpy_helper
 import pytest
 
 import pipeshard
-from conftest import SOURCE, run_tool
-
-CASES = sorted(p.parent.name for p in (SOURCE / "tests" / "golden").glob("*/case.json"))
-
-
-def keywords(args):
-    """train's flags (a fixture's "args") as pipeshard.train's keywords."""
-    out, i = {}, 0
-    while i < len(args):
-        name = args[i][2:].replace("-", "_")
-        if name == "no_shuffle":
-            out["shuffle"] = False
-        elif name == "nesterov":
-            out["nesterov"] = True
-        else:
-            value = args[i + 1]
-            i += 1
-            kind = pipeshard._TRAIN_FLAGS[name][1]
-            out[name] = tuple(float(b) for b in value.split(",")) if kind is tuple else kind(value)
-        i += 1
-    return out
+from conftest import GOLDEN_CASES as CASES, SOURCE, keywords, run_tool
 
 
 @pytest.mark.parametrize("case", CASES)
