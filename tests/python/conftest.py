@@ -63,8 +63,8 @@ def keywords(args):
     return out
 
 
-def mpiexec(np_, *args, timeout=300):
+def mpiexec(np_, *args, timeout=300, cwd=None):
     """Runs `mpiexec -n np_ args` (as ctest's MPI tests do, oversubscribed); the CompletedProcess."""
     launcher = os.environ.get("PIPESHARD_MPIEXEC", "mpiexec")
     return subprocess.run([launcher, "-n", str(np_), "--oversubscribe", *map(str, args)], capture_output=True,
-                          text=True, timeout=timeout)
+                          text=True, timeout=timeout, cwd=cwd)

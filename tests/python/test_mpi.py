@@ -57,3 +57,13 @@ def test_the_job_agrees(job):
     assert ranks[1]["callback"] == "RuntimeError: training stopped after step 4: rank 0's callback raised an exception"
     assert ranks[1]["callback_steps"] == []
     assert (job / "stopped").is_dir() and any((job / "stopped").iterdir())  # the checkpoint after step 4
+
+
+def test_readme_mpirun_example_prints_what_the_readme_says():
+    done = mpiexec(2, "/usr/bin/python3", SOURCE / "docs" / "examples" / "python_mpirun.py", cwd=SOURCE)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines(keepends=True)  # check_equivalence's two lines, then the script's
+    assert lines[1] == "equivalent: the layout computes the one-process training\n"
+    mine = "".join(lines[2:])
+    assert mine == "rank 0 of 2: equivalent to one process: True\nepoch 3: eval accuracy 91.3%\n"
+    assert "```\n" + mine + "```" in (SOURCE / "README.md").read_text()
