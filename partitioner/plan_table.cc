@@ -94,6 +94,7 @@ std::string plan_table_text(const Graph& g, const Plan& plan, const std::string&
       o.optimizer_slots, o.optimizer_slots == 1 ? "" : "s", o.batch_size, m_batches, m_batches == 1 ? "" : "es",
       find_schedule(o.schedule)->title,
       o.recompute_activations ? "" : ", activation functions' outputs kept (--keep-activations)");
+  if (dir.empty()) return out;
   size_t files = 0;
   for (const StagePlan& s : plan.stages) files += s.files.size();
   out += fmt::format("wrote {} {} file{} and plan.json to {}/\n", files, chunked ? "chunk" : "stage",

@@ -16,7 +16,7 @@ namespace pipeshard {
 std::string with_commas(int64_t v);
 
 // The table of `plan` (cut from `g`), lines ending in '\n'; `dir` is the folder the stage
-// files were written to, which its last line names.
+// files were written to, which its last line names (none when `dir` is empty: nothing written).
 std::string plan_table_text(const Graph& g, const Plan& plan, const std::string& dir);
 
 }  // namespace pipeshard

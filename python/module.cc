@@ -1,6 +1,8 @@
 // The Python module _pipeshard (python/pipeshard/__init__.py re-exports it): load, the
 // Model, its partition Plan. Thin: each call is one of the libraries' the partition tool
 // makes, with the same messages.
+#include <stdlib.h>
+
 #include <filesystem>
 #include <memory>
 #include <optional>
@@ -99,11 +101,6 @@ PlanHandle partition(const std::shared_ptr<Model>& model, int stages, int tensor
   return PlanHandle{model, std::move(*plan)};
 }
 
-// partition's default folder: <model name>_stages.
-std::string default_folder(const Model& m) {
-  return std::filesystem::path(m.imported.path).stem().string() + "_stages";
-}
-
 py::dict stage_dict(const Graph& g, const StagePlan& s) {
   std::vector<std::string> nodes, ops;
   for (int n : s.nodes) {
@@ -122,6 +119,24 @@ py::dict stage_dict(const Graph& g, const StagePlan& s) {
   d["ops"] = ops;
   d["files"] = s.files;
   return d;
+}
+
+// The stage files of `plan` into `folder`. The stage writer cuts the file's source
+// (ImportedModel::source), so trained weights first go into a file of their own, in a
+// temporary folder, which is imported again: the same graph, so the same plan.
+Status write_stages(const Model& m, const Plan& plan, const std::string& folder) {
+  if (!m.trained) return write_partition(m.imported, plan, folder);
+  std::string scratch = (std::filesystem::temp_directory_path() / "pipeshard_trained_XXXXXX").string();
+  if (::mkdtemp(scratch.data()) == nullptr) return Status::error("cannot make a temporary folder in /tmp");
+  const std::string path = scratch + "/trained.onnx";
+  Status s = write_trained_model(m.imported, m.graph, path);
+  if (s) {
+    Result<ImportedModel> trained = import_onnx_file(path);
+    s = trained ? write_partition(*trained, plan, folder) : trained.status();
+  }
+  std::error_code ignored;
+  std::filesystem::remove_all(scratch, ignored);
+  return s;
 }
 
 void save(const Model& m, const std::string& path) {
@@ -186,9 +201,11 @@ PYBIND11_MODULE(_pipeshard, m) {
       .def(
           "table",
           [](const PlanHandle& p, std::optional<std::string> folder) {
-            return plan_table_text(p.model->graph, p.plan, folder.value_or(default_folder(*p.model)));
+            return plan_table_text(p.model->graph, p.plan, folder.value_or(""));
           },
-          py::arg("folder") = py::none(), "What partition prints (its --out folder: `folder`, default as partition's).")
+          py::arg("folder") = py::none(),
+          "What partition prints; its last line, which says where the files went, only when `folder` "
+          "(where write() put them) is given.")
       .def(
           "to_json", [](const PlanHandle& p) { return plan_json_text(p.plan, p.model->graph); },
           "plan.json's text, as partition --json prints it")
@@ -201,12 +218,7 @@ PYBIND11_MODULE(_pipeshard, m) {
               message += "' cannot be used: ";
               raise_value_error(message + s.message());
             }
-            if (p.model->trained) {  // the stage writer copies initializers from the file
-              raise_value_error(
-                  "a trained model's stage files are not written yet: save() it, load() that file and "
-                  "partition it");
-            }
-            if (Status s = write_partition(p.model->imported, p.plan, folder); !s) raise_value_error(s.message());
+            if (Status s = write_stages(*p.model, p.plan, folder); !s) raise_value_error(s.message());
           },
           py::arg("folder"), "Writes the stage files and plan.json into `folder` (created if missing).");
 

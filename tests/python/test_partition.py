@@ -31,6 +31,7 @@ def test_table_and_files_equal_partition(tmp_path, monkeypatch):
     m = pipeshard.load("models/simple_digits.onnx")
     plan = m.partition(stages=2, tensor_parallel=2, batch_size=64, micro_batches=4)
     assert plan.table(str(out_cli)) == cli.stdout
+    assert plan.table() == cli.stdout[: cli.stdout.rindex("wrote ")]  # nothing written, nothing said
     plan.write(str(out_py))
     cli_files = sorted(p.name for p in out_cli.iterdir())
     assert sorted(p.name for p in out_py.iterdir()) == cli_files
@@ -59,3 +60,22 @@ def test_bad_partition_options_raise_value_error():
         pipeshard.load(b"not onnx")
     with pytest.raises(TypeError):
         pipeshard.load(3)
+
+
+def test_a_trained_models_stage_files_hold_the_trained_weights(tmp_path):
+    import numpy as np
+    import onnx
+    import onnx.numpy_helper
+
+    m = pipeshard.load(SOURCE / "models" / "simple_digits.onnx")
+    X, y = np.load(SOURCE / "data" / "digits_features.npy"), np.load(SOURCE / "data" / "digits_labels.npy")
+    trained = pipeshard.train(m, X, y, steps=5).model
+    trained.partition(stages=2).write(str(tmp_path))
+    stage_weights = {}
+    for f in sorted(tmp_path.glob("*.onnx")):
+        stage_weights.update({t.name: onnx.numpy_helper.to_array(t) for t in onnx.load(str(f)).graph.initializer})
+    weights = trained.weights()
+    assert weights.keys() <= stage_weights.keys()
+    for name, w in weights.items():
+        assert np.array_equal(stage_weights[name].reshape(w.shape), w), name
+    assert not np.array_equal(m.weights()[name], w)  # trained, not the file's
