@@ -251,7 +251,12 @@ int64_t memory_bytes(const Graph& g, const PartitionOptions& o, int in_flight, b
   const StageProgram program = stage_program(g, by_name, s);
   const int64_t shared = shared_gradient_bytes(g, program, split, s, shards, outputs) +
                          recomputed_bytes(g, program, s, shards, recomputed, outputs) + scratch;
-  return param_elements * kFloatBytes * (2 + o.optimizer_slots) + micro_batch_size(o) * (in_flight * per_slot + shared);
+  // Weights and gradients; the optimizer's state, or under ZeRO a replica's share of it and
+  // of the reduced gradients (runtime/zero_shards.h).
+  const int64_t d = std::max(o.zero_replicas, 1);
+  const int64_t state =
+      d == 1 ? param_elements * o.optimizer_slots : (param_elements * (o.optimizer_slots + 1) + d - 1) / d;
+  return (param_elements * 2 + state) * kFloatBytes + micro_batch_size(o) * (in_flight * per_slot + shared);
 }
 
 PipelineSplitProblem make_problem(const PartitionOptions& o, const ChunkSchedule& chunks, const LayerFigures& f,

@@ -45,7 +45,10 @@ struct PartitionOptions {
   // Chunks per stage for a schedule whose count the user chooses (interleaved's
   // --virtual-stages); 0: the schedule's own (chunks_per_stage_of() in schedule/registry.h).
   int virtual_stages = 0;
-  int optimizer_slots = 2;            // float32 state per parameter (Adam: 2, SGD+momentum: 1)
+  int optimizer_slots = 2;  // float32 state per parameter (Adam: 2, SGD+momentum: 1)
+  // ZeRO stage 1 (train --zero 1) over this many data-parallel replicas: each holds the
+  // optimizer state of 1/D of the parameters and a buffer of their reduced gradients.
+  int zero_replicas = 1;
   bool recompute_activations = true;  // training recomputes recomputable_values() (train --keep-activations: false)
   // Fused activations the backend keeps anyway (program/program.h's kept_when_fused():
   // GeluTanh on a GPU below fp32); none on the CPU.

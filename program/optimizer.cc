@@ -19,9 +19,22 @@ Optimizer::Optimizer(Backend& backend, const OptimizerConfig& config, int64_t n)
   for (int s = 0; s < slots; ++s) state_.emplace_back(backend, std::max<int64_t>(n, 1));
 }
 
-bool Optimizer::step(float* params, const float* grads, float lr) {
+bool Optimizer::step(float* params, const float* grads, float lr) { return step({{params, grads, n_}}, lr); }
+
+bool Optimizer::step(const std::vector<Span>& spans, float lr) {
   ++steps_;
   ++updates_;
+  bool finite = true;
+  int64_t at = 0;  // where the span's state starts
+  for (const Span& span : spans) {
+    PIPESHARD_CHECK(at + span.n <= n_, "optimizer spans cover more than its " + std::to_string(n_) + " elements");
+    if (span.n > 0) finite = update(span, at, lr) && finite;
+    at += span.n;
+  }
+  return finite;
+}
+
+bool Optimizer::update(const Span& span, int64_t at, float lr) {
   if (config_.kind == OptimizerKind::kSgd) {
     SgdStep s;
     s.lr = lr;
@@ -29,7 +42,7 @@ bool Optimizer::step(float* params, const float* grads, float lr) {
     s.weight_decay = config_.weight_decay;
     s.nesterov = config_.nesterov;
     s.first_step = updates_ == 1;
-    return backend_.sgd_step(params, grads, state_.empty() ? nullptr : state_[0].data(), n_, s);
+    return backend_.sgd_step(span.params, span.grads, state_.empty() ? nullptr : state_[0].data() + at, span.n, s);
   }
   AdamStep s;
   s.lr = lr;
@@ -39,7 +52,7 @@ bool Optimizer::step(float* params, const float* grads, float lr) {
   s.weight_decay = config_.weight_decay;
   s.decoupled = config_.kind == OptimizerKind::kAdamW;
   s.step = updates_;
-  return backend_.adam_step(params, grads, state_[0].data(), state_[1].data(), n_, s);
+  return backend_.adam_step(span.params, span.grads, state_[0].data() + at, state_[1].data() + at, span.n, s);
 }
 
 std::vector<std::vector<float>> Optimizer::state() const {

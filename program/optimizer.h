@@ -34,6 +34,15 @@ class Optimizer {
   // One step: params[n] -= update(grads[n]) at learning rate `lr`. Returns false when a
   // gradient was inf or NaN (the step is taken all the same).
   bool step(float* params, const float* grads, float lr);
+  // Pieces of the buffers, updated as one step: span i's state follows span i-1's (ZeRO,
+  // runtime/zero_shards.h: a replica updates its slice of every bucket). Their lengths add up
+  // to at most n.
+  struct Span {
+    float* params;
+    const float* grads;
+    int64_t n;
+  };
+  bool step(const std::vector<Span>& spans, float lr);
   // A step that changes nothing (its gradients were not finite): it counts as taken, not
   // as an update, so Adam's bias correction and SGD's first momentum step see only updates.
   void skip_step() { ++steps_; }
@@ -49,6 +58,8 @@ class Optimizer {
   int64_t state_bytes() const { return static_cast<int64_t>(state_.size() * sizeof(float)) * n_; }
 
  private:
+  bool update(const Span& span, int64_t at, float lr);  // one span whose state starts at `at`
+
   Backend& backend_;
   OptimizerConfig config_;
   int64_t n_;

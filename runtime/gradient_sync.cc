@@ -38,7 +38,34 @@ GradientSync::GradientSync(const Graph& graph, Program& program, Communicator& r
   launched_.assign(buckets_.size(), false);
 }
 
+void GradientSync::shard(Backend& backend) {
+  std::vector<std::pair<int64_t, int64_t>> ranges;
+  for (const Bucket& b : buckets_) ranges.emplace_back(b.begin, b.end);
+  zero_ = std::make_unique<ZeroShards>(ranges, replicas_.rank(), replicas_.size());
+  owned_ = DeviceBuffer(backend, std::max<int64_t>(zero_->slice_elements(), 1));
+}
+
+void GradientSync::reduce(size_t bucket) {
+  const Bucket& b = buckets_[bucket];
+  float* grads = program_.gradients();
+  if (!zero_) {
+    replicas_.all_reduce(grads + b.begin, b.end - b.begin, ReduceOp::kSum);
+    return;
+  }
+  const ZeroShards::Piece& p = zero_->pieces()[bucket];
+  if (p.block > 0) replicas_.reduce_scatter(grads + p.begin, owned_.data() + p.owned_at, p.block, ReduceOp::kSum);
+  if (p.end > p.tail) replicas_.all_reduce(grads + p.tail, p.end - p.tail, ReduceOp::kSum);
+}
+
+void GradientSync::gather_parameters() {
+  float* params = program_.parameters();
+  for (const ZeroShards::Piece& p : zero_->pieces()) {
+    if (p.block > 0) replicas_.all_gather(params + p.begin + zero_->replica() * p.block, params + p.begin, p.block);
+  }
+}
+
 void GradientSync::node_done(size_t node) {
+  if (zero_) return;  // reduce-scatters wait for reduce_rest() (no asynchronous form yet)
   for (size_t i = 0; i < buckets_.size(); ++i) {
     const Bucket& b = buckets_[i];
     if (b.ready_after == node && b.ready_after != buckets_.back().ready_after && !launched_[i]) {
@@ -51,8 +78,7 @@ void GradientSync::node_done(size_t node) {
 
 void GradientSync::reduce_rest() {
   for (size_t i = 0; i < buckets_.size(); ++i) {
-    const Bucket& b = buckets_[i];
-    if (!launched_[i]) replicas_.all_reduce(program_.gradients() + b.begin, b.end - b.begin, ReduceOp::kSum);
+    if (!launched_[i]) reduce(i);
   }
   for (auto& request : in_flight_) request->wait();
   in_flight_.clear();

@@ -1,5 +1,5 @@
 // Data-parallel gradient reduction: the replicas of a stage (or of the whole model) sum
-// their parameter gradients in buckets, each launched as soon as the backward pass that
+// their parameter gradients (or, under ZeRO, reduce-scatter them: runtime/zero_shards.h) in buckets, each launched as soon as the backward pass that
 // completes the step's gradients has finished every node using its parameters, so that
 // communication overlaps the rest of backward (PyTorch DDP's buckets).
 //
@@ -15,9 +15,11 @@
 #include <memory>
 #include <vector>
 
+#include "backend/backend.h"
 #include "comm/comm.h"
 #include "ir/graph.h"
 #include "program/program.h"
+#include "runtime/zero_shards.h"
 
 namespace pipeshard {
 
@@ -33,6 +35,11 @@ class GradientSync {
   // `bucket_bytes`, never splitting a parameter. `replicas` carries buffers in the
   // program's backend memory. All three must outlive the GradientSync.
   GradientSync(const Graph& graph, Program& program, Communicator& replicas, int64_t bucket_bytes);
+  // ZeRO stage 1 (runtime/zero_shards.h): each bucket is reduce-scattered into this
+  // replica's slice, which it alone updates (its reduced gradients in owned_gradients(),
+  // `backend` memory), and its tail all-reduced; gather_parameters() then shares the
+  // updated slices. Call before the first step.
+  void shard(Backend& backend);
 
   // Node `node`'s backward is done in the pass that completes the step's gradients:
   // launches every bucket it completes, but the last (reduce_rest() does that one).
@@ -45,6 +52,11 @@ class GradientSync {
   void reduce_rest();
 
   const std::vector<Bucket>& buckets() const { return buckets_; }
+  // ZeRO: the slices, null when not sharded.
+  const ZeroShards* zero() const { return zero_.get(); }
+  float* owned_gradients() { return owned_.data(); }
+  // ZeRO: every replica's updated slices into every replica's parameters (collective).
+  void gather_parameters();
 
  private:
   Program& program_;
@@ -52,6 +64,10 @@ class GradientSync {
   std::vector<Bucket> buckets_;  // in launch order (end of the buffer first)
   std::vector<bool> launched_;   // [buckets]: in this step
   std::vector<std::unique_ptr<Request>> in_flight_;
+  std::unique_ptr<ZeroShards> zero_;
+  DeviceBuffer owned_;  // ZeRO: [zero_->slice_elements()], this replica's reduced slices
+
+  void reduce(size_t bucket);  // blocking
 };
 
 }  // namespace pipeshard

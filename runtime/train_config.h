@@ -34,13 +34,14 @@ struct TrainConfig {
   int64_t total_steps = 1;  // optimizer steps of the whole run (the cosine schedule's length)
   bool shuffle = true;
   uint64_t seed = 0;
-  double clip_grad_norm = 0;                  // 0: off
-  int64_t bucket_bytes = 25 << 20;            // data parallel: gradients are all-reduced in buckets this big
-  int micro_batches = 1;                      // pipeline micro-batches per replica batch (M)
-  std::string pipeline_schedule = "1f1b";     // a registered schedule (schedule/registry.h)
-  int virtual_stages = 0;                     // chunks per stage where the schedule lets it be chosen; 0: its default
-  BalanceBy balance = BalanceBy::kParams;     // how stages are cut
-  bool sync_batchnorm = false;                // BatchNorm statistics over all replicas, not each replica's slice
+  double clip_grad_norm = 0;               // 0: off
+  int64_t bucket_bytes = 25 << 20;         // data parallel: gradients are all-reduced in buckets this big
+  int micro_batches = 1;                   // pipeline micro-batches per replica batch (M)
+  std::string pipeline_schedule = "1f1b";  // a registered schedule (schedule/registry.h)
+  int virtual_stages = 0;                  // chunks per stage where the schedule lets it be chosen; 0: its default
+  BalanceBy balance = BalanceBy::kParams;  // how stages are cut
+  bool sync_batchnorm = false;             // BatchNorm statistics over all replicas, not each replica's slice
+  int zero = 0;  // ZeRO stage: 0 (each replica holds all optimizer state) or 1 (1/D of it: runtime/zero_shards.h)
   NonFinite on_nonfinite = NonFinite::kStop;  // a step whose loss or gradients are not finite
   LossScaling loss_scaling;
   // Record each forward and backward the first step runs, and from the second step on

@@ -56,6 +56,7 @@ std::vector<int64_t> Trainer::memory_per_stage(const Graph& graph, const TrainCo
   PartitionOptions o = partition_options(config, config.batch_size / d, backend);
   o.stages = layout.stages;
   o.tensor_parallel = layout.shards;
+  if (config.zero >= 1) o.zero_replicas = layout.replicas;
   Result<Plan> plan = make_plan(graph, "", o);
   if (!plan) return {};
   return pipeshard::memory_per_stage(*plan);
@@ -135,9 +136,14 @@ Status Trainer::build(const TrainConfig& config, Communicator* device_replicas, 
   if (!program) return program.status();
   program_ = std::move(*program);
   log_probs_ = computes_loss() && ends_in_log_softmax(g);
-  optimizer_ = std::make_unique<Optimizer>(backend_, config.optimizer, program_->trainable_elements());
   targets_ = DeviceBuffer(backend_, std::max(local_batch_, config.batch_size) * data_.targets_per_sample);
-  if (device_replicas) sync_ = std::make_unique<GradientSync>(g, *program_, *device_replicas, config.bucket_bytes);
+  if (device_replicas) {
+    sync_ = std::make_unique<GradientSync>(g, *program_, *device_replicas, config.bucket_bytes);
+    if (config.zero >= 1) sync_->shard(backend_);
+  }
+  // Under ZeRO each replica keeps the state of its slices only.
+  optimizer_ = std::make_unique<Optimizer>(backend_, config.optimizer,
+                                           zero() ? zero()->owned_elements() : program_->trainable_elements());
   runner_ = std::make_unique<StageRunner>(rank_, *program_, backend_, device_pipeline, sync_.get(), schedule_, micro_,
                                           data_.features_per_sample, tracer_);
   return Status::ok();
@@ -221,7 +227,9 @@ StepResult Trainer::step() {
   if (scaler_.enabled()) r.loss_scale = scaler_.scale();
   if (skip_non_finite(r)) return r;
   if (scaler_.enabled() && scaler_.scale() != 1.0) {  // exact: a power of two
-    backend_.scale(program_->gradients(), static_cast<float>(1.0 / scaler_.scale()), program_->trainable_elements());
+    for (const Optimizer::Span& s : gradient_spans()) {
+      backend_.scale(const_cast<float*>(s.grads), static_cast<float>(1.0 / scaler_.scale()), s.n);
+    }
   }
   scaler_.updated();
   double begin = tracer_.now_us();
@@ -233,8 +241,14 @@ StepResult Trainer::step() {
   }
   r.lr = config_.optimizer.lr * lr_factor(config_.schedule, r.step, config_.warmup_steps, config_.total_steps);
   begin = tracer_.now_us();
-  r.gradients_finite = optimizer_->step(program_->parameters(), program_->gradients(), static_cast<float>(r.lr));
+  r.gradients_finite = optimizer_->step(gradient_spans(), static_cast<float>(r.lr));
   tracer_.add("optimizer step", "optimizer", begin, r.step, -1);
+  if (zero()) {  // every replica's updated slices, to every replica
+    begin = tracer_.now_us();
+    watchdog_activity(r.step, "all-gather of the updated weights");
+    sync_->gather_parameters();
+    tracer_.add("all-gather weights", "allreduce", begin, r.step, -1);
+  }
   return r;
 }
 
@@ -259,8 +273,33 @@ bool Trainer::skip_non_finite(StepResult& r) {
   return true;
 }
 
+// Calls fn(grads, n, everywhere) for the pieces of [at, at + elements) of the gradient
+// buffer this rank holds reduced: all of it, or under ZeRO its parts in this replica's
+// slices (`everywhere` false) and in the tails every replica holds (true).
+template <typename Fn>
+void Trainer::for_each_gradient_piece(int64_t at, int64_t elements, Fn fn) {
+  if (!zero()) {
+    fn(program_->gradients() + at, elements, false);
+    return;
+  }
+  const std::vector<ZeroShards::Range> ranges = zero()->ranges();
+  const std::vector<Optimizer::Span> spans = gradient_spans();
+  for (size_t i = 0; i < ranges.size(); ++i) {
+    const int64_t begin = std::max(at, ranges[i].at), end = std::min(at + elements, ranges[i].at + ranges[i].n);
+    if (begin < end) fn(spans[i].grads + (begin - ranges[i].at), end - begin, i >= zero()->pieces().size());
+  }
+}
+
+// The gradients the optimizer reads: the whole buffer, or under ZeRO this replica's
+// reduced slices and the tails.
+std::vector<Optimizer::Span> Trainer::gradient_spans() {
+  if (!zero()) return {{program_->parameters(), program_->gradients(), program_->trainable_elements()}};
+  return zero()->spans(program_->parameters(), program_->gradients(), sync_->owned_gradients());
+}
+
 bool Trainer::gradients_non_finite_anywhere() {
-  const bool mine = backend_.any_non_finite(program_->gradients(), program_->trainable_elements());
+  bool mine = false;
+  for (const Optimizer::Span& s : gradient_spans()) mine = mine || (s.n > 0 && backend_.any_non_finite(s.grads, s.n));
   if (!world_ || world_->size() == 1) return mine;
   return world_->all_reduce_sum(mine ? 1.0 : 0.0) > 0;
 }
@@ -273,7 +312,12 @@ std::string Trainer::first_non_finite_gradient() {
   for (size_t i = g.nodes.size(); i-- > 0 && found.empty();) {
     for (int q : g.node_params(g.nodes[i])) {
       const int64_t at = program_->parameter_offset(q);
-      if (at < 0 || !backend_.any_non_finite(program_->gradients() + at, g.params[q].elements())) continue;
+      if (at < 0) continue;
+      bool bad = false;
+      for_each_gradient_piece(at, g.params[q].elements(), [&](const float* grads, int64_t n, bool) {
+        bad = bad || backend_.any_non_finite(grads, n);
+      });
+      if (!bad) continue;
       const int stage = rank_.layout().stage;
       // Backward runs the model's chunks last to first (a stage's chunk when it holds one).
       const int chunk = rank_.model_chunk(rank_.node_chunk().empty() ? 0 : rank_.node_chunk()[i]);
@@ -314,22 +358,30 @@ std::vector<double> Trainer::gradient_magnitudes() const {
 double Trainer::clip_gradients() {
   float* grads = program_->gradients();
   const int64_t n = program_->trainable_elements();
-  if (rank_.is_whole()) return clip_grad_norm(backend_, grads, n, config_.clip_grad_norm);
+  if (rank_.is_whole() && !zero()) return clip_grad_norm(backend_, grads, n, config_.clip_grad_norm);
   const Graph& g = rank_.graph();
   std::vector<double> by_param(rank_.full().params.size(), 0.0);
   for (size_t q = 0; q < g.params.size(); ++q) {
     const int64_t at = program_->parameter_offset(static_cast<int>(q));
     if (at < 0 || (rank_.layout().shard != 0 && rank_.shard_axis(static_cast<int>(q)) < 0)) continue;
-    by_param[rank_.full_param(static_cast<int>(q))] += backend_.sum_squares(grads + at, g.params[q].elements());
+    double& sum = by_param[rank_.full_param(static_cast<int>(q))];
+    for_each_gradient_piece(at, g.params[q].elements(), [&](const float* piece, int64_t count, bool everywhere) {
+      // Under ZeRO a tail is on every replica: replica 0 counts it.
+      if (!everywhere || rank_.layout().replica == 0) sum += backend_.sum_squares(piece, count);
+    });
   }
   const int64_t count = static_cast<int64_t>(by_param.size());
+  if (zero()) replicas_->all_reduce_sum(by_param.data(), count);
   if (tensor_) tensor_->all_reduce_sum(by_param.data(), count);
   if (pipeline_) pipeline_->all_reduce_sum(by_param.data(), count);
   double squares = 0;
   for (double s : by_param) squares += s;
   const double norm = std::sqrt(squares);
   const double coef = config_.clip_grad_norm / (norm + 1e-6);
-  if (coef < 1.0) backend_.scale(grads, static_cast<float>(coef), n);
+  if (coef < 1.0) {
+    for (const Optimizer::Span& s : gradient_spans())
+      backend_.scale(const_cast<float*>(s.grads), static_cast<float>(coef), s.n);
+  }
   return norm;
 }
 

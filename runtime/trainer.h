@@ -210,6 +210,11 @@ class Trainer {
   PassCosts measured_pass_costs();
   // Whether any rank holds an inf or NaN gradient. Collective over the world.
   bool gradients_non_finite_anywhere();
+  // ZeRO's slices of this replica (runtime/zero_shards.h), null without ZeRO.
+  const ZeroShards* zero() const { return sync_ ? sync_->zero() : nullptr; }
+  std::vector<Optimizer::Span> gradient_spans();
+  template <typename Fn>
+  void for_each_gradient_piece(int64_t at, int64_t elements, Fn fn);
   // Host copies of this rank's parameters (values) or of optimizer slot s.
   std::vector<std::vector<float>> local_values() const;
   std::vector<std::vector<float>> local_slot(int s) const;

@@ -166,6 +166,9 @@ Status Trainer::restore(const Checkpoint& c) {
     }
   }
   program_->upload_parameters(local);
+  if (zero()) {  // the whole state is read; this replica keeps its slices
+    for (std::vector<float>& slot : slots) slot = zero()->to_owned(slot);
+  }
   optimizer_->restore(c.step, c.updates, slots);
   // A dynamic scale goes on from where the run was; a static one is the flag's; a file
   // without a scale (a run without scaling) starts this run's scaling afresh.

@@ -17,7 +17,11 @@ std::vector<std::vector<float>> Trainer::local_values() const {
 
 std::vector<std::vector<float>> Trainer::local_slot(int s) const {
   const Graph& g = rank_.graph();
-  const std::vector<float> slot = optimizer_->state()[s];
+  std::vector<float> slot = optimizer_->state()[s];
+  if (zero()) {  // this replica's slices, then every replica's (collective over the replicas)
+    slot = zero()->to_whole(slot, program_->trainable_elements());
+    zero()->gather(slot.data(), *replicas_);
+  }
   std::vector<std::vector<float>> out(g.params.size());
   for (size_t q = 0; q < g.params.size(); ++q) {
     const int64_t at = program_->parameter_offset(static_cast<int>(q));

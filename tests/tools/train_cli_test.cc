@@ -289,6 +289,57 @@ TEST(TrainCli, DataParallelBatchNormSaysStatisticsArePerReplica) {
   EXPECT_EQ(r.err.find("note: BatchNorm"), std::string::npos) << r.err;
 }
 
+// "optimizer state 397.1 KiB" in the peak memory line: the bytes, as bytes_text wrote them.
+double optimizer_state_bytes(const std::string& err) {
+  const std::string key = "optimizer state ";
+  const size_t at = err.find(key);
+  if (at == std::string::npos) return -1;
+  size_t used = 0;
+  const double value = std::stod(err.substr(at + key.size()), &used);
+  const std::string unit = err.substr(at + key.size() + used + 1, 3);
+  return value * (unit == "KiB" ? 1024.0 : unit == "MiB" ? 1048576.0 : 1.0);
+}
+
+// --zero 1: each of the data-parallel replicas holds the optimizer state of its 1/D of the
+// parameters, which the peak memory line shows; rank 0 says so once. With one replica it
+// says that --zero has nothing to shard; stage 2 is refused before any work.
+TEST(TrainCli, ZeroShardsTheOptimizerStateAcrossReplicas) {
+  ScratchDir dir("zero");
+  const std::string mpiexec = "OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 TMPDIR=" + quote(dir.path()) +
+                              " timeout 120 " + quote(PIPESHARD_MPIEXEC) + " -n 2 --oversubscribe ";
+  const std::string run = train_command("simple_digits.onnx", "--optimizer adam --batch-size 64 --steps 3");
+  const auto plain = run_command(mpiexec + run + " --metrics " + quote(dir / "plain.jsonl"));
+  ASSERT_EQ(plain.exit_code, 0) << plain.err;
+  const auto zero = run_command(mpiexec + run + " --zero 1 --metrics " + quote(dir / "zero.jsonl"));
+  ASSERT_EQ(zero.exit_code, 0) << zero.err;
+  const std::string note =
+      "note: ZeRO stage 1: each of the 2 data-parallel replicas holds the optimizer state of 1/2 of the parameters";
+  ASSERT_NE(zero.err.find(note), std::string::npos) << zero.err;
+  EXPECT_EQ(zero.err.find(note), zero.err.rfind(note)) << "said once, by rank 0: " << zero.err;
+  // Adam's two slots of 50,826 parameters: 397.1 KiB on each replica, half of it under ZeRO
+  // (the tails of the buckets, under D elements each, are on both).
+  const double whole = optimizer_state_bytes(plain.err), half = optimizer_state_bytes(zero.err);
+  EXPECT_NEAR(whole, 50826 * 8, 0.001 * whole) << plain.err;
+  EXPECT_NEAR(half, whole / 2, 0.001 * whole) << zero.err;
+  // The backend's peak: 16 bytes a parameter (weights, gradients, two slots) become 4 + 4 +
+  // (8 + 4) / 2 (the slots and the reduced gradient slice): 2 bytes a parameter less.
+  const auto peak = [&](const std::string& file) {
+    std::ifstream in(dir / file);
+    std::string line;
+    std::getline(in, line);
+    return nlohmann::json::parse(line)["backend_peak_bytes"].get<double>();
+  };
+  EXPECT_NEAR(peak("plain.jsonl") - peak("zero.jsonl"), 50826 * 2, 1024) << plain.err << zero.err;
+  const auto alone = run_command(run + " --zero 1");
+  EXPECT_EQ(alone.exit_code, 0) << alone.err;
+  EXPECT_NE(alone.err.find("note: --zero 1 has nothing to shard with one data-parallel replica"), std::string::npos)
+      << alone.err;
+  const auto stage2 = run_command(run + " --zero 2 --save " + quote(dir / "never.onnx"));
+  EXPECT_EQ(stage2.exit_code, 2);
+  EXPECT_NE(stage2.err.find("--zero must be 0 or 1, not 2"), std::string::npos) << stage2.err;
+  EXPECT_FALSE(std::filesystem::exists(dir / "never.onnx"));
+}
+
 // A regression model (one output) with integer labels under the default cross-entropy:
 // a label outside its one class says what a regression needs, and labels that all fit
 // (0) are refused too, since cross-entropy over one output is 0 whatever the weights.

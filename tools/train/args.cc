@@ -152,6 +152,10 @@ void define_layout_and_the_rest(CLI::App& app, Args& a) {
   app.add_flag("--sync-batchnorm", a.sync_batchnorm,
                "BatchNorm statistics over the global batch of all replicas, which makes data parallelism equal to "
                "one process (default: each replica's slice, as PyTorch DDP)");
+  app.add_option("--zero", a.zero,
+                 "ZeRO stage: 0 (default: every data-parallel replica holds the whole optimizer state) or 1 (each "
+                 "replica holds the state of 1/D of the parameters: gradients are reduce-scattered, each replica "
+                 "updates its slice and the weights are all-gathered; the same training, to float rounding)");
 }
 
 }  // namespace
@@ -291,6 +295,11 @@ Result<TrainConfig> make_config(const Args& a) {
               : a.balance == "memory" ? BalanceBy::kMemory
                                       : BalanceBy::kParams;
   c.sync_batchnorm = a.sync_batchnorm;
+  if (a.zero != 0 && a.zero != 1) {
+    return Status::error("--zero must be 0 or 1, not " + std::to_string(a.zero) +
+                         " (stage 2, which shards the gradients too, is not built yet)");
+  }
+  c.zero = a.zero;
   c.cuda_graph = a.cuda_graph;
   c.keep_activations = a.keep_activations;
   c.on_nonfinite = a.on_nonfinite == "skip" ? NonFinite::kSkip : NonFinite::kStop;

@@ -27,6 +27,7 @@ struct Args {
   int micro_batches = 1;
   int virtual_stages = 0;  // --virtual-stages: 0, the schedule's own
   bool sync_batchnorm = false;
+  int zero = 0;                   // --zero: the ZeRO stage
   bool cuda_graph = false;        // --cuda-graph
   bool keep_activations = false;  // --keep-activations
   double bucket_mb = 25;

@@ -35,6 +35,7 @@ int run_training(Communicator& world, Run& run, int argc, char** argv) {
   if (root) {
     say_how_tensors_travel(run);
     say_how_batchnorm_normalises(run);
+    say_how_zero_shards(run);
   }
   if (a.check_equivalence > 0) {
     const auto same_kind = [&a, &run]() -> std::unique_ptr<Backend> {

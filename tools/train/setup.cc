@@ -13,6 +13,7 @@
 #include "comm/device_groups.h"
 #include "comm/watchdog.h"
 #include "common/atomic_file.h"
+#include "common/host_memory.h"
 #include "tools/plot/plot.h"
 #include "tools/train/memory_check.h"
 
@@ -276,6 +277,19 @@ void say_how_tensors_travel(const Run& run) {
                       : "tensor-parallel",
                layout.stages > 1 ? "; " + staged : "");
   }
+}
+
+void say_how_zero_shards(const Run& run) {
+  if (run.config.zero == 0) return;
+  const int replicas = run.layout.replicas;
+  if (replicas == 1) {
+    fmt::print(stderr, "note: --zero {} has nothing to shard with one data-parallel replica\n", run.config.zero);
+    return;
+  }
+  fmt::print(stderr,
+             "note: ZeRO stage {}: each of the {} data-parallel replicas holds the optimizer state of 1/{} of the "
+             "parameters ({} on rank 0)\n",
+             run.config.zero, replicas, replicas, bytes_text(run.trainer->memory().optimizer));
 }
 
 void say_how_batchnorm_normalises(const Run& run) {

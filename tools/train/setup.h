@@ -25,6 +25,9 @@ Result<std::unique_ptr<Backend>> make_backend_like_this_one(const Args& a, const
 // before the first step (--check-equivalence included: the tests read it).
 void say_how_tensors_travel(const Run& run);
 
+// "note: ZeRO stage 1: …" (rank 0): how --zero shares the optimizer state, or that it has no effect.
+void say_how_zero_shards(const Run& run);
+
 // What BatchNorm's statistics are over in this layout, said once by rank 0 before the
 // first step where it matters (--check-equivalence included): that each data-parallel
 // replica normalises its own slice unless --sync-batchnorm, or that --sync-batchnorm has
