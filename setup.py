@@ -4,7 +4,7 @@ build_ext builds only the module's target, _pipeshard, in ./build (PIPESHARD_BUI
 choose another folder): in a checkout already built that takes seconds, and in a fresh one it
 configures build/ first (a full Release configure, then the module's libraries: minutes).
 `cmake --install --component python` then copies the package (python/CMakeLists.txt lists it:
-__init__.py, the module, the watchdog library beside it) into the wheel.
+python/pipeshard/'s files, the module, the watchdog library beside it) into the wheel.
 
 No pyproject.toml on purpose: with one, pip 23 (Debian 12) would fetch setuptools and wheel from
 PyPI into an isolated build environment. Without one, it builds with the setuptools and wheel it

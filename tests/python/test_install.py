@@ -70,6 +70,9 @@ def test_pip_installs_the_package_offline_into_a_venv(tmp_path):
     printed = run([python, "-c", TRAIN_TWO_STEPS, SOURCE], elsewhere).splitlines()
     installed = pathlib.Path(printed[0])
     assert installed.is_relative_to(venv), f"imported {installed}, not the venv's package"
+    package_files = {p.name for p in (SOURCE / "python" / "pipeshard").iterdir() if p.is_file()}
+    missing = package_files - {p.name for p in installed.parent.iterdir()}
+    assert not missing, f"the venv's package lacks {sorted(missing)}"
     assert (installed.parent / "libpipeshard_watchdog.so").exists()
     steps, loss = printed[1].split()
     assert int(steps) == 2 and 0 < float(loss) < 10
