@@ -19,6 +19,8 @@ packages=(
   clang-format-14                                  # the house format (.clang-format): scripts/format.sh
   python3-dev pybind11-dev python3-numpy           # the Python package (python/): import pipeshard
   python3-pytest                                   # its tests (tests/python/)
+  python3-venv python3-pip                         # `pip install .` into a venv (setup.py), offline:
+  python3-setuptools python3-wheel                 # pip builds with these instead of downloading them
 )
 # Node.js and npm run onnxruntime-node in the tests; a machine may already have them
 # from elsewhere (NodeSource bundles npm), and Debian's npm would conflict with that.
