@@ -21,6 +21,7 @@ packages=(
   python3-pytest                                   # its tests (tests/python/)
   python3-venv python3-pip                         # `pip install .` into a venv (setup.py), offline:
   python3-setuptools python3-wheel                 # pip builds with these instead of downloading them
+  python3-tqdm                                     # pipeshard.train's progress bar (its tests draw one)
 )
 # Node.js and npm run onnxruntime-node in the tests; a machine may already have them
 # from elsewhere (NodeSource bundles npm), and Debian's npm would conflict with that.
