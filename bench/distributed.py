@@ -22,6 +22,8 @@ batches everywhere. Sections:
             theory; and zb-h1's throughput over 1f1b's at the same M
   tp        (not in the default) mpirun -np 2 train --tensor-parallel 2 against one process with
             1 thread and with 2 threads
+  zero      (not in the default) mpirun -np 2 and -np 4 train --zero 1 against --zero 0: step time,
+            peak memory per process and the optimizer state rank 0 holds
 Every configuration the chosen sections need runs once per round, in one order on even rounds
 and the reverse on odd ones, so that ours and the peer alternate. Step times are medians over
 all rounds of every step after the first --warmup of each run: ours from train's --metrics
@@ -83,7 +85,11 @@ DP_ONE_SHOT = Config("dp-one-shot", f"2 ranks x 1 thread, --bucket-mb {ONE_SHOT_
                      ("--bucket-mb", str(ONE_SHOT_BUCKET_MB)))
 DDP = Config("ddp", "PyTorch DDP gloo, 2 ranks x 1 thread", P, 1, peer=True)
 TP = Config("tp", "2 tensor-parallel shards x 1 thread", P, 1, ("--tensor-parallel", str(P)))
-SECTIONS = ("dp", "buckets", "ddp", "pipeline", "tp")
+ZERO1 = Config("zero1", "2 ranks x 1 thread, --zero 1", P, 1, ("--zero", "1"))
+DP4 = Config("dp4", "4 ranks x 1 thread (oversubscribed)", 4, 1)
+ZERO1_D4 = Config("zero1-d4", "4 ranks x 1 thread (oversubscribed), --zero 1", 4, 1, ("--zero", "1"))
+TARGET_ZERO1_RATIO = 1.05  # T(--zero 1) / T(--zero 0), D = 2, model B
+SECTIONS = ("dp", "buckets", "ddp", "pipeline", "tp", "zero")
 DEFAULT_SECTIONS = "dp,buckets,ddp,pipeline"
 
 
@@ -110,6 +116,8 @@ def configs_for(sections, micro_batches, gpipe_micro_batches, zb_h1_micro_batche
         wanted += [pipeline_config(m, "zb-v") for m in zb_v_micro_batches]
     if "tp" in sections:
         wanted += [ONE_1T, ONE_2T, TP]
+    if "zero" in sections:
+        wanted += [ONE_1T, DP, ZERO1, DP4, ZERO1_D4]
     return list(dict.fromkeys(wanted))
 
 
@@ -172,6 +180,7 @@ class RunResult:
     torch_version: str = None  # the peer's
     bubble: tuple = None  # a pipelined run's (measured, predicted, theory) in %, from train's last lines
     peak_mib: float = None  # the most the backend held in any process, from train's memory line
+    optimizer_mib: float = None  # the optimizer state rank 0 held, from the same line
 
 
 def descendants(pid):
@@ -226,7 +235,7 @@ def run_ours(config, args, paths, env, folder, tag):
     rows = [json.loads(line) for line in open(metrics)]
     times = [SPEC["batch"] / row["samples_per_s"] for row in rows]
     return RunResult(times[args.warmup:], rows[0]["loss"], rows[-1]["loss"], libs, bubble=read_bubble(log),
-                     peak_mib=read_peak_mib(log))
+                     peak_mib=read_peak_mib(log), optimizer_mib=read_optimizer_mib(log))
 
 
 BUBBLE_LINE = re.compile(r"pipeline bubble: stages idle ([0-9.]+)% .*?, ([0-9.]+)% predicted .*? = ([0-9.]+)% for P=")
@@ -252,6 +261,18 @@ def read_peak_mib(log_path):
         m = PEAK_LINE.search(line)
         if m:
             return float(m.group(1)) * UNIT_MIB[m.group(2)]
+    return None
+
+
+OPTIMIZER_PART = re.compile(r"optimizer state ([0-9.]+) (B|KiB|MiB|GiB)")
+
+
+def read_optimizer_mib(log_path):
+    """The optimizer state rank 0 holds, from the peak memory line's parts, as MiB."""
+    for line in open(log_path):
+        if PEAK_LINE.search(line):
+            m = OPTIMIZER_PART.search(line)
+            return float(m.group(1)) * UNIT_MIB[m.group(2)] if m else None
     return None
 
 
@@ -299,6 +320,7 @@ def measure(configs, args, paths, folder):
                 entry.setdefault("bubbles", []).append(res.bubble)
             if res.peak_mib is not None:
                 entry["peak_mib"] = res.peak_mib
+            entry["optimizer_mib"] = res.optimizer_mib
         print(f"  round {r + 1}/{args.rounds} done, load average {os.getloadavg()[0]:.2f}", flush=True)
     for entry in results.values():
         entry["median"] = statistics.median(entry["step_s"])
@@ -481,6 +503,20 @@ def cannot_run(message):
     return 2
 
 
+def report_zero(res):
+    print("\n### ZeRO stage 1, model B (--zero 1 against plain data parallelism, the same ranks)\n")
+    rows = []
+    for plain, zero in ((DP, ZERO1), (DP4, ZERO1_D4)):
+        t0, t1 = res[plain.key]["median"], res[zero.key]["median"]
+        target = (f"<= {TARGET_ZERO1_RATIO}: {verdict(t1 / t0 <= TARGET_ZERO1_RATIO)}" if plain is DP else "")
+        for c, t in ((plain, t0), (zero, t1)):
+            e = res[c.key]
+            rows.append([c.label, ms(t), f"{t / t0:.3f}", f"{e['peak_mib']:.1f}" if e.get("peak_mib") else "-",
+                         f"{e['optimizer_mib']:.2f}" if e.get("optimizer_mib") else "-", target if c is zero else ""])
+    table(["configuration", "ms/step", "ratio to --zero 0", "peak MiB per process (largest)",
+           "optimizer state MiB (rank 0)", "target"], rows)
+
+
 def main():
     args = parse_args()
     if args.ddp_worker:
@@ -537,6 +573,8 @@ def main():
         report_pipeline(configs, results)
     if "tp" in sections:
         report_tp(results)
+    if "zero" in sections:
+        report_zero(results)
     return 0
 
 
