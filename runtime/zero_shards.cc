@@ -25,7 +25,8 @@ ZeroShards::ZeroShards(const std::vector<std::pair<int64_t, int64_t>>& buckets, 
 
 std::vector<Optimizer::Span> ZeroShards::spans(float* params, float* grads, float* owned_grads) const {
   std::vector<Optimizer::Span> out;
-  for (const Piece& p : pieces_) out.push_back({params + p.begin + replica_ * p.block, owned_grads + p.owned_at, p.block});
+  for (const Piece& p : pieces_)
+    out.push_back({params + p.begin + replica_ * p.block, owned_grads + p.owned_at, p.block});
   for (const Piece& p : pieces_) out.push_back({params + p.tail, grads + p.tail, p.end - p.tail});
   return out;
 }

@@ -82,6 +82,7 @@ _TRAIN_FLAGS = {
     "tensorboard": ("--tensorboard", "path"),
     "plot": ("--plot", "path"),
     "bucket_mb": ("--bucket-mb", float),
+    "zero": ("--zero", int),
     "comm_timeout": ("--comm-timeout", float),
     "loss_scale": ("--loss-scale", "scale"),
     "on_nonfinite": ("--on-nonfinite", str),

@@ -109,6 +109,7 @@ def train(
     tensorboard: _Path | None = None,
     plot: _Path | None = None,
     bucket_mb: float | None = None,
+    zero: int | None = None,
     comm_timeout: float | None = None,
     loss_scale: str | int | None = None,
     on_nonfinite: str | None = None,

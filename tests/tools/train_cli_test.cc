@@ -292,7 +292,8 @@ TEST(TrainCli, DataParallelBatchNormSaysStatisticsArePerReplica) {
 // "optimizer state 397.1 KiB" in the peak memory line: the bytes, as bytes_text wrote them.
 double optimizer_state_bytes(const std::string& err) {
   const std::string key = "optimizer state ";
-  const size_t at = err.find(key);
+  const size_t line = err.find("held by the backend");  // the peak line, not the ZeRO note before it
+  const size_t at = line == std::string::npos ? line : err.find(key, line);
   if (at == std::string::npos) return -1;
   size_t used = 0;
   const double value = std::stod(err.substr(at + key.size()), &used);
