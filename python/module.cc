@@ -127,7 +127,9 @@ py::dict stage_dict(const Graph& g, const StagePlan& s) {
 Status write_stages(const Model& m, const Plan& plan, const std::string& folder) {
   if (!m.trained) return write_partition(m.imported, plan, folder);
   std::string scratch = (std::filesystem::temp_directory_path() / "pipeshard_trained_XXXXXX").string();
-  if (::mkdtemp(scratch.data()) == nullptr) return Status::error("cannot make a temporary folder in /tmp");
+  if (::mkdtemp(scratch.data()) == nullptr) {
+    return Status::error("cannot make a temporary folder in " + std::filesystem::temp_directory_path().string());
+  }
   const std::string path = scratch + "/trained.onnx";
   Status s = write_trained_model(m.imported, m.graph, path);
   if (s) {

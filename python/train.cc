@@ -4,7 +4,6 @@
 // train's flags (pipeshard/__init__.py turns them into flags), so that the defaults, the
 // checks and their messages are the tool's.
 #include <csignal>
-#include <cstring>
 #include <memory>
 #include <optional>
 #include <string>
@@ -176,6 +175,9 @@ void run_call(const Call& c, const train_cli::Args& a, const Status& parsed, con
     const LoopOutcome loop = run_steps(a, *run, *world);
     out.exit = loop.exit ? *loop.exit : report_finished_run(a, *run, *world, loop);
   }
+  // A callback that raised on the last step stopped nothing: the run had ended. It still
+  // ends as a stopped one, on every rank.
+  if (out.callback_error && out.exit == 0) out.exit = kExitStoppedByCaller;
   if (together && world->size() > 1) {
     // Rank 0's word on how it ended holds for all (a file rank 0 alone failed to write).
     world->broadcast_bytes(&out.exit, sizeof out.exit, 0);

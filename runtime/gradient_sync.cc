@@ -57,12 +57,7 @@ void GradientSync::reduce(size_t bucket) {
   if (p.end > p.tail) replicas_.all_reduce(grads + p.tail, p.end - p.tail, ReduceOp::kSum);
 }
 
-void GradientSync::gather_parameters() {
-  float* params = program_.parameters();
-  for (const ZeroShards::Piece& p : zero_->pieces()) {
-    if (p.block > 0) replicas_.all_gather(params + p.begin + zero_->replica() * p.block, params + p.begin, p.block);
-  }
-}
+void GradientSync::gather_parameters() { zero_->gather(program_.parameters(), replicas_); }
 
 void GradientSync::node_done(size_t node) {
   if (zero_) return;  // reduce-scatters wait for reduce_rest() (no asynchronous form yet)

@@ -1,5 +1,6 @@
 // Data-parallel gradient reduction: the replicas of a stage (or of the whole model) sum
-// their parameter gradients (or, under ZeRO, reduce-scatter them: runtime/zero_shards.h) in buckets, each launched as soon as the backward pass that
+// their parameter gradients (under ZeRO, reduce-scatter them: runtime/zero_shards.h) in
+// buckets, each launched as soon as the backward pass that
 // completes the step's gradients has finished every node using its parameters, so that
 // communication overlaps the rest of backward (PyTorch DDP's buckets).
 //
@@ -47,8 +48,9 @@ class GradientSync {
   // Every gradient is final: reduces the buckets not launched yet, blocking (the last
   // bucket has nothing left to overlap with, and MPI runs a blocking all-reduce at twice
   // the speed of a non-blocking one: 16 MiB over shared memory, 2.6 against 5.5 ms), and
-  // waits for those in flight. The gradients are then the sum over the replicas, and the
-  // next step starts afresh.
+  // waits for those in flight. The gradients are then the sum over the replicas (under
+  // ZeRO: this replica's slices, in owned_gradients(), and the tails), and the next step
+  // starts afresh.
   void reduce_rest();
 
   const std::vector<Bucket>& buckets() const { return buckets_; }

@@ -209,7 +209,8 @@ void StageRunner::run_action(size_t index, const Action& a, const MicroStep& ms,
     watchdog_activity(ms.step, "gradient all-reduce");
     fault_point(FaultWhere::kAllReduce, ms.step);
     sync_->reduce_rest();
-    tracer_.add("all-reduce gradients (last bucket, and wait)", category(info.role), begin, ms.step, -1);
+    // The buckets not launched during backward (the last; under ZeRO, all), and the wait for all.
+    tracer_.add("reduce gradients (buckets left, and wait)", category(info.role), begin, ms.step, -1);
     reduce_us_ += tracer_.now_us() - begin;
     return;
   }

@@ -53,7 +53,10 @@ std::vector<float> ZeroShards::to_whole(const std::vector<float>& owned, int64_t
 std::vector<float> ZeroShards::to_owned(const std::vector<float>& whole) const {
   std::vector<float> owned;
   owned.reserve(static_cast<size_t>(owned_elements_));
-  for (const Range& r : ranges()) owned.insert(owned.end(), whole.begin() + r.at, whole.begin() + r.at + r.n);
+  for (const Range& r : ranges()) {
+    PIPESHARD_CHECK(r.at + r.n <= static_cast<int64_t>(whole.size()), "a ZeRO range beyond the whole state");
+    owned.insert(owned.end(), whole.begin() + r.at, whole.begin() + r.at + r.n);
+  }
   return owned;
 }
 

@@ -1,7 +1,7 @@
 // ZeRO stage 1 (Rajbhandari et al., 2020, §5.1): the data-parallel replicas of a stage
 // (and shard) split the optimizer state between them. Each replica keeps the state of its
 // slice of every gradient bucket (runtime/gradient_sync.h), so that the traffic stays
-// in the buckets' large messages and overlaps backward as today:
+// in the buckets' large messages:
 //
 //   bucket [begin, end) of L elements, D replicas, block = floor(L / D):
 //     [begin + r·block, begin + (r+1)·block)   replica r's slice: reduce-scattered
@@ -14,9 +14,10 @@
 // receives is the one all-reduce gives, so every layout stays one process's training, to
 // float rounding.
 //
-// This class is the bookkeeping only: which elements each replica owns, where their
-// reduced gradients lie, and the mapping between the optimizer's state (owned elements, in
-// span order) and whole-buffer state (checkpoints hold whole tensors).
+// This class is the bookkeeping: which elements each replica owns, where their reduced
+// gradients lie, and the mapping between the optimizer's state (owned elements, in span
+// order) and whole-buffer state (checkpoints hold whole tensors), with the all-gather that
+// puts every replica's slices together.
 #ifndef PIPESHARD_RUNTIME_ZERO_SHARDS_H_
 #define PIPESHARD_RUNTIME_ZERO_SHARDS_H_
 
@@ -62,8 +63,8 @@ class ZeroShards {
   // `elements` (zeros where other replicas own), and back.
   std::vector<float> to_whole(const std::vector<float>& owned, int64_t elements) const;
   std::vector<float> to_owned(const std::vector<float>& whole) const;
-  // Every replica's slices of `whole` (host memory, each replica's own filled in) onto every
-  // replica: an all-gather per bucket over `replicas`, in place (collective).
+  // Every replica's slices of `whole` (each replica's own filled in; in the memory
+  // `replicas` carries) onto every replica: an all-gather per bucket, in place (collective).
   void gather(float* whole, Communicator& replicas) const;
 
  private:

@@ -242,7 +242,8 @@ Arguments:
     callback: called on rank 0 with each Step. If it raises, the run stops (in one process
        after that step, under mpirun after the next, as Ctrl-C would: a checkpoint when
        checkpoint= is given) and train raises what it raised; the other ranks raise
-       RuntimeError.
+       RuntimeError. Under mpirun the other ranks wait for it in the next step: one slower
+       than comm_timeout (default 60 s) ends the job, so keep it quick (or comm_timeout=0).
     progress: a progress bar on stderr (tqdm's, or train's own line without tqdm). Default:
        when stderr is a terminal, i.e. interactive use; scripts stay silent.
     verbose: True prints train's lines on stderr (what it trains, progress, the summary).

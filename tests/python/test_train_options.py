@@ -131,7 +131,7 @@ def test_progress_bar(capfd, monkeypatch):
     assert "step 7/7" in capfd.readouterr().err
 
 
-def test_memory_mapped_data_is_read_in_place(tmp_path):
+def test_memory_mapped_data_trains_as_the_array(tmp_path):  # (in place: test_zero_copy.py)
     X, y = digits()
     np.save(tmp_path / "x.npy", X)
     mapped = np.load(tmp_path / "x.npy", mmap_mode="r")

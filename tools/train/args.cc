@@ -295,11 +295,7 @@ Result<TrainConfig> make_config(const Args& a) {
               : a.balance == "memory" ? BalanceBy::kMemory
                                       : BalanceBy::kParams;
   c.sync_batchnorm = a.sync_batchnorm;
-  if (a.zero != 0 && a.zero != 1) {
-    return Status::error("--zero must be 0 or 1, not " + std::to_string(a.zero) +
-                         " (stage 2, which shards the gradients too, is not built yet)");
-  }
-  c.zero = a.zero;
+  c.zero = a.zero;  // check_train_config() checks it
   c.cuda_graph = a.cuda_graph;
   c.keep_activations = a.keep_activations;
   c.on_nonfinite = a.on_nonfinite == "skip" ? NonFinite::kSkip : NonFinite::kStop;
@@ -324,12 +320,19 @@ Result<TrainConfig> make_config(const Args& a) {
 }
 
 std::string flag_message(const Status& s) {
-  static const FlagNames kFlags = {{"batch_size", "--batch-size"},           {"micro_batches", "--micro-batches"},
-                                   {"grad_accum", "--grad-accum"},           {"pipeline_schedule", "--schedule"},
-                                   {"loss_scaling", "--loss-scale"},         {"cuda_graph", "--cuda-graph"},
-                                   {"sync_batchnorm", "--sync-batchnorm"},   {"stages", "--stages"},
-                                   {"tensor_parallel", "--tensor-parallel"}, {"schedule", "--schedule"},
-                                   {"virtual_stages", "--virtual-stages"},   {"loss", "--loss"}};
+  static const FlagNames kFlags = {{"batch_size", "--batch-size"},
+                                   {"micro_batches", "--micro-batches"},
+                                   {"grad_accum", "--grad-accum"},
+                                   {"pipeline_schedule", "--schedule"},
+                                   {"loss_scaling", "--loss-scale"},
+                                   {"cuda_graph", "--cuda-graph"},
+                                   {"sync_batchnorm", "--sync-batchnorm"},
+                                   {"stages", "--stages"},
+                                   {"tensor_parallel", "--tensor-parallel"},
+                                   {"schedule", "--schedule"},
+                                   {"virtual_stages", "--virtual-stages"},
+                                   {"loss", "--loss"},
+                                   {"zero", "--zero"}};
   return pipeshard::flag_message(s, kFlags);
 }
 

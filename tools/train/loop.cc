@@ -49,8 +49,10 @@ int stop_early(int signal, int64_t step, int64_t total_steps, bool checkpointed,
   const bool root = world.rank() == 0;
   const WatchdogSlowPhase slow(signal != 0 ? "checkpoint after a signal" : "checkpoint after the caller stopped");
   if (!a.checkpoint.empty() && !checkpointed) {
+    // Rank 0 writes; a failure is its alone, and the others wait here for it either way.
     if (Status s = run.trainer->save_checkpoint(a.checkpoint, run.checkpoint_crash); !s) {
-      if (root) run.say_bad_input(s.message());
+      run.say_bad_input(s.message());
+      world.barrier();
       return kExitBadInput;
     }
   }
@@ -113,6 +115,10 @@ class StepLoop {
     std::optional<StopSignals> signals(std::in_place);  // SIGINT and SIGTERM end the loop after a step
     out_.started = last_ = std::chrono::steady_clock::now();
     while (trainer_.steps_done() < config_.total_steps && !out_.exit) out_.exit = step(*signals);
+    // A TensorBoard row of the last step that rank 0 could not write: no step after it tells the others.
+    if (!out_.exit && world_.size() > 1 && world_.all_reduce_sum(write_error_.empty() ? 0.0 : 1.0) > 0) {
+      out_.exit = stop_for_write_error();
+    }
     signals.reset();  // from here on, a signal ends the process at once
     if (live_ && !out_.exit) fmt::print(stderr, "\n");
     return std::move(out_);
@@ -134,10 +140,12 @@ class StepLoop {
     }
     // One all-reduce per step agrees on signals and on gradients that went bad.
     watchdog_activity(r.step, "end of step");
-    bool bad_gradients = !r.gradients_finite;  // --on-nonfinite stop: the optimizer's check
-    bool bad_data = !r.bad_data.empty();       // a row of data too big to check at load
-    bool caller_stop = caller_stop_;           // the previous step's on_step asked to stop
-    const int signal = signals.agreed(world_, {&bad_gradients, &bad_data, &caller_stop});
+    bool bad_gradients = !r.gradients_finite;   // --on-nonfinite stop: the optimizer's check
+    bool bad_data = !r.bad_data.empty();        // a row of data too big to check at load
+    bool caller_stop = caller_stop_;            // the previous step's on_step asked to stop
+    bool write_failed = !write_error_.empty();  // rank 0 could not write a TensorBoard row
+    const int signal = signals.agreed(world_, {&bad_gradients, &bad_data, &caller_stop, &write_failed});
+    if (write_failed) return stop_for_write_error();
     if (bad_data) return stop_for_bad_data(r.bad_data, r.step);
     if (bad_gradients) {  // before anything could save the weights this step spoiled
       const std::string first = trainer_.first_non_finite_gradient();
@@ -171,7 +179,9 @@ class StepLoop {
       }
     }
     if (run_.board) {
-      if (Status s = run_.board->add_step(trainer_, r, samples_per_s); !s) return stop(s.message());
+      if (Status s = run_.board->add_step(trainer_, r, samples_per_s); !s) {
+        if (std::optional<int> exit = note_write_error(s)) return exit;
+      }
     }
     add_to_epoch(r);
     say_progress(r, samples_per_s);
@@ -180,12 +190,31 @@ class StepLoop {
         !a_.checkpoint.empty() && (r.step % checkpoint_every_ == 0 || r.step == config_.total_steps);
     if (checkpointed) {
       const WatchdogSlowPhase slow("checkpoint");
-      if (Status s = trainer_.save_checkpoint(a_.checkpoint, run_.checkpoint_crash); !s) return stop(s.message());
+      // Every rank is here, and only rank 0 writes: they agree on how it went at once.
+      const Status s = trainer_.save_checkpoint(a_.checkpoint, run_.checkpoint_crash);
+      if (!s) write_error_ = s.message();
+      const bool failed = world_.size() > 1 ? world_.all_reduce_sum(s ? 0.0 : 1.0) > 0 : !s;
+      if (failed) return stop_for_write_error();
     }
     if (signal != 0 || caller_stop) {
       return stop_early(signal, r.step, config_.total_steps, checkpointed, a_, run_, world_);
     }
     return std::nullopt;
+  }
+
+  // A file only rank 0 writes (TensorBoard's) could not be written: alone, the run stops
+  // now; under MPI rank 0 keeps the message and the next step's all-reduce (or the one
+  // after the last step) stops every rank, where a return of rank 0's alone would leave
+  // the others waiting on it.
+  std::optional<int> note_write_error(const Status& s) {
+    if (write_error_.empty()) write_error_ = s.message();
+    if (world_.size() == 1) return stop_for_write_error();
+    return std::nullopt;
+  }
+  int stop_for_write_error() {
+    stop(write_error_);  // rank 0's
+    world_.barrier();
+    return kExitBadInput;
   }
 
   // A batch read a bad row (data checked as it is read, kCheckAtLoadBytes): rank 0 says
@@ -289,7 +318,9 @@ class StepLoop {
                  e.accuracy >= 0 ? fmt::format("  eval accuracy {:.1f}%", 100 * e.accuracy) : "");
     }
     if (run_.board) {
-      if (Status s = run_.board->add_eval(r.step, e); !s) return stop(s.message());
+      if (Status s = run_.board->add_eval(r.step, e); !s) {
+        if (std::optional<int> exit = note_write_error(s)) return exit;
+      }
     }
     if (out_.curves) out_.curves->add_eval(r.epoch, r.step, e.loss, e.accuracy);
     if (run_.on_eval && root_) {
@@ -315,6 +346,7 @@ class StepLoop {
   double epoch_loss_ = 0;
   int64_t epoch_steps_ = 0, current_epoch_ = 0;
   bool caller_stop_ = false;  // on rank 0: on_step asked to stop
+  std::string write_error_;   // on rank 0: a file it alone writes could not be written
   LoopOutcome out_;
 };
 

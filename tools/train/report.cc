@@ -116,10 +116,11 @@ int report_finished_run(const Args& a, Run& run, Communicator& world, const Loop
   if (!a.save.empty()) {
     Graph trained = run.model->graph;      // host copy for the saved model
     trainer.download_parameters(trained);  // gathers every stage and shard on rank 0
-    if (root) {
-      if (Status s = write_trained_model(*run.model, trained, a.save); !s) return fail_here(s.message());
-      if (log) fmt::print(stderr, "wrote {}\n", a.save);
-    }
+    const Status s = root ? write_trained_model(*run.model, trained, a.save) : Status::ok();
+    // Rank 0 wrote alone; the others learn how it went before the collectives below.
+    const bool failed = world.size() > 1 ? world.all_reduce_sum(s ? 0.0 : 1.0) > 0 : !s;
+    if (failed) return stop(s.message());
+    if (log) fmt::print(stderr, "wrote {}\n", a.save);
   }
   if (run.layout.stages > 1) {
     if (Status s = report_bubble(run, log); !s) return stop(s.message());

@@ -86,8 +86,8 @@ struct Run {
   std::optional<ArraysInMemory> data_arrays, eval_arrays;
   // Whether rank 0 says on stderr what it trains and how its steps go.
   bool log = true;
-  // Called on rank 0 after each step that ends the loop's work on it, and after each
-  // evaluation. on_step returns false to stop the run as SIGINT would (a checkpoint when
+  // Called on rank 0: on_step after each step that ends the loop's work on it, on_eval
+  // after each evaluation. on_step returns false to stop the run as SIGINT would (a checkpoint when
   // --checkpoint is given, then exit status kExitStoppedByCaller): in one process after
   // this step; under MPI after the next, whose end-of-step all-reduce tells the others.
   std::function<bool(const StepRow&)> on_step;

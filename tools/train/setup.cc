@@ -286,6 +286,13 @@ void say_how_zero_shards(const Run& run) {
     fmt::print(stderr, "note: --zero {} has nothing to shard with one data-parallel replica\n", run.config.zero);
     return;
   }
+  if (run.trainer->memory().optimizer == 0) {
+    fmt::print(stderr,
+               "note: --zero {} saves nothing here: {} without momentum keeps no optimizer state, and the gradients "
+               "are reduce-scattered and the weights all-gathered all the same\n",
+               run.config.zero, "SGD");
+    return;
+  }
   fmt::print(stderr,
              "note: ZeRO stage {}: each of the {} data-parallel replicas holds the optimizer state of 1/{} of the "
              "parameters ({} on rank 0)\n",
