@@ -260,7 +260,8 @@ def summary_rows(f, res):
          f"the {f['quiet_rounds']} of {n} rounds in which other processes used < {QUIET:.0%} of the CPUs during both "
          "runs"],
         ["whole call, median (s)", f"{f['call']['cli']:.3f}", f"{f['call']['python']:.3f}", f"{f['call_ratio']:.3f}",
-         "CLI: the train process, launch to exit; Python: pipeshard.load + np.load + pipeshard.train"],
+         "CLI: the train process, launch to exit; Python: pipeshard.load + np.load + pipeshard.train; ratio: "
+         "median of the rounds' ratios"],
         ["outside the steps, median (ms)", ms(f["outside"]["cli"]), ms(f["outside"]["python"]), "",
          f"whole call − Σ step times (all {res['steps']} steps): reading the model and data, set-up, teardown"],
         ["  of which pipeshard.load + np.load, median (ms)", "", ms(f["load"]), "",
