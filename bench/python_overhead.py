@@ -3,7 +3,7 @@
 
 How to run, from the repository root after building (cmake --build build --target train _pipeshard):
     /usr/bin/python3 bench/python_overhead.py [--rounds 15] [--steps 100] [--warmup 10] [--threads 2]
-                                              [--wait-quiet SECONDS] [--build build] [--json OUT]
+                                              [--quiet-budget SECONDS] [--build build] [--json OUT]
 
 Model B of bench/cpu_vs_pytorch.py (4 x (Linear(1024, 1024) + ReLU), batch 256; exported there with
 its data: 8 batches of seeded normal features and int64 labels) trains --steps steps with the same
@@ -32,8 +32,11 @@ steps from outside instead would mix that per-call cost into the per-step figure
               ones, because a burst of other work that hits one run of a round does not cancel.
   quiet       the rounds in which other processes used under 5 % of the CPUs during both runs, and
               their median ratio: on a shared machine, the figure that other work did not touch.
-              --wait-quiet S makes each round wait, up to S seconds, for a 2-second window in which
-              other processes used under 5 % of the CPUs (a machine where others build in bursts)
+              --quiet-budget S spends up to S seconds in all on waiting, before each round, for a
+              2-second window in which other processes use under 5 % of the CPUs, and on running
+              again each round that other work disturbed (either run at 5 % or more); the disturbed
+              rounds are counted and kept in --json, out of the figures. For a machine where others
+              build in bursts; the selection looks only at other processes, never at the ratio.
 Per call (the whole run, start-up included):
   CLI         wall time of the train process, from launching it to its exit
   Python      wall time of pipeshard.load + np.load (both arrays) + pipeshard.train(...), measured
@@ -115,15 +118,17 @@ class OthersMeter:
 def wait_quiet(limit_s, progress):
     """Waits until other processes use under QUIET of the CPUs for 2 s, or `limit_s` has passed.
     Returns the seconds waited."""
-    start = time.perf_counter()
+    start, said = time.perf_counter(), -60.0
     while limit_s > 0 and time.perf_counter() - start < limit_s:
         meter = OthersMeter()
         time.sleep(2.0)
         share = meter.share()
         if share < QUIET:
             break
-        progress(f"python_overhead: other processes use {share:.0%} of the CPUs; waiting for a quiet moment "
-                 f"({time.perf_counter() - start:.0f} of {limit_s:.0f} s)")
+        if time.perf_counter() - said >= 60:  # a line a minute
+            said = time.perf_counter()
+            progress(f"python_overhead: other processes use {share:.0%} of the CPUs; waiting for a quiet moment "
+                     f"(waited {said - start:.0f} s, at most {limit_s:.0f})")
     return time.perf_counter() - start
 
 
@@ -180,24 +185,33 @@ class Setup:
         return dict(out, call_s=out["load_s"] + out["train_s"], process_s=wall, others=others)
 
 
-def measure(build, folder, rounds, steps, warmup, threads, progress, quiet_wait_s=0):
+def measure(build, folder, rounds, steps, warmup, threads, progress, quiet_budget_s=0):
     """An unmeasured run of each side, then `rounds` paired rounds (the order alternating).
-    Returns {"rounds": [{"order", "cli": run, "python": run}], "blas": {side: files}, ...}."""
+    With quiet_budget_s, up to that many seconds in all go to waiting for quiet moments before
+    rounds and to rerunning the rounds that other work disturbed (other processes used QUIET or
+    more of the CPUs during either run); those are kept apart, out of the figures.
+    Returns {"rounds": [{"order", "cli": run, "python": run}], "disturbed": [...], "blas": ...}."""
     setup = Setup(build, folder, threads)
     warm = {side: setup.run(side, min(steps, 20), "warm", watch_blas=True) for side in SIDES}
-    out = {"rounds": [], "steps": steps, "warmup": warmup, "threads": threads, "batch": SPEC["batch"],
-           "blas": {side: warm[side]["blas"] for side in SIDES}, "module": warm["python"]["module"],
-           "cli_argv": setup.cli_argv(steps, "m.jsonl"), "load_start": os.getloadavg()}
-    for r in range(rounds):
+    out = {"rounds": [], "disturbed": [], "steps": steps, "warmup": warmup, "threads": threads,
+           "batch": SPEC["batch"], "blas": {side: warm[side]["blas"] for side in SIDES},
+           "module": warm["python"]["module"], "cli_argv": setup.cli_argv(steps, "m.jsonl"),
+           "quiet_budget_s": quiet_budget_s, "load_start": os.getloadavg()}
+    deadline = time.perf_counter() + quiet_budget_s
+    while len(out["rounds"]) < rounds:
+        r = len(out["rounds"])
         order = SIDES if r % 2 == 0 else SIDES[::-1]
-        waited = wait_quiet(quiet_wait_s, progress)
-        runs = {side: setup.run(side, steps, str(r)) for side in order}
-        out["rounds"].append(dict(runs, order=order, waited_s=waited))
+        waited = wait_quiet(deadline - time.perf_counter(), progress)
+        tag = f"{r}_{len(out['disturbed'])}"
+        runs = {side: setup.run(side, steps, tag) for side in order}
+        disturbed = max(runs[side]["others"] for side in SIDES) >= QUIET and time.perf_counter() < deadline
+        (out["disturbed"] if disturbed else out["rounds"]).append(dict(runs, order=order, waited_s=waited))
         med = {side: statistics.median(runs[side]["step_s"][warmup:]) for side in SIDES}
         progress(f"python_overhead: round {r + 1}/{rounds} ({' first, '.join(order)} second): CLI "
                  f"{med['cli'] * 1e3:.2f} ms/step, Python {med['python'] * 1e3:.2f}, ratio "
                  f"{med['python'] / med['cli']:.4f}; other processes' CPU share {runs['cli']['others']:.0%} / "
-                 f"{runs['python']['others']:.0%}; load {os.getloadavg()[0]:.2f}")
+                 f"{runs['python']['others']:.0%}; load {os.getloadavg()[0]:.2f}"
+                 + ("; disturbed: run again" if disturbed else ""))
     out["load_end"] = os.getloadavg()
     return out
 
@@ -229,6 +243,7 @@ def figures(res):
             "load": med("python", "load"),
             "call_ratio": statistics.median(r["python"]["call"] / r["cli"]["call"] for r in per_round),
             "spread": spread, "noisy": spread > NOISY_SPREAD, "quiet_rounds": len(quiet),
+            "disturbed": len(res.get("disturbed", [])),
             "quiet_ratio": statistics.median(quiet) if quiet else None,
             "quiet_min": min(quiet, default=None), "quiet_max": max(quiet, default=None),
             "same_losses": all(r["same_losses"] for r in per_round),
@@ -258,7 +273,7 @@ def summary_rows(f, res):
         ["step time ratio, quiet rounds only", "", "",
          f"{f['quiet_ratio']:.4f} (range {f['quiet_min']:.4f}–{f['quiet_max']:.4f})" if f["quiet_rounds"] else "—",
          f"the {f['quiet_rounds']} of {n} rounds in which other processes used < {QUIET:.0%} of the CPUs during both "
-         "runs"],
+         "runs" + (f"; {f['disturbed']} disturbed rounds were run again (--quiet-budget)" if f["disturbed"] else "")],
         ["whole call, median (s)", f"{f['call']['cli']:.3f}", f"{f['call']['python']:.3f}", f"{f['call_ratio']:.3f}",
          "CLI: the train process, launch to exit; Python: pipeshard.load + np.load + pipeshard.train; ratio: "
          "median of the rounds' ratios"],
@@ -291,6 +306,7 @@ def verdict_line(f, res):
             f"{res['batch']}: pipeshard.train / train per step = {f['ratio']:.4f} (median of rounds; rounds "
             f"{f['ratio_min']:.4f}–{f['ratio_max']:.4f}, i.e. within ±{band:.1%}"
             + (f"; the {f['quiet_rounds']} quiet ones {f['quiet_ratio']:.4f}" if f["quiet_rounds"] else "; no quiet round")
+            + (f"; {f['disturbed']} disturbed rounds run again" if f["disturbed"] else "")
             + f"); whole call "
             f"{f['call']['python']:.2f} s against {f['call']['cli']:.2f} s; losses equal bit for bit: "
             f"{'yes' if f['same_losses'] else 'NO'}; same OpenBLAS file: {'yes' if f['same_blas'] else 'NO'}"
@@ -303,9 +319,9 @@ def main():
     ap.add_argument("--steps", type=int, default=100, help="steps per run (default 100)")
     ap.add_argument("--warmup", type=int, default=10, help="steps of every run left out of its median (default 10)")
     ap.add_argument("--threads", type=int, default=2, help="OpenBLAS/OpenMP threads on each side (default 2)")
-    ap.add_argument("--wait-quiet", type=float, default=0, metavar="SECONDS",
-                    help="before each round, wait up to this long for other processes to use < 5%% of the CPUs "
-                         "(default 0: do not wait)")
+    ap.add_argument("--quiet-budget", type=float, default=0, metavar="SECONDS",
+                    help="spend up to this long in all waiting for other processes to use < 5%% of the CPUs "
+                         "before rounds, and running again the rounds they disturbed (default 0: neither)")
     ap.add_argument("--build", default=os.path.join(ROOT, "build"), help="the build: bin/train and python/ "
                                                                           "(default the checkout's build/)")
     ap.add_argument("--json", help="write every run's step times, losses and figures here")
@@ -329,7 +345,8 @@ def main():
         f"OPENBLAS_NUM_THREADS = {args.threads}, OMP_WAIT_POLICY=PASSIVE; OPENBLAS_CORETYPE="
         f"{os.environ.get('OPENBLAS_CORETYPE', '(unset: OpenBLAS picks)')}")
     with tempfile.TemporaryDirectory(prefix="pipeshard-python-overhead-") as folder:
-        res = measure(args.build, folder, args.rounds, args.steps, args.warmup, args.threads, say, args.wait_quiet)
+        res = measure(args.build, folder, args.rounds, args.steps, args.warmup, args.threads, say,
+                      args.quiet_budget)
     f = figures(res)
     print(f"Model B ({SPEC['title']}), {args.rounds} paired rounds × {args.steps} steps, the first {args.warmup} "
           f"left out; {args.threads} thread(s); load average {res['load_start'][0]:.2f} → {res['load_end'][0]:.2f}\n")
