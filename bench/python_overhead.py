@@ -94,10 +94,25 @@ def python_worker(job):
 class OthersMeter:
     """The share of the CPUs that other processes have used since it was made: the busy time of all
     CPUs in /proc/stat (user nice system irq softirq) less the CPU time of this process and of the
-    children it has waited for (getrusage)."""
+    children it has waited for (getrusage); and which processes they were."""
 
     def __init__(self):
+        self.procs = self._per_process()
         self.busy, self.own, self.start = self._busy(), self._own(), time.perf_counter()
+
+    @staticmethod
+    def _per_process():
+        """{pid: (name, CPU seconds)} of every process now alive."""
+        out, hz = {}, os.sysconf("SC_CLK_TCK")
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                with open(f"/proc/{pid}/stat") as f:
+                    stat = f.read()
+            except OSError:
+                continue
+            fields = stat[stat.rindex(")") + 2:].split()  # utime and stime are fields 14 and 15
+            out[int(pid)] = (stat[stat.index("(") + 1:stat.rindex(")")], (int(fields[11]) + int(fields[12])) / hz)
+        return out
 
     @staticmethod
     def _busy():
@@ -113,6 +128,13 @@ class OthersMeter:
     def share(self):
         wall = time.perf_counter() - self.start
         return max(0.0, (self._busy() - self.busy) - (self._own() - self.own)) / (wall * os.cpu_count())
+
+    def top(self, count=3):
+        """The `count` other processes alive now that used the most CPU since then: [(name, seconds)]
+        (this process's children are gone by then: waited for)."""
+        used = [(name, cpu - self.procs.get(pid, (name, 0.0))[1]) for pid, (name, cpu) in self._per_process().items()
+                if pid != os.getpid()]
+        return [(name, round(cpu, 2)) for name, cpu in sorted(used, key=lambda u: -u[1])[:count] if cpu >= 0.01]
 
 
 def wait_quiet(limit_s, progress):
@@ -134,8 +156,8 @@ def wait_quiet(limit_s, progress):
 
 def run_timed(argv, env, log_path, watch_blas=False):
     """Runs argv to completion. Returns (wall seconds, the CPU share other processes used
-    meanwhile, the BLAS files it mapped if watch_blas: polling /proc for them costs CPU, so
-    only the unmeasured runs do it)."""
+    meanwhile, the ones that used the most, the BLAS files it mapped if watch_blas: polling
+    /proc for them costs CPU, so only the unmeasured runs do it)."""
     meter, start = OthersMeter(), time.perf_counter()
     with open(log_path, "w") as log:
         proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT)
@@ -145,10 +167,11 @@ def run_timed(argv, env, log_path, watch_blas=False):
         time.sleep(0.005)
     proc.wait()
     wall, others = time.perf_counter() - start, meter.share()
+    culprits = meter.top()
     if proc.returncode != 0:
         sys.exit(f"python_overhead: {' '.join(argv[:3])} ... failed ({proc.returncode}), see {log_path}:\n"
                  + open(log_path).read()[-2000:])
-    return wall, others, libs
+    return wall, others, culprits, libs
 
 
 class Setup:
@@ -174,15 +197,21 @@ class Setup:
         log = os.path.join(self.folder, f"{side}_{tag}.log")
         if side == "cli":
             metrics = os.path.join(self.folder, f"metrics_{tag}.jsonl")
-            wall, others, libs = run_timed(self.cli_argv(steps, metrics), self.env, log, watch_blas)
+            wall, others, culprits, libs = run_timed(self.cli_argv(steps, metrics), self.env, log, watch_blas)
             rows = [json.loads(line) for line in open(metrics)]
             return {"step_s": [SPEC["batch"] / r["samples_per_s"] for r in rows], "losses": [r["loss"] for r in rows],
-                    "call_s": wall, "process_s": wall, "others": others, "blas": libs}
+                    "call_s": wall, "process_s": wall, "others": others, "others_top": culprits, "blas": libs}
         job = {"model": self.onnx, "data": self.data, "labels": self.labels, "steps": steps}
         argv = [sys.executable, os.path.abspath(__file__), "--python-worker", json.dumps(job)]
-        wall, others, _ = run_timed(argv, self.env, log)
+        wall, others, culprits, _ = run_timed(argv, self.env, log)
         out = json.loads(open(log).read().strip().splitlines()[-1])
-        return dict(out, call_s=out["load_s"] + out["train_s"], process_s=wall, others=others)
+        return dict(out, call_s=out["load_s"] + out["train_s"], process_s=wall, others=others, others_top=culprits)
+
+
+def disturbers(runs):
+    """"CLI run: cc1plus 1.2 s, ...; Python run: ..." from the runs' others_top."""
+    return "; ".join(f"{side} run: " + (", ".join(f"{name} {cpu:.2f} s" for name, cpu in runs[side]["others_top"]) or
+                                        "none still alive") for side in SIDES)
 
 
 def measure(build, folder, rounds, steps, warmup, threads, progress, quiet_budget_s=0):
@@ -211,7 +240,7 @@ def measure(build, folder, rounds, steps, warmup, threads, progress, quiet_budge
                  f"{med['cli'] * 1e3:.2f} ms/step, Python {med['python'] * 1e3:.2f}, ratio "
                  f"{med['python'] / med['cli']:.4f}; other processes' CPU share {runs['cli']['others']:.0%} / "
                  f"{runs['python']['others']:.0%}; load {os.getloadavg()[0]:.2f}"
-                 + ("; disturbed: run again" if disturbed else ""))
+                 + (f"; disturbed: run again (others: {disturbers(runs)})" if disturbed else ""))
     out["load_end"] = os.getloadavg()
     return out
 
