@@ -53,6 +53,7 @@ no torch to export the model).
 """
 import argparse
 import json
+import math
 import os
 import resource
 import statistics
@@ -246,6 +247,18 @@ def measure(build, folder, rounds, steps, warmup, threads, progress, quiet_budge
 
 
 # --------------------------------------------------------------------------- figures
+def median_interval(values, level=0.95):
+    """A distribution-free confidence interval of the median: (the k-th smallest, the k-th largest)
+    with the largest k for which Binomial(n, 1/2) < k has probability at most (1 - level) / 2;
+    None when there are too few values (under 6 at 95 %)."""
+    n, below, k = len(values), 0.0, 0
+    while below + math.comb(n, k) / 2 ** n <= (1 - level) / 2:
+        below += math.comb(n, k) / 2 ** n
+        k += 1
+    ordered = sorted(values)
+    return (ordered[k - 1], ordered[n - k]) if k > 0 else None
+
+
 def figures(res):
     """Per-round and summary figures of measure()'s result: times in seconds."""
     w = res["warmup"]
@@ -267,6 +280,7 @@ def figures(res):
     blas = {side: {os.path.realpath(p) for p in res["blas"][side] if "openblas" in os.path.basename(p)}
             for side in SIDES}
     return {"rounds": per_round, "ratio": statistics.median(ratios), "ratio_min": min(ratios), "ratio_max": max(ratios),
+            "ratio_ci": median_interval(ratios),
             "step": {s: med(s, "step") for s in SIDES}, "call": {s: med(s, "call") for s in SIDES},
             "outside": {s: med(s, "outside") for s in SIDES}, "process": {s: med(s, "process") for s in SIDES},
             "load": med("python", "load"),
@@ -296,9 +310,9 @@ def summary_rows(f, res):
     ms = lambda v: f"{v * 1e3:.2f}"
     return [
         ["step time, median over rounds (ms)", ms(f["step"]["cli"]), ms(f["step"]["python"]),
-         f"**{f['ratio']:.4f}** (range {f['ratio_min']:.4f}–{f['ratio_max']:.4f})",
+         f"**{f['ratio']:.4f}** ({interval(f['ratio_ci'])}; range {f['ratio_min']:.4f}–{f['ratio_max']:.4f})",
          f"a run's median of batch / samples_per_s over steps {w + 1}–{res['steps']}; ratio: median over the "
-         f"{n} rounds of each round's Python / CLI"],
+         f"{n} rounds of each round's Python / CLI, with its distribution-free 95 % interval"],
         ["step time ratio, quiet rounds only", "", "",
          f"{f['quiet_ratio']:.4f} (range {f['quiet_min']:.4f}–{f['quiet_max']:.4f})" if f["quiet_rounds"] else "—",
          f"the {f['quiet_rounds']} of {n} rounds in which other processes used < {QUIET:.0%} of the CPUs during both "
@@ -317,6 +331,10 @@ def summary_rows(f, res):
     ]
 
 
+def interval(ci):
+    return f"95 % interval {ci[0]:.4f}–{ci[1]:.4f}" if ci else "too few rounds for a 95 % interval"
+
+
 def markdown_table(header, rows):
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     return "\n".join(lines + ["| " + " | ".join(str(v) for v in row) + " |" for row in rows])
@@ -332,14 +350,15 @@ def verdict_line(f, res):
     """One line: the ratio against 'no measurable cost', and why the noise bounds what can be seen."""
     band = max(abs(f["ratio_max"] - 1), abs(f["ratio_min"] - 1))
     return (f"Model B, {res['threads']} thread(s), {len(f['rounds'])} paired rounds × {res['steps']} steps of batch "
-            f"{res['batch']}: pipeshard.train / train per step = {f['ratio']:.4f} (median of rounds; rounds "
-            f"{f['ratio_min']:.4f}–{f['ratio_max']:.4f}, i.e. within ±{band:.1%}"
+            f"{res['batch']}: pipeshard.train / train per step = {f['ratio']:.4f} (median of rounds, "
+            f"{interval(f['ratio_ci'])}; rounds {f['ratio_min']:.4f}–{f['ratio_max']:.4f}, i.e. within ±{band:.1%}"
             + (f"; the {f['quiet_rounds']} quiet ones {f['quiet_ratio']:.4f}" if f["quiet_rounds"] else "; no quiet round")
             + (f"; {f['disturbed']} disturbed rounds run again" if f["disturbed"] else "")
             + f"); whole call "
             f"{f['call']['python']:.2f} s against {f['call']['cli']:.2f} s; losses equal bit for bit: "
             f"{'yes' if f['same_losses'] else 'NO'}; same OpenBLAS file: {'yes' if f['same_blas'] else 'NO'}"
-            + (f"; NOISY: per-round medians of one side differ by {f['spread']:.0%}" if f["noisy"] else ""))
+            + (f"; NOISY: per-round medians of one side differ by {f['spread']:.0%} (what lasts a round cancels in "
+               "its ratio)" if f["noisy"] else ""))
 
 
 def main():
