@@ -5,6 +5,7 @@ How to run, from the repository root after building (cmake --build build --targe
 bench_sgemm bench_allreduce):
     /usr/bin/python3 bench/report.py [--quick] [--sections cpu,batch,parallel,allreduce,partition,data,gpu,python]
                                      [--out bench/reports/DATE.md] [--build-dir build] [--baseline-build DIR]
+                                     [--quiet-budget SECONDS]
 
 Sections (default all; each alternates ours and PyTorch where there is a peer):
   cpu        models A and B against PyTorch (bench/cpu_vs_pytorch.py's race)
@@ -18,7 +19,9 @@ Sections (default all; each alternates ours and PyTorch where there is a peer):
              --baseline-build DIR adds an in-memory build beside it
   gpu        only where nvidia-smi finds a GPU; otherwise the report says "not run: no GPU"
   python     pipeshard.train against the train tool on model B, paired rounds: per-step and whole-call
-             times (bench/python_overhead.py; needs the module, cmake --build build --target _pipeshard)
+             times (bench/python_overhead.py; needs the module, cmake --build build --target _pipeshard);
+             --quiet-budget S lets it spend up to S seconds waiting for quiet moments and running again
+             the rounds that other work disturbed (a difference near zero drowns in a busy machine's noise)
 The report goes to --out (default bench/reports/<UTC date>.md), its PNGs to the folder of the same
 name without .md. The header records the date, machine, load average and the CPU time that other
 processes used while it ran, the commit, and the versions of torch, OpenBLAS and Open MPI. A default
@@ -213,7 +216,7 @@ def write_header(doc, ctx, facts, total, timings, started):
 class Context:
     def __init__(self, args, folder, image_dir, image_link):
         self.quick, self.folder, self.build_dir = args.quick, folder, args.build_dir
-        self.baseline_build = args.baseline_build
+        self.baseline_build, self.quiet_budget = args.baseline_build, args.quiet_budget
         self.tools = {t: os.path.join(args.build_dir, "bin", t) for t in ("train", "partition", "bench_sgemm",
                                                                            "bench_allreduce")}
         self.mpirun = shutil.which("mpirun")
@@ -381,31 +384,35 @@ def gpu_section(ctx, doc):
 
 def python_section(ctx, doc):
     rounds, steps = (3, 40) if ctx.quick else (9, 100)
-    warmup, threads = 10, training.THREADS
+    warmup, threads, lr, momentum = 10, training.THREADS, training.cvp.LR, training.cvp.MOMENTUM
     folder = os.path.join(ctx.folder, "python")
     os.makedirs(folder, exist_ok=True)
-    res = python_overhead.measure(ctx.build_dir, folder, rounds, steps, warmup, threads, ctx.progress)
+    res = python_overhead.measure(ctx.build_dir, folder, rounds, steps, warmup, threads, ctx.progress,
+                                  ctx.quiet_budget)
     f = python_overhead.figures(res)
+    batch = res["batch"]
+    budget = f"--quiet-budget {ctx.quiet_budget:g} " if ctx.quiet_budget else ""
     doc.heading(2, "8. pipeshard.train against the train tool (model B)")
     doc.para(f"`bench/python_overhead.py` (whose docstring has the details): model B trains {steps} steps of batch "
-             f"{res['batch']} (SGD lr {training.cvp.LR} momentum {training.cvp.MOMENTUM}, file order) in one process, "
-             f"as `{ctx.build_rel}/bin/train B.onnx --data B_x.npy --labels B_y.npy --batch-size {res['batch']} --steps "
-             f"{steps} {training.TRAIN_FLAGS}` and as `pipeshard.train(m, X, y, batch_size={res['batch']}, "
-             f"lr={training.cvp.LR}, momentum={training.cvp.MOMENTUM}, shuffle=False, steps={steps}, progress=False)` in a child "
-             f"/usr/bin/python3, {threads} threads each; one unmeasured run of each, then {rounds} paired rounds "
-             "alternating which goes first. **step time** = batch / samples_per_s, which both take from train's "
-             f"step loop (the time between consecutive step ends), median over steps {warmup + 1}–{steps} of a run; "
-             "**Python / CLI** per round, and its median over rounds. **whole call**: the train process from launch "
-             "to exit, against pipeshard.load + np.load + pipeshard.train timed inside the child. "
-             f"This section alone: `/usr/bin/python3 bench/python_overhead.py --rounds {rounds} --steps {steps} "
+             f"{batch} (SGD lr {lr} momentum {momentum}, file order) in one process, as `{ctx.build_rel}/bin/train "
+             f"B.onnx --data B_x.npy --labels B_y.npy --batch-size {batch} --steps {steps} {training.TRAIN_FLAGS}` "
+             f"and as `pipeshard.train(m, X, y, batch_size={batch}, lr={lr}, momentum={momentum}, shuffle=False, "
+             f"steps={steps}, progress=False)` in a child /usr/bin/python3, {threads} threads each; one unmeasured "
+             f"run of each, then {rounds} paired rounds alternating which goes first"
+             + (f" (up to {ctx.quiet_budget:g} s spent waiting for quiet moments and running again the rounds that "
+                "other work disturbed)" if ctx.quiet_budget else "") + ".")
+    doc.para("**step time** = batch / samples_per_s, which both take from train's step loop (the time between "
+             f"consecutive step ends), median over steps {warmup + 1}–{steps} of a run; **Python / CLI** per round, "
+             "and its median over rounds. **whole call**: the train process from launch to exit, against "
+             "pipeshard.load + np.load + pipeshard.train timed inside the child. This section alone: "
+             f"`/usr/bin/python3 bench/python_overhead.py --rounds {rounds} --steps {steps} {budget}"
              f"--build {ctx.build_rel}`.")
     doc.table(python_overhead.ROUND_HEADER, python_overhead.round_rows(f))
     doc.table(python_overhead.SUMMARY_HEADER, python_overhead.summary_rows(f, res))
     doc.code(python_overhead.blas_line(f, res) + "\n" + python_overhead.verdict_line(f, res))
+    quiet = f"; {f['quiet_rounds']} quiet rounds: {f['quiet_ratio']:.4f}" if f["quiet_rounds"] else ""
     ctx.summary.append(f"Python: pipeshard.train / train per step on model B = {f['ratio']:.4f} (median of {rounds} "
-                       f"paired rounds, range {f['ratio_min']:.4f}–{f['ratio_max']:.4f}"
-                       + (f"; {f['quiet_rounds']} quiet rounds: {f['quiet_ratio']:.4f}" if f["quiet_rounds"] else "")
-                       + f"); whole call "
+                       f"paired rounds, {python_overhead.interval(f['ratio_ci'])}{quiet}); whole call "
                        f"{f['call']['python']:.2f} s against {f['call']['cli']:.2f} s; losses equal bit for bit: "
                        f"{'yes' if f['same_losses'] else 'NO'}{'; NOISY' if f['noisy'] else ''}.")
 
@@ -426,6 +433,9 @@ def parse_args():
                     help="where bin/ holds the tools and python/ the module (default build/)")
     ap.add_argument("--baseline-build", default="", help="section data: a build whose train reads the data into "
                                                          "memory, for the in-memory columns")
+    ap.add_argument("--quiet-budget", type=float, default=0, metavar="SECONDS",
+                    help="section python: spend up to this long waiting for quiet moments and running again the "
+                         "rounds that other work disturbed (default 0)")
     return ap.parse_args()
 
 
