@@ -316,7 +316,7 @@ def summary_rows(f, res):
         ["step time ratio, quiet rounds only", "", "",
          f"{f['quiet_ratio']:.4f} (range {f['quiet_min']:.4f}–{f['quiet_max']:.4f})" if f["quiet_rounds"] else "—",
          f"the {f['quiet_rounds']} of {n} rounds in which other processes used < {QUIET:.0%} of the CPUs during both "
-         "runs" + (f"; {f['disturbed']} disturbed rounds were run again (--quiet-budget)" if f["disturbed"] else "")],
+         "runs" + (f"; {rounds_run_again(f['disturbed'])} (--quiet-budget)" if f["disturbed"] else "")],
         ["whole call, median (s)", f"{f['call']['cli']:.3f}", f"{f['call']['python']:.3f}", f"{f['call_ratio']:.3f}",
          "CLI: the train process, launch to exit; Python: pipeshard.load + np.load + pipeshard.train; ratio: "
          "median of the rounds' ratios"],
@@ -329,6 +329,10 @@ def summary_rows(f, res):
         ["losses of every step equal, all rounds", "", "", "yes" if f["same_losses"] else "**NO**",
          "bit for bit, --metrics rows against result.history"],
     ]
+
+
+def rounds_run_again(count):
+    return f"{count} disturbed round{'' if count == 1 else 's'} run again"
 
 
 def interval(ci):
@@ -353,7 +357,7 @@ def verdict_line(f, res):
             f"{res['batch']}: pipeshard.train / train per step = {f['ratio']:.4f} (median of rounds, "
             f"{interval(f['ratio_ci'])}; rounds {f['ratio_min']:.4f}–{f['ratio_max']:.4f}, i.e. within ±{band:.1%}"
             + (f"; the {f['quiet_rounds']} quiet ones {f['quiet_ratio']:.4f}" if f["quiet_rounds"] else "; no quiet round")
-            + (f"; {f['disturbed']} disturbed rounds run again" if f["disturbed"] else "")
+            + (f"; {rounds_run_again(f['disturbed'])}" if f["disturbed"] else "")
             + f"); whole call "
             f"{f['call']['python']:.2f} s against {f['call']['cli']:.2f} s; losses equal bit for bit: "
             f"{'yes' if f['same_losses'] else 'NO'}; same OpenBLAS file: {'yes' if f['same_blas'] else 'NO'}"
