@@ -27,7 +27,8 @@ entry point could only lie outside the loop, where the whole-call figures below 
 steps from outside instead would mix that per-call cost into the per-step figure. The first
 --warmup steps of every run are left out; the figure of a run is the median of the rest.
   ratio       Python / CLI of one round's two medians; the headline is the median over rounds, with
-              the range. A round runs both sides back to back, so a slowdown of the shared machine
+              its distribution-free 95 % interval (order statistics: no assumption about the noise)
+              and the range. A round runs both sides back to back, so a slowdown of the shared machine
               that outlasts a round cancels in its ratio; many short rounds rather than a few long
               ones, because a burst of other work that hits one run of a round does not cancel.
   quiet       the rounds in which other processes used under 5 % of the CPUs during both runs, and
