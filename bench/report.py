@@ -3,8 +3,9 @@
 
 How to run, from the repository root after building (cmake --build build --target train partition
 bench_sgemm bench_allreduce):
-    /usr/bin/python3 bench/report.py [--quick] [--sections cpu,batch,parallel,allreduce,partition,data,gpu]
+    /usr/bin/python3 bench/report.py [--quick] [--sections cpu,batch,parallel,allreduce,partition,data,gpu,python]
                                      [--out bench/reports/DATE.md] [--build-dir build] [--baseline-build DIR]
+                                     [--quiet-budget SECONDS]
 
 Sections (default all; each alternates ours and PyTorch where there is a peer):
   cpu        models A and B against PyTorch (bench/cpu_vs_pytorch.py's race)
@@ -17,10 +18,14 @@ Sections (default all; each alternates ours and PyTorch where there is a peer):
   data       start-up, steps/s and memory per rank with data of 0.1 to 16 GB (bench/data_size.py);
              --baseline-build DIR adds an in-memory build beside it
   gpu        only where nvidia-smi finds a GPU; otherwise the report says "not run: no GPU"
+  python     pipeshard.train against the train tool on model B, paired rounds: per-step and whole-call
+             times (bench/python_overhead.py; needs the module, cmake --build build --target _pipeshard);
+             --quiet-budget S lets it spend up to S seconds waiting for quiet moments and running again
+             the rounds that other work disturbed (a difference near zero drowns in a busy machine's noise)
 The report goes to --out (default bench/reports/<UTC date>.md), its PNGs to the folder of the same
 name without .md. The header records the date, machine, load average and the CPU time that other
 processes used while it ran, the commit, and the versions of torch, OpenBLAS and Open MPI. A default
-run takes about 5 minutes on the quiet 2-core VM; --quick (fewer rounds and steps) about 1.5.
+run takes about 6 minutes on the quiet 2-core VM; --quick (fewer rounds and steps) about 1.5.
 
 It is a benchmark: it exits 0 whatever the figures, and 2 when it cannot run (a tool missing, no
 torch, no mpirun, a section it does not know) or when a section failed (the report says which).
@@ -43,17 +48,19 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import cpu_vs_pytorch as cvp  # noqa: E402
 import data_size  # noqa: E402
+import python_overhead  # noqa: E402
 import report_allreduce as allreduce  # noqa: E402
 import report_partition as partition  # noqa: E402
 import report_plots as plots  # noqa: E402
 import report_training as training  # noqa: E402
 
 ROOT = cvp.ROOT
-SECTIONS = ("cpu", "batch", "parallel", "allreduce", "partition", "data", "gpu")
+SECTIONS = ("cpu", "batch", "parallel", "allreduce", "partition", "data", "gpu", "python")
 TOOLS = {"cpu": ("train", "bench_sgemm"), "batch": ("train", "bench_sgemm"), "parallel": ("train",),
-         "allreduce": ("bench_allreduce",), "partition": ("partition",), "data": ("train",), "gpu": ("train",)}
+         "allreduce": ("bench_allreduce",), "partition": ("partition",), "data": ("train",), "gpu": ("train",),
+         "python": ("train",)}
 NEEDS_MPI = {"parallel", "allreduce", "data"}
-NEEDS_TORCH = {"cpu", "batch", "parallel", "allreduce", "data"}
+NEEDS_TORCH = {"cpu", "batch", "parallel", "allreduce", "data", "python"}
 OTHERS_NOISY = 0.05  # other processes used more than this share of the machine: say so
 
 
@@ -208,8 +215,8 @@ def write_header(doc, ctx, facts, total, timings, started):
 # --------------------------------------------------------------------------- sections
 class Context:
     def __init__(self, args, folder, image_dir, image_link):
-        self.quick, self.folder = args.quick, folder
-        self.baseline_build = args.baseline_build
+        self.quick, self.folder, self.build_dir = args.quick, folder, args.build_dir
+        self.baseline_build, self.quiet_budget = args.baseline_build, args.quiet_budget
         self.tools = {t: os.path.join(args.build_dir, "bin", t) for t in ("train", "partition", "bench_sgemm",
                                                                            "bench_allreduce")}
         self.mpirun = shutil.which("mpirun")
@@ -375,9 +382,44 @@ def gpu_section(ctx, doc):
     ctx.summary.append(f"GPU: model B {t * 1e3:.2f} ms/step with train --device cuda.")
 
 
+def python_section(ctx, doc):
+    rounds, steps = (3, 40) if ctx.quick else (9, 100)
+    warmup, threads, lr, momentum = 10, training.THREADS, training.cvp.LR, training.cvp.MOMENTUM
+    folder = os.path.join(ctx.folder, "python")
+    os.makedirs(folder, exist_ok=True)
+    res = python_overhead.measure(ctx.build_dir, folder, rounds, steps, warmup, threads, ctx.progress,
+                                  ctx.quiet_budget)
+    f = python_overhead.figures(res)
+    batch = res["batch"]
+    budget = f"--quiet-budget {ctx.quiet_budget:g} " if ctx.quiet_budget else ""
+    doc.heading(2, "8. pipeshard.train against the train tool (model B)")
+    doc.para(f"`bench/python_overhead.py` (whose docstring has the details): model B trains {steps} steps of batch "
+             f"{batch} (SGD lr {lr} momentum {momentum}, file order) in one process, as `{ctx.build_rel}/bin/train "
+             f"B.onnx --data B_x.npy --labels B_y.npy --batch-size {batch} --steps {steps} {training.TRAIN_FLAGS}` "
+             f"and as `pipeshard.train(m, X, y, batch_size={batch}, lr={lr}, momentum={momentum}, shuffle=False, "
+             f"steps={steps}, progress=False)` in a child /usr/bin/python3, {threads} threads each; one unmeasured "
+             f"run of each, then {rounds} paired rounds alternating which goes first"
+             + (f" (up to {ctx.quiet_budget:g} s spent waiting for quiet moments and running again the rounds that "
+                "other work disturbed)" if ctx.quiet_budget else "") + ".")
+    doc.para("**step time** = batch / samples_per_s, which both take from train's step loop (the time between "
+             f"consecutive step ends), median over steps {warmup + 1}–{steps} of a run; **Python / CLI** per round, "
+             "and its median over rounds. **whole call**: the train process from launch to exit, against "
+             "pipeshard.load + np.load + pipeshard.train timed inside the child. This section alone: "
+             f"`/usr/bin/python3 bench/python_overhead.py --rounds {rounds} --steps {steps} {budget}"
+             f"--build {ctx.build_rel}`.")
+    doc.table(python_overhead.ROUND_HEADER, python_overhead.round_rows(f))
+    doc.table(python_overhead.SUMMARY_HEADER, python_overhead.summary_rows(f, res))
+    doc.code(python_overhead.blas_line(f, res) + "\n" + python_overhead.verdict_line(f, res))
+    quiet = f"; {f['quiet_rounds']} quiet rounds: {f['quiet_ratio']:.4f}" if f["quiet_rounds"] else ""
+    ctx.summary.append(f"Python: pipeshard.train / train per step on model B = {f['ratio']:.4f} (median of {rounds} "
+                       f"paired rounds, {python_overhead.interval(f['ratio_ci'])}{quiet}); whole call "
+                       f"{f['call']['python']:.2f} s against {f['call']['cli']:.2f} s; losses equal bit for bit: "
+                       f"{'yes' if f['same_losses'] else 'NO'}{'; NOISY' if f['noisy'] else ''}.")
+
+
 RUNNERS = {"cpu": training.cpu_section, "batch": training.batch_section, "parallel": training.parallel_section,
            "allreduce": allreduce_section, "partition": partition_section, "data": data_section,
-           "gpu": gpu_section}
+           "gpu": gpu_section, "python": python_section}
 
 
 # --------------------------------------------------------------------------- main
@@ -387,9 +429,13 @@ def parse_args():
     ap.add_argument("--sections", default=",".join(SECTIONS), help=f"any of {','.join(SECTIONS)} (default all)")
     ap.add_argument("--out", help="the Markdown file (default bench/reports/<UTC date>.md); PNGs go to the folder "
                                   "of the same name without .md")
-    ap.add_argument("--build-dir", default=os.path.join(ROOT, "build"), help="where bin/ holds the tools (default build/)")
+    ap.add_argument("--build-dir", default=os.path.join(ROOT, "build"),
+                    help="where bin/ holds the tools and python/ the module (default build/)")
     ap.add_argument("--baseline-build", default="", help="section data: a build whose train reads the data into "
                                                          "memory, for the in-memory columns")
+    ap.add_argument("--quiet-budget", type=float, default=0, metavar="SECONDS",
+                    help="section python: spend up to this long waiting for quiet moments and running again the "
+                         "rounds that other work disturbed (default 0)")
     return ap.parse_args()
 
 
@@ -405,6 +451,9 @@ def cannot_run(ctx, sections):
     if NEEDS_TORCH & set(sections) and subprocess.run([sys.executable, "-c", "import torch, onnx, numpy"],
                                                       capture_output=True).returncode != 0:
         return "needs torch, onnx and numpy (Debian python3-torch, python3-onnx); run with /usr/bin/python3"
+    module = os.path.join(ctx.build_dir, "python", "pipeshard")
+    if "python" in sections and not os.path.isdir(module):
+        return f"{module} is missing (section python); build it first: cmake --build {ctx.build_rel} --target _pipeshard"
     if "partition" in sections and subprocess.run([sys.executable, "-c", "import onnx"],
                                                   capture_output=True).returncode != 0:
         return "the partition section needs the onnx package (Debian python3-onnx)"
