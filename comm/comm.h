@@ -15,7 +15,12 @@
 //   tags exist for MPI's benefit only (NCCL has none), so schedules never rely on a
 //   tag to reorder receives.
 // - reduce_scatter's send and recv must not overlap; all_gather may run in place when
-//   send == recv + rank() * n.
+//   send == recv + rank() * n, and its send and recv must not overlap otherwise.
+// - Exactness: every rank ends an all_gather with the same bits (it only copies), and an
+//   all-reduce or reduce_scatter sums each element in an order that depends on the
+//   communicator and the sizes, never on timing, so a rerun gives the same bits. MPI and
+//   the in-process group sum a reduce_scatter in rank order, ((x0 + x1) + x2) + …, so
+//   the two give the same block bit for bit; NCCL sums in the order of its ring.
 // - Calls come from the thread that created the world (MPI_THREAD_FUNNELED). Groups
 //   are destroyed in the same order on every rank (freeing is collective in MPI).
 #ifndef PIPESHARD_COMM_COMM_H_

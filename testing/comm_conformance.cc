@@ -5,8 +5,10 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <bit>
 #include <chrono>
 #include <cmath>
+#include <cstdint>
 #include <cstring>
 #include <new>
 #include <string>
@@ -267,6 +269,82 @@ void reduce_scatter_gives_each_rank_its_block(const CommUnderTest& t) {
   c.reduce_scatter(send.data(), recv.data(), n, ReduceOp::kAverage);
   expect_values(
       recv.read(), [&](int64_t j) { return 0.5f * (size - 1) + rank * 1000.0f + j; }, "average");
+}
+
+// Floats whose sums round, and at every fourth element (1, 2^24, −2^24, then small ones) a
+// sum that depends on the order: ((1 + 2^24) − 2^24) = 0 in float, (2^24 − 2^24) + 1 = 1.
+float rounding_value(int rank, int64_t i) {
+  if (i % 4 == 0) {
+    const float pattern[] = {1.0f, 16777216.0f, -16777216.0f};
+    return rank < 3 ? pattern[rank] : 0.25f * static_cast<float>(rank);
+  }
+  const uint32_t h = (static_cast<uint32_t>(rank) + 1) * 2654435761u ^ static_cast<uint32_t>(i) * 40503u;
+  return static_cast<float>(h % 100003) / 7.0f - 5000.0f;
+}
+
+// The float sum of rounding_value over ranks 0, 1, …, size − 1, in that order.
+float rank_order_sum(int size, int64_t i) {
+  float sum = rounding_value(0, i);
+  for (int r = 1; r < size; ++r) sum += rounding_value(r, i);
+  return sum;
+}
+
+// got[i] and want(i) have the same bits (== would let −0 pass for +0).
+void expect_bits(const std::vector<float>& got, const std::function<float(int64_t)>& want, const std::string& what) {
+  int reported = 0;
+  for (size_t i = 0; i < got.size() && reported < 5; ++i) {
+    const float w = want(static_cast<int64_t>(i));
+    if (std::bit_cast<uint32_t>(got[i]) != std::bit_cast<uint32_t>(w)) {
+      ++reported;
+      ADD_FAILURE() << what << "[" << i << "]: got " << got[i] << ", want " << w << " (bit for bit)";
+    }
+  }
+}
+
+// comm.h's exactness promise for MPI and the in-process group: a reduce-scatter sums in rank
+// order, so the two agree bit for bit.
+void reduce_scatter_sums_in_rank_order(const CommUnderTest& t) {
+  if (t.reduce_scatter_order != ReduceScatterOrder::kRankOrder) {
+    GTEST_SKIP() << "this communicator sums in an order of its own";
+  }
+  Communicator& c = t.world;
+  const int size = c.size(), rank = c.rank();
+  const int64_t n = 37;  // odd, and several pieces of the small-piece MPI world
+  Buffer send(t.memory, values(size * n, [&](int64_t i) { return rounding_value(rank, i); }));
+  Buffer recv(t.memory, n, -1.0f);
+  auto want = [&](int64_t j) { return rank_order_sum(size, rank * n + j); };
+  c.reduce_scatter(send.data(), recv.data(), n, ReduceOp::kSum);
+  expect_bits(recv.read(), want, "reduce_scatter");
+  c.reduce_scatter(send.data(), recv.data(), n, ReduceOp::kAverage);
+  expect_bits(
+      recv.read(), [&](int64_t j) { return want(j) / static_cast<float>(size); }, "reduce_scatter (average)");
+}
+
+// 64-bit FNV-1a of the floats' bits.
+uint64_t fingerprint(const std::vector<float>& v) {
+  uint64_t h = 14695981039346656037ull;
+  for (float x : v) {
+    const uint32_t bits = std::bit_cast<uint32_t>(x);
+    for (int k = 0; k < 4; ++k) h = (h ^ ((bits >> (8 * k)) & 0xff)) * 1099511628211ull;
+  }
+  return h;
+}
+
+// ZeRO's round trip on floats that round: reduce-scatter, then all-gather the blocks in
+// place. Every rank must end with the same bits (compared by fingerprint with rank 0's), in
+// any communicator's order.
+void gathered_bits_agree_on_every_rank(const CommUnderTest& t) {
+  Communicator& c = t.world;
+  const int size = c.size(), rank = c.rank();
+  const int64_t n = 37;
+  Buffer send(t.memory, values(size * n, [&](int64_t i) { return rounding_value(rank, i); }));
+  Buffer all(t.memory, size * n, -1.0f);
+  c.reduce_scatter(send.data(), all.data() + rank * n, n, ReduceOp::kAverage);
+  c.all_gather(all.data() + rank * n, all.data(), n);
+  const uint64_t mine = fingerprint(all.read());
+  uint64_t root = mine;
+  c.broadcast_bytes(&root, sizeof root, 0);
+  EXPECT_EQ(mine, root) << "rank " << rank << "'s all-gathered bits differ from rank 0's";
 }
 
 void broadcast_from_every_root(const CommUnderTest& t) {
@@ -566,6 +644,8 @@ const std::vector<ConformanceCase>& comm_conformance_cases() {
       {"GatherTextToEveryRoot", gather_text_to_every_root},
       {"AllGatherConcatenatesInRankOrder", all_gather_concatenates_in_rank_order},
       {"ReduceScatterGivesEachRankItsBlock", reduce_scatter_gives_each_rank_its_block},
+      {"ReduceScatterSumsInRankOrder", reduce_scatter_sums_in_rank_order},
+      {"GatheredBitsAgreeOnEveryRank", gathered_bits_agree_on_every_rank},
       {"BroadcastFromEveryRoot", broadcast_from_every_root},
       {"BroadcastBytesFromEveryRoot", broadcast_bytes_from_every_root},
       {"BarrierWaitsForEveryRank", barrier_waits_for_every_rank},

@@ -9,7 +9,8 @@
 //   non-blocking all-reduce do not match each other (nor do they in MPI).
 // - Reductions are deterministic: a sum in rank order (((r0 + r1) + r2) + …), in float for
 //   float buffers and in double for doubles; kAverage is that float sum divided by size()
-//   in float. Async collectives complete once every rank has posted them; their results
+//   in float. A reduce-scatter's block is bit for bit the MPI communicator's. Async
+//   collectives complete once every rank has posted them; their results
 //   are written to the caller's buffer in Request::wait(), so a buffer must not be touched
 //   between the call and wait() (comm.h's rule; here breaking it shows as wrong values).
 // - Point to point: messages from one rank to another match receives in the order both

@@ -268,8 +268,9 @@ class CudaCommMemory final : public CommMemory {
 void run_on_nccl(const ConformanceCase& c) {
   if (!g_no_gpu.empty()) GTEST_SKIP() << g_no_gpu;
   CudaCommMemory memory;
-  // NCCL has no tags: receives match by issue order only (comm.h).
-  c.run({*g_nccl, memory, SelfTransfers::kSupported, TagMatching::kIssueOrderOnly});
+  // NCCL has no tags: receives match by issue order only, and it sums in its ring's order (comm.h).
+  c.run({*g_nccl, memory, SelfTransfers::kSupported, TagMatching::kIssueOrderOnly,
+         ReduceScatterOrder::kCommunicatorsOwn});
 }
 
 // Why this process cannot use a GPU, or empty.
