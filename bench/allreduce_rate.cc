@@ -7,6 +7,7 @@
 //   async+wait                 Communicator::all_reduce_async(...)->wait()
 //   MPI_Allreduce              raw MPI_Allreduce(MPI_IN_PLACE, ...)
 //   rs+ag                      Communicator::reduce_scatter(data → block), then all_gather(block → data)
+//   rs+ag_async                the same with reduce_scatter_async(...)->wait(), all_gather_async(...)->wait()
 //   MPI_RSB+Allgather          raw MPI_Reduce_scatter_block, then MPI_Allgather, the same buffers
 //   reduce_scatter             Communicator::reduce_scatter(data → block) alone
 //   MPI_Reduce_scatter_block   raw, alone
@@ -96,6 +97,11 @@ const std::vector<Way>& all_ways() {
        [](Communicator& c, Buffers& b) {
          c.reduce_scatter(b.data.data(), b.block.data(), b.block_n(), ReduceOp::kSum);
          c.all_gather(b.block.data(), b.data.data(), b.block_n());
+       }},
+      {"rs+ag_async", Result::kAllReduce, true,
+       [](Communicator& c, Buffers& b) {
+         c.reduce_scatter_async(b.data.data(), b.block.data(), b.block_n(), ReduceOp::kSum)->wait();
+         c.all_gather_async(b.block.data(), b.data.data(), b.block_n())->wait();
        }},
       {"MPI_RSB+Allgather", Result::kAllReduce, true,
        [](Communicator& c, Buffers& b) {

@@ -9,8 +9,10 @@
 // for this before they run). Failures of the transport are fatal and abort the whole
 // job, so no rank is left waiting for a dead peer.
 //
-// - Results of an async operation are valid only after wait(); kAverage is a float sum
-//   divided by size() in float.
+// - Results of an async operation are valid only after wait(); until then its input is
+//   not to be written and its output not to be read or written. Any number may be in
+//   flight, on one group or several, and waited for in any order. kAverage is a float
+//   sum divided by size() in float.
 // - Point-to-point messages between two ranks match in the order they are issued;
 //   tags exist for MPI's benefit only (NCCL has none), so schedules never rely on a
 //   tag to reorder receives.
@@ -66,6 +68,12 @@ class Communicator {
   virtual void all_gather(const float* send, float* recv, int64_t n) = 0;
   // recv[n] = op over ranks of block `rank()` of send[size * n].
   virtual void reduce_scatter(const float* send, float* recv, int64_t n, ReduceOp op) = 0;
+  // The same, started and finished by the Request's wait(), with the same result bit for
+  // bit (ZeRO reduce-scatters gradient buckets while backward runs, then all-gathers the
+  // updated weights). A blocking call and an async one are different collectives: every
+  // rank issues the same kind in the same order, as in MPI.
+  virtual std::unique_ptr<Request> all_gather_async(const float* send, float* recv, int64_t n) = 0;
+  virtual std::unique_ptr<Request> reduce_scatter_async(const float* send, float* recv, int64_t n, ReduceOp op) = 0;
   // data[n] = root's data[n].
   virtual void broadcast(float* data, int64_t n, int root) = 0;
   // bytes[n] = root's bytes[n], in HOST memory whatever memory the communicator works on:

@@ -205,23 +205,35 @@ TEST_P(CommTest, ReduceScatterGivesEachRankItsBlock) {
 
 // Reduce-scatter and all-gather go by direct exchange over point-to-point, in messages of
 // at most the per-call limit: block sizes below, at and above kSmallPiece, none a multiple
-// of it but one, all-gather in place and not.
+// of it but one, blocking and async, all-gather in place and not.
 TEST_P(CommTest, ReduceScatterAndAllGatherAtAwkwardSizes) {
   Communicator& c = comm();
   const int size = c.size(), rank = c.rank();
   for (int64_t n : {int64_t{1}, int64_t{6}, kSmallPiece, kSmallPiece + 1, int64_t{13}, int64_t{50}}) {
-    SCOPED_TRACE("n=" + std::to_string(n));
-    std::vector<float> send(size * n), recv(n, -1.0f);
-    for (int64_t i = 0; i < size * n; ++i) send[i] = static_cast<float>(rank + 10 * i);
-    c.reduce_scatter(send.data(), recv.data(), n, ReduceOp::kSum);
-    for (int64_t j = 0; j < n; ++j) EXPECT_EQ(recv[j], 0.5f * size * (size - 1) + 10.0f * size * (rank * n + j));
+    for (bool async : {false, true}) {
+      SCOPED_TRACE("n=" + std::to_string(n) + (async ? ", async" : ", blocking"));
+      std::vector<float> send(size * n), recv(n, -1.0f);
+      for (int64_t i = 0; i < size * n; ++i) send[i] = static_cast<float>(rank + 10 * i);
+      if (async) {
+        c.reduce_scatter_async(send.data(), recv.data(), n, ReduceOp::kSum)->wait();
+      } else {
+        c.reduce_scatter(send.data(), recv.data(), n, ReduceOp::kSum);
+      }
+      for (int64_t j = 0; j < n; ++j) EXPECT_EQ(recv[j], 0.5f * size * (size - 1) + 10.0f * size * (rank * n + j));
 
-    std::vector<float> gathered(size * n, -1.0f), in_place(size * n, -1.0f);
-    for (int64_t j = 0; j < n; ++j) in_place[rank * n + j] = recv[j];
-    c.all_gather(recv.data(), gathered.data(), n);
-    c.all_gather(in_place.data() + rank * n, in_place.data(), n);
-    for (int64_t i = 0; i < size * n; ++i) EXPECT_EQ(gathered[i], 0.5f * size * (size - 1) + 10.0f * size * i);
-    EXPECT_EQ(in_place, gathered);
+      std::vector<float> gathered(size * n, -1.0f), in_place(size * n, -1.0f);
+      for (int64_t j = 0; j < n; ++j) in_place[rank * n + j] = recv[j];
+      if (async) {
+        std::unique_ptr<Request> out = c.all_gather_async(recv.data(), gathered.data(), n);
+        c.all_gather_async(in_place.data() + rank * n, in_place.data(), n)->wait();
+        out->wait();
+      } else {
+        c.all_gather(recv.data(), gathered.data(), n);
+        c.all_gather(in_place.data() + rank * n, in_place.data(), n);
+      }
+      for (int64_t i = 0; i < size * n; ++i) EXPECT_EQ(gathered[i], 0.5f * size * (size - 1) + 10.0f * size * i);
+      EXPECT_EQ(in_place, gathered);
+    }
   }
 }
 
@@ -397,7 +409,7 @@ TEST(LargeMessageTest, FourMillionFloats) {
 }
 
 // Reduce-scatters travel in messages of 1 MiB (comm_mpi.cc): blocks of two such chunks and
-// 3 floats, so the last is short, exact sums and averages.
+// 3 floats, so the last is short, several in flight, exact sums and averages.
 TEST(LargeMessageTest, ReduceScatterAndAllGatherAcrossChunks) {
   Communicator& c = *g_world;
   const int size = c.size(), rank = c.rank();
@@ -407,8 +419,11 @@ TEST(LargeMessageTest, ReduceScatterAndAllGatherAcrossChunks) {
   // rank + 1 + i·size averages to (size + 1)/2 + i·size exactly; its sum needs no rounding either.
   std::vector<float> spread(total);
   for (int64_t i = 0; i < total; ++i) spread[i] = static_cast<float>(rank + 1 + (i % 1024) * size);
-  c.reduce_scatter(send.data(), summed.data(), n, ReduceOp::kSum);
-  c.reduce_scatter(spread.data(), averaged.data(), n, ReduceOp::kAverage);
+  std::unique_ptr<Request> sum = c.reduce_scatter_async(send.data(), summed.data(), n, ReduceOp::kSum);
+  std::unique_ptr<Request> average = c.reduce_scatter_async(spread.data(), averaged.data(), n, ReduceOp::kAverage);
+  c.progress();
+  average->wait();
+  sum->wait();
   int64_t wrong_sums = 0, wrong_averages = 0;
   for (int64_t j = 0; j < n; ++j) {
     const int64_t i = rank * n + j;

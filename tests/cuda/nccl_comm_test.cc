@@ -172,6 +172,30 @@ TEST_F(NcclCommTest, ReduceScatterGivesTheOnlyBlock) {
   }
 }
 
+// The async forms queue on the NCCL stream like the blocking ones: several in flight,
+// waited for out of order, the kAverage division included.
+TEST_F(NcclCommTest, AsyncReduceScatterAndAllGather) {
+  const std::vector<float> values = pattern(4097, 0.5f);
+  const int64_t n = static_cast<int64_t>(values.size());
+  DeviceArray<float> send(values), summed(values.size(), 9.0f), averaged(values.size(), 9.0f);
+  DeviceArray<float> gathered(values.size(), -1.0f), in_place(values);
+  std::unique_ptr<Request> sum = nccl().reduce_scatter_async(send.data(), summed.data(), n, ReduceOp::kSum);
+  std::unique_ptr<Request> gather = nccl().all_gather_async(send.data(), gathered.data(), n);
+  std::unique_ptr<Request> average = nccl().reduce_scatter_async(send.data(), averaged.data(), n, ReduceOp::kAverage);
+  std::unique_ptr<Request> own = nccl().all_gather_async(in_place.data(), in_place.data(), n);  // send == recv + rank·n
+  nccl().progress();
+  own->wait();
+  average->wait();
+  gather->wait();
+  sum->wait();
+  expect_bitwise_equal(summed.host(), values, "reduce_scatter_async (sum)");
+  expect_bitwise_equal(averaged.host(), values, "reduce_scatter_async (average)");
+  expect_bitwise_equal(gathered.host(), values, "all_gather_async");
+  expect_bitwise_equal(in_place.host(), values, "all_gather_async in place");
+  nccl().reduce_scatter_async(nullptr, nullptr, 0, ReduceOp::kSum)->wait();
+  nccl().all_gather_async(nullptr, nullptr, 0)->wait();
+}
+
 TEST_F(NcclCommTest, BroadcastFromTheRoot) {
   const std::vector<float> values = pattern(100, 0.0f);
   DeviceArray<float> data(values);
