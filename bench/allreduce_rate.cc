@@ -6,17 +6,17 @@
 //   all_reduce                 Communicator::all_reduce(data, n, kSum)            in place
 //   async+wait                 Communicator::all_reduce_async(...)->wait()
 //   MPI_Allreduce              raw MPI_Allreduce(MPI_IN_PLACE, ...)
-//   rs+ag                      Communicator::reduce_scatter(data → block), then all_gather(block → data)
+//   rs+ag                      Communicator::reduce_scatter, then all_gather, both in place in data
+//                              (this rank's block of data becomes its sum, then is gathered): an
+//                              all-reduce in ZeRO's two steps, copying no more than all_reduce does
 //   rs+ag_async                the same with reduce_scatter_async(...)->wait(), all_gather_async(...)->wait()
-//   MPI_RSB+Allgather          raw MPI_Reduce_scatter_block, then MPI_Allgather, the same buffers
-//   reduce_scatter             Communicator::reduce_scatter(data → block) alone
-//   MPI_Reduce_scatter_block   raw, alone
-//   all_gather                 Communicator::all_gather alone, in place (this rank's block already in data,
-//                              as ZeRO gathers its updated weights)
+//   MPI_RSB+Allgather          raw MPI_Reduce_scatter_block(data → block), then MPI_Allgather(block → data)
+//   reduce_scatter             Communicator::reduce_scatter alone, in place
+//   MPI_Reduce_scatter_block   raw, alone (data → block: MPI's in place has another layout)
+//   all_gather                 Communicator::all_gather alone, in place (as ZeRO gathers its weights)
 //   MPI_Allgather              raw, alone, MPI_IN_PLACE
-// where data holds the whole buffer and block its 1/N (a reduce-scatter's result). The reduce-scatter
-// and all-gather ways move the first N·⌊floats/N⌋ floats; the pairs are an all-reduce of them, and
-// their all-gather copies this rank's block into data as well.
+// where data holds the whole buffer and block holds 1/N of it. The reduce-scatter and all-gather ways
+// move the first N·⌊floats/N⌋ floats.
 // For buffers from min_bytes to max_bytes, doubling, `repetitions` times: a barrier, then `iters`
 // back-to-back calls; a repetition's time is the slowest rank's elapsed time / iters (a collective
 // is done when every rank is). The ways alternate within a repetition, in an order that rotates
@@ -63,15 +63,18 @@ struct Buffers {
 // What a way computes, which decides its check and its bus factor.
 enum class Result {
   kAllReduce,      // data = Σ over ranks of data (the split ways: its first N·block floats)
-  kReduceScatter,  // block = Σ over ranks of block `rank` of data
+  kReduceScatter,  // block, or block `rank` of data in place, = Σ over ranks of block `rank` of data
   kAllGather,      // data = every rank's block, in rank order
 };
+// Where a reduce-scatter leaves its result.
+enum class Placement { kBlock, kInPlace };
 
 struct Way {
   const char* name;
   Result result;
   bool split;  // moves N·block floats rather than the whole buffer
   std::function<void(Communicator&, Buffers&)> run;
+  Placement placement = Placement::kBlock;
 };
 
 void copy_floats(const float* from, float* to, int64_t n) { std::memcpy(to, from, sizeof(float) * n); }
@@ -95,13 +98,15 @@ const std::vector<Way>& all_ways() {
        }},
       {"rs+ag", Result::kAllReduce, true,
        [](Communicator& c, Buffers& b) {
-         c.reduce_scatter(b.data.data(), b.block.data(), b.block_n(), ReduceOp::kSum);
-         c.all_gather(b.block.data(), b.data.data(), b.block_n());
+         float* mine = b.data.data() + c.rank() * b.block_n();
+         c.reduce_scatter(b.data.data(), mine, b.block_n(), ReduceOp::kSum);
+         c.all_gather(mine, b.data.data(), b.block_n());
        }},
       {"rs+ag_async", Result::kAllReduce, true,
        [](Communicator& c, Buffers& b) {
-         c.reduce_scatter_async(b.data.data(), b.block.data(), b.block_n(), ReduceOp::kSum)->wait();
-         c.all_gather_async(b.block.data(), b.data.data(), b.block_n())->wait();
+         float* mine = b.data.data() + c.rank() * b.block_n();
+         c.reduce_scatter_async(b.data.data(), mine, b.block_n(), ReduceOp::kSum)->wait();
+         c.all_gather_async(mine, b.data.data(), b.block_n())->wait();
        }},
       {"MPI_RSB+Allgather", Result::kAllReduce, true,
        [](Communicator& c, Buffers& b) {
@@ -112,8 +117,9 @@ const std::vector<Way>& all_ways() {
        }},
       {"reduce_scatter", Result::kReduceScatter, true,
        [](Communicator& c, Buffers& b) {
-         c.reduce_scatter(b.data.data(), b.block.data(), b.block_n(), ReduceOp::kSum);
-       }},
+         c.reduce_scatter(b.data.data(), b.data.data() + c.rank() * b.block_n(), b.block_n(), ReduceOp::kSum);
+       },
+       Placement::kInPlace},
       {"MPI_Reduce_scatter_block", Result::kReduceScatter, true,
        [](Communicator& c, Buffers& b) {
          if (c.size() == 1) return copy_floats(b.data.data(), b.block.data(), b.block_n());
@@ -157,9 +163,11 @@ bool check(Communicator& comm, const Way& way, Buffers& b) {
     case Result::kAllReduce:
       for (int64_t i = 0; i < moved && ok; ++i) ok = b.data[i] == ranks_sum * (i % 8 + 1);
       break;
-    case Result::kReduceScatter:
-      for (int64_t j = 0; j < block && ok; ++j) ok = b.block[j] == ranks_sum * ((rank * block + j) % 8 + 1);
+    case Result::kReduceScatter: {
+      const float* mine = way.placement == Placement::kInPlace ? b.data.data() + rank * block : b.block.data();
+      for (int64_t j = 0; j < block && ok; ++j) ok = mine[j] == ranks_sum * ((rank * block + j) % 8 + 1);
       break;
+    }
     case Result::kAllGather:
       for (int64_t i = 0; i < moved && ok; ++i) ok = b.data[i] == contribution(static_cast<int>(i / block), i);
       break;

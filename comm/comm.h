@@ -16,8 +16,9 @@
 // - Point-to-point messages between two ranks match in the order they are issued;
 //   tags exist for MPI's benefit only (NCCL has none), so schedules never rely on a
 //   tag to reorder receives.
-// - reduce_scatter's send and recv must not overlap; all_gather may run in place when
-//   send == recv + rank() * n, and its send and recv must not overlap otherwise.
+// - In place: reduce_scatter when recv == send + rank() * n (this rank's block of the input
+//   becomes its result), all_gather when send == recv + rank() * n (this rank's block is
+//   already where it belongs). Otherwise their send and recv must not overlap.
 // - Exactness: every rank ends an all_gather with the same bits (it only copies), and an
 //   all-reduce or reduce_scatter sums each element in an order that depends on the
 //   communicator and the sizes, never on timing, so a rerun gives the same bits. MPI and

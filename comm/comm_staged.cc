@@ -107,8 +107,8 @@ class StagedCommunicator final : public Communicator {
     host_.reduce_scatter(all.data(), mine.data(), n, op);
     upload(backend_, recv, mine);
   }
-  // Both download their input now (an in-place all-gather's block before anything is
-  // written back) and upload the result in wait().
+  // Both download their input now (in place, before anything is written back) and upload
+  // the result in wait().
   std::unique_ptr<Request> all_gather_async(const float* send, float* recv, int64_t n) override {
     check_count(n);
     auto r = std::make_unique<StagedRequest>(backend_, std::vector<float>(static_cast<size_t>(n * size())), recv,

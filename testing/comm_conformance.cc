@@ -293,6 +293,8 @@ void async_reduce_scatters_and_all_gathers_in_flight(const CommUnderTest& t) {
   std::unique_ptr<Request> a = c.reduce_scatter_async(a_send.data(), a_recv.data(), a_n, ReduceOp::kSum);
   std::unique_ptr<Request> b = c.all_gather_async(b_all.data() + rank * b_n, b_all.data(), b_n);  // in place
   std::unique_ptr<Request> d = c.reduce_scatter_async(d_send.data(), d_recv.data(), d_n, ReduceOp::kAverage);
+  Buffer g_all(t.memory, values(size * b_n, [&](int64_t i) { return block_value(rank, i); }));
+  std::unique_ptr<Request> g = c.reduce_scatter_async(g_all.data(), g_all.data() + rank * b_n, b_n, ReduceOp::kSum);
   std::unique_ptr<Request> e = c.all_gather_async(e_send.data(), e_all.data(), a_n);
   c.progress();
   // Blocking collectives on the same group while all four are in flight.
@@ -303,6 +305,7 @@ void async_reduce_scatters_and_all_gathers_in_flight(const CommUnderTest& t) {
   e->wait();
   b->wait();
   d->wait();
+  g->wait();
   a->wait();
   a->wait();  // a second wait returns at once
 
@@ -316,6 +319,9 @@ void async_reduce_scatters_and_all_gathers_in_flight(const CommUnderTest& t) {
       "reduce_scatter_async (average)");
   expect_values(
       b_all.read(), [&](int64_t i) { return (i / b_n) * 100.0f + i % b_n; }, "all_gather_async in place");
+  const std::vector<float> g_result = g_all.read();
+  expect_values(std::vector<float>(g_result.begin() + rank * b_n, g_result.begin() + (rank + 1) * b_n), reduced(b_n),
+                "reduce_scatter_async in place");
   expect_values(
       e_all.read(), [&](int64_t i) { return (i / a_n) * 100.0f + i % a_n; }, "all_gather_async");
 
@@ -377,6 +383,18 @@ void reduce_scatter_sums_in_rank_order(const CommUnderTest& t) {
   c.reduce_scatter_async(send.data(), recv.data(), n, ReduceOp::kAverage)->wait();
   expect_bits(
       recv.read(), [&](int64_t j) { return want(j) / static_cast<float>(size); }, "reduce_scatter_async (average)");
+
+  // In place: this rank's block of the input becomes its result.
+  Buffer in_place(t.memory, values(size * n, [&](int64_t i) { return rounding_value(rank, i); }));
+  c.reduce_scatter(in_place.data(), in_place.data() + rank * n, n, ReduceOp::kSum);
+  const std::vector<float> all = in_place.read();
+  expect_bits(std::vector<float>(all.begin() + rank * n, all.begin() + (rank + 1) * n), want,
+              "reduce_scatter in place");
+  in_place.write(values(size * n, [&](int64_t i) { return rounding_value(rank, i); }));
+  c.reduce_scatter_async(in_place.data(), in_place.data() + rank * n, n, ReduceOp::kSum)->wait();
+  const std::vector<float> again = in_place.read();
+  expect_bits(std::vector<float>(again.begin() + rank * n, again.begin() + (rank + 1) * n), want,
+              "reduce_scatter_async in place");
 }
 
 // 64-bit FNV-1a of the floats' bits.

@@ -509,8 +509,9 @@ class InProcessCommunicator final : public Communicator {
     check_buffer(send, n);
     check_buffer(recv, n);
     const int64_t total = n * size();
-    PIPESHARD_CHECK(n == 0 || send + total <= recv || recv + n <= send,
-                    "reduce_scatter's send and receive buffers overlap");
+    // In place is recv == send + rank·n; any other overlap is an error in MPI.
+    PIPESHARD_CHECK(n == 0 || recv == send + rank_ * n || send + total <= recv || recv + n <= send,
+                    "reduce_scatter's receive buffer overlaps its send buffer other than at this rank's block");
     return post({kind, n, 0, op}, Contribution::of_floats(copy_of(send, total)));
   }
   void check_root(int root) const {

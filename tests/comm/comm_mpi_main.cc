@@ -205,7 +205,7 @@ TEST_P(CommTest, ReduceScatterGivesEachRankItsBlock) {
 
 // Reduce-scatter and all-gather go by direct exchange over point-to-point, in messages of
 // at most the per-call limit: block sizes below, at and above kSmallPiece, none a multiple
-// of it but one, blocking and async, all-gather in place and not.
+// of it but one, blocking and async, in place and not.
 TEST_P(CommTest, ReduceScatterAndAllGatherAtAwkwardSizes) {
   Communicator& c = comm();
   const int size = c.size(), rank = c.rank();
@@ -220,6 +220,13 @@ TEST_P(CommTest, ReduceScatterAndAllGatherAtAwkwardSizes) {
         c.reduce_scatter(send.data(), recv.data(), n, ReduceOp::kSum);
       }
       for (int64_t j = 0; j < n; ++j) EXPECT_EQ(recv[j], 0.5f * size * (size - 1) + 10.0f * size * (rank * n + j));
+      std::vector<float> reduced_in_place = send;  // recv = send + rank·n
+      if (async) {
+        c.reduce_scatter_async(reduced_in_place.data(), reduced_in_place.data() + rank * n, n, ReduceOp::kSum)->wait();
+      } else {
+        c.reduce_scatter(reduced_in_place.data(), reduced_in_place.data() + rank * n, n, ReduceOp::kSum);
+      }
+      EXPECT_TRUE(std::equal(recv.begin(), recv.end(), reduced_in_place.begin() + rank * n)) << "in place";
 
       std::vector<float> gathered(size * n, -1.0f), in_place(size * n, -1.0f);
       for (int64_t j = 0; j < n; ++j) in_place[rank * n + j] = recv[j];
@@ -408,12 +415,12 @@ TEST(LargeMessageTest, FourMillionFloats) {
   EXPECT_EQ(wrong, 0);
 }
 
-// Reduce-scatters travel in messages of 1 MiB (comm_mpi.cc): blocks of two such chunks and
+// Reduce-scatters travel in messages of 4 MiB (comm_mpi.cc): blocks of one such chunk and
 // 3 floats, so the last is short, several in flight, exact sums and averages.
 TEST(LargeMessageTest, ReduceScatterAndAllGatherAcrossChunks) {
   Communicator& c = *g_world;
   const int size = c.size(), rank = c.rank();
-  const int64_t n = 2 * (int64_t{256} << 10) + 3, total = size * n;
+  const int64_t n = (int64_t{1} << 20) + 3, total = size * n;
   std::vector<float> send(total), summed(n, -1.0f), averaged(n, -1.0f), gathered(total, -1.0f);
   for (int64_t i = 0; i < total; ++i) send[i] = static_cast<float>(i % 4096 + rank);
   // rank + 1 + i·size averages to (size + 1)/2 + i·size exactly; its sum needs no rounding either.

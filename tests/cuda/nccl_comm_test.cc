@@ -183,7 +183,11 @@ TEST_F(NcclCommTest, AsyncReduceScatterAndAllGather) {
   std::unique_ptr<Request> gather = nccl().all_gather_async(send.data(), gathered.data(), n);
   std::unique_ptr<Request> average = nccl().reduce_scatter_async(send.data(), averaged.data(), n, ReduceOp::kAverage);
   std::unique_ptr<Request> own = nccl().all_gather_async(in_place.data(), in_place.data(), n);  // send == recv + rank·n
+  DeviceArray<float> reduced_in_place(values);
+  std::unique_ptr<Request> reduce_own =  // recv == send + rank·n
+      nccl().reduce_scatter_async(reduced_in_place.data(), reduced_in_place.data(), n, ReduceOp::kSum);
   nccl().progress();
+  reduce_own->wait();
   own->wait();
   average->wait();
   gather->wait();
@@ -192,6 +196,7 @@ TEST_F(NcclCommTest, AsyncReduceScatterAndAllGather) {
   expect_bitwise_equal(averaged.host(), values, "reduce_scatter_async (average)");
   expect_bitwise_equal(gathered.host(), values, "all_gather_async");
   expect_bitwise_equal(in_place.host(), values, "all_gather_async in place");
+  expect_bitwise_equal(reduced_in_place.host(), values, "reduce_scatter_async in place");
   nccl().reduce_scatter_async(nullptr, nullptr, 0, ReduceOp::kSum)->wait();
   nccl().all_gather_async(nullptr, nullptr, 0)->wait();
 }
