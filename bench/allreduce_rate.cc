@@ -17,10 +17,12 @@
 //   MPI_Allgather              raw, alone, MPI_IN_PLACE
 // where data holds the whole buffer and block holds 1/N of it. The reduce-scatter and all-gather ways
 // move the first N·⌊floats/N⌋ floats.
-// For buffers from min_bytes to max_bytes, doubling, `repetitions` times: a barrier, then `iters`
-// back-to-back calls; a repetition's time is the slowest rank's elapsed time / iters (a collective
-// is done when every rank is). The ways alternate within a repetition, in an order that rotates
-// from one repetition to the next, so that a burst of outside load hits all of them alike. Printed
+// For buffers from min_bytes to max_bytes, doubling, `repetitions` times: one untimed call, a
+// barrier, then `iters` back-to-back calls; a repetition's time is the slowest rank's elapsed time /
+// iters (a collective is done when every rank is). The ways alternate within a repetition, in an
+// order shuffled anew for each (the same on every rank), so that a burst of outside load hits all
+// of them alike and no way always follows the same other one; the untimed call keeps what the
+// previous way left behind (caches, skew between ranks) out of the time. Printed
 // per size and way (the nccl-tests conventions, doc/PERFORMANCE.md there):
 //   time  = median over repetitions (µs)
 //   algbw = bytes / time                     (GB/s, 1e9 bytes; the whole buffer's bytes, moved ones)
@@ -43,6 +45,8 @@
 #include <cstdlib>
 #include <cstring>
 #include <functional>
+#include <numeric>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -175,8 +179,9 @@ bool check(Communicator& comm, const Way& way, Buffers& b) {
   return comm.all_reduce_sum(ok ? 0.0 : 1.0) == 0.0;  // every rank agrees on the verdict
 }
 
-// Seconds per call of the slowest rank, over `iters` back-to-back calls.
+// Seconds per call of the slowest rank, over `iters` back-to-back calls after an untimed one.
 double time_calls(Communicator& comm, const Way& way, Buffers& b, int iters) {
+  way.run(comm, b);
   comm.barrier();
   const auto t0 = std::chrono::steady_clock::now();
   for (int i = 0; i < iters; ++i) way.run(comm, b);
@@ -279,11 +284,12 @@ int main(int argc, char** argv) {
     std::fill(buffers.block.begin(), buffers.block.end(), 0.0f);
     for (const Way* way : ways) way->run(*comm, buffers);  // warm-up
     std::vector<std::vector<double>> seconds(way_count);
+    std::vector<size_t> order(way_count);
+    std::iota(order.begin(), order.end(), size_t{0});
+    std::mt19937 shuffler(static_cast<uint32_t>(bytes));  // the same sequence on every rank
     for (int r = 0; r < repetitions; ++r) {
-      for (size_t k = 0; k < way_count; ++k) {
-        const size_t w = (r + k) % way_count;  // rotate which way goes first
-        seconds[w].push_back(time_calls(*comm, *ways[w], buffers, iters));
-      }
+      std::shuffle(order.begin(), order.end(), shuffler);
+      for (size_t w : order) seconds[w].push_back(time_calls(*comm, *ways[w], buffers, iters));
     }
     for (size_t w = 0; w < way_count; ++w) {
       all_ok = all_ok && ok[w];
