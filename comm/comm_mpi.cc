@@ -220,9 +220,11 @@ struct ExchangeGroup {
   const std::string* others;  // the group's other ranks, for the watchdog
 };
 
-// A reduce-scatter's messages are 4 MiB, so that the sums of a chunk start while later ones
-// are still to come. Each message costs a rendezvous: on the 2-core VM at 16 MiB over 2 ranks,
-// 64 KiB chunks took 1.2× the time of whole blocks, 1 MiB 1.1×, 4 MiB 1.07×.
+// A reduce-scatter's messages are 4 MiB, so that where the transport moves data by itself (a
+// network) the sums of one chunk overlap the transfer of the next; in shared memory the
+// receiver copies (CMA), inside its MPI calls, so nothing overlaps and each message only costs
+// a rendezvous: on the 2-core VM at 16 MiB over 2 ranks, 64 KiB chunks took 1.2× the time of
+// whole blocks, 1 MiB 1.1×, 4 MiB 1.07×.
 constexpr int64_t kExchangeChunkFloats = int64_t{1} << 20;
 constexpr int kExchangeTag = 0;  // on the duplicate: exchanges match by issue order alone
 
@@ -233,11 +235,11 @@ constexpr int kExchangeTag = 0;  // on the duplicate: exchanges match by issue o
 // algorithm: an MPI_Reduce of the WHOLE buffer to rank 0 (a segmented pipeline on 2 ranks,
 // one whole buffer after another on 4), then an MPI_Scatter. Rank 0 receives and sums
 // everything alone while the others wait, then sends their blocks back: at 16 MiB on 2
-// ranks several times the time of an MPI_Allreduce of the same buffer, which is itself a
-// reduce-scatter and an all-gather inside (Rabenseifner's algorithm). Its other algorithms,
-// forced with OMPI_MCA_coll_tuned_use_dynamic_rules (recursive halving, butterfly), copy the
-// whole buffer into temporaries and were no match for the all-reduce either. bench/README.md
-// has the figures (bench_allreduce).
+// ranks 2 to 6 times the time of an MPI_Allreduce of the same buffer (it varies from run to
+// run), which is itself a reduce-scatter and an all-gather inside (Rabenseifner's algorithm). Its other algorithms,
+// forced through OMPI_MCA_coll_tuned_use_dynamic_rules (recursive doubling, recursive halving,
+// butterfly), took 1.5 to 4 times the all-reduce's time on their own. bench/README.md has the
+// figures (bench_allreduce).
 //
 // Instead every rank sends block b of its buffer straight to rank b and receives its own
 // block from every other rank, in messages of `chunk` floats: (size − 1)/size of the buffer
