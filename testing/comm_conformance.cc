@@ -297,7 +297,7 @@ void async_reduce_scatters_and_all_gathers_in_flight(const CommUnderTest& t) {
   std::unique_ptr<Request> g = c.reduce_scatter_async(g_all.data(), g_all.data() + rank * b_n, b_n, ReduceOp::kSum);
   std::unique_ptr<Request> e = c.all_gather_async(e_send.data(), e_all.data(), a_n);
   c.progress();
-  // Blocking collectives on the same group while all four are in flight.
+  // Blocking collectives on the same group while the five are in flight.
   EXPECT_EQ(c.all_reduce_sum(static_cast<double>(rank + 1)), 0.5 * size * (size + 1));
   Buffer f_recv(t.memory, a_n, -1.0f);
   c.reduce_scatter(a_send.data(), f_recv.data(), a_n, ReduceOp::kSum);
