@@ -365,13 +365,11 @@ class MpiCommunicator final : public Communicator {
     int found = 0;
     PIPESHARD_MPI_CALL(MPI_Comm_get_attr(MPI_COMM_WORLD, MPI_TAG_UB, &tag_ub, &found));
     max_tag_ = found ? *tag_ub : 32767;  // the least the standard allows
-    PIPESHARD_MPI_CALL(MPI_Comm_dup(comm_, &exchange_comm_));
-    PIPESHARD_MPI_CALL(MPI_Comm_set_errhandler(exchange_comm_, MPI_ERRORS_RETURN));
     name_ranks();
   }
   ~MpiCommunicator() override {
     // Freed only while MPI runs: a communicator that outlives MPI_Finalize has nothing to free.
-    if (mpi_is_running()) PIPESHARD_MPI_CALL(MPI_Comm_free(&exchange_comm_));
+    if (exchange_comm_ != MPI_COMM_NULL && mpi_is_running()) PIPESHARD_MPI_CALL(MPI_Comm_free(&exchange_comm_));
     if (ownership_ == Ownership::kOwned && mpi_is_running()) PIPESHARD_MPI_CALL(MPI_Comm_free(&comm_));
     if (ownership_ == Ownership::kBorrowed) --live_worlds;
   }
@@ -461,14 +459,15 @@ class MpiCommunicator final : public Communicator {
     const bool in_place = send == recv + rank_ * n;
     PIPESHARD_CHECK(in_place || !overlap(send, n, recv, n * size_),
                     "all_gather's send buffer overlaps its receive buffer other than at this rank's block");
+    const MPI_Comm exchange = exchange_comm();
     std::vector<MPI_Request> requests;
     std::vector<MpiRequest::Receive> receives;
     for (int k = 1; k < size_; ++k) {
       const int from = (rank_ - k + size_) % size_;
       for_each_piece(n, max_count_, [&](int64_t offset, int count) {
         requests.emplace_back();
-        PIPESHARD_MPI_CALL(MPI_Irecv(recv + from * n + offset, count, MPI_FLOAT, from, kExchangeTag, exchange_comm_,
-                                     &requests.back()));
+        PIPESHARD_MPI_CALL(
+            MPI_Irecv(recv + from * n + offset, count, MPI_FLOAT, from, kExchangeTag, exchange, &requests.back()));
         receives.push_back({count, from, kExchangeTag});
       });
     }
@@ -476,8 +475,7 @@ class MpiCommunicator final : public Communicator {
       const int to = (rank_ + k) % size_;
       for_each_piece(n, max_count_, [&](int64_t offset, int count) {
         requests.emplace_back();
-        PIPESHARD_MPI_CALL(
-            MPI_Isend(send + offset, count, MPI_FLOAT, to, kExchangeTag, exchange_comm_, &requests.back()));
+        PIPESHARD_MPI_CALL(MPI_Isend(send + offset, count, MPI_FLOAT, to, kExchangeTag, exchange, &requests.back()));
       });
     }
     if (!in_place && n > 0) std::memcpy(recv + rank_ * n, send, sizeof(float) * static_cast<size_t>(n));
@@ -599,8 +597,19 @@ class MpiCommunicator final : public Communicator {
                     "tag " + std::to_string(tag) + " outside 0.." + std::to_string(max_tag_));
   }
 
-  ExchangeGroup exchange_group() const {
-    return ExchangeGroup{exchange_comm_, rank_, size_, std::min(kExchangeChunkFloats, max_count_), scratch_, &others_};
+  // The duplicate of comm_ that exchanges use, made on the first of them: a collective call on
+  // every rank of the group, where the constructor is not (a rank makes its world when it needs
+  // one; the Python package's world_size() on rank 0 alone, say).
+  MPI_Comm exchange_comm() {
+    if (exchange_comm_ == MPI_COMM_NULL) {
+      const WatchdogWait watched("the group duplication with", &others_);
+      PIPESHARD_MPI_CALL(MPI_Comm_dup(comm_, &exchange_comm_));
+      PIPESHARD_MPI_CALL(MPI_Comm_set_errhandler(exchange_comm_, MPI_ERRORS_RETURN));
+    }
+    return exchange_comm_;
+  }
+  ExchangeGroup exchange_group() {
+    return ExchangeGroup{exchange_comm(), rank_, size_, std::min(kExchangeChunkFloats, max_count_), scratch_, &others_};
   }
 
   // World ranks, for the watchdog's messages: peer_names_[r] = "rank W" for group rank r,
@@ -623,7 +632,7 @@ class MpiCommunicator final : public Communicator {
   }
 
   MPI_Comm comm_;
-  MPI_Comm exchange_comm_ = MPI_COMM_NULL;  // comm_'s duplicate: reduce-scatters and all-gathers
+  MPI_Comm exchange_comm_ = MPI_COMM_NULL;  // comm_'s duplicate for reduce-scatters and all-gathers, or none yet
   std::shared_ptr<ScratchPool> scratch_ = std::make_shared<ScratchPool>();
   Ownership ownership_;
   int64_t max_count_;  // elements (floats, doubles for all_reduce_sum, bytes for broadcast_bytes) per MPI call

@@ -415,6 +415,17 @@ TEST(LargeMessageTest, FourMillionFloats) {
   EXPECT_EQ(wrong, 0);
 }
 
+// Making a world communicator is local: a rank makes one when it needs one (the Python
+// package's world_size() on rank 0 alone). The duplicate that reduce-scatters and all-gathers
+// use is made by the first of them, a collective call, not by the constructor.
+TEST(WorldTest, OneRankAloneMakesAWorld) {
+  if (g_world->rank() == 0) {
+    std::unique_ptr<Communicator> alone = make_mpi_world_communicator(kMaxMpiCount);
+    EXPECT_EQ(alone->size(), g_world->size());
+  }
+  g_world->barrier();
+}
+
 // Reduce-scatters travel in messages of 4 MiB (comm_mpi.cc): blocks of one such chunk and
 // 3 floats, so the last is short, several in flight, exact sums and averages.
 TEST(LargeMessageTest, ReduceScatterAndAllGatherAcrossChunks) {
