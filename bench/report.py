@@ -13,7 +13,8 @@ Sections (default all; each alternates ours and PyTorch where there is a peer):
   parallel   data, pipeline and tensor parallelism across 2 processes, and PyTorch DDP
              (bench/distributed.py's measurement): pipeline speedup vs micro-batches against P·M/(M+P−1)
   allreduce  bus bandwidth vs message size: the communicator's all-reduce, blocking and async
-             (bench_allreduce under mpirun), raw MPI_Allreduce, and PyTorch's gloo
+             (bench_allreduce under mpirun), raw MPI_Allreduce, and PyTorch's gloo; and ZeRO's
+             reduce-scatter + all-gather of the same buffer, ours and raw MPI's
   partition  `partition` wall time on synthetic deep MLPs of 100..5000 layers, 2..64 stages
   data       start-up, steps/s and memory per rank with data of 0.1 to 16 GB (bench/data_size.py);
              --baseline-build DIR adds an in-memory build beside it
@@ -245,8 +246,7 @@ def allreduce_section(ctx, doc):
     env_peer.setdefault("GLOO_SOCKET_IFNAME", "lo")
     ways, banner, torch_version = allreduce.measure(ctx.tools["bench_allreduce"], ctx.mpirun, min_bytes, max_bytes, reps,
                                                     rounds, mpi_env(), env_peer, ctx.progress)
-    factor = allreduce.bus_factor()
-    busbw = lambda size, slot: size / slot["time_s"] * factor / 1e9
+    busbw = lambda way, size: size / ways[way][size]["time_s"] * allreduce.bus_factor(way) / 1e9
     names = [("all_reduce", "ours, all_reduce"), ("async+wait", "ours, all_reduce_async + wait"),
              ("MPI_Allreduce", "raw MPI_Allreduce"), ("gloo", f"PyTorch {torch_version} gloo")]
     doc.heading(2, "4. All-reduce bus bandwidth vs message size, 2 processes")
@@ -262,29 +262,59 @@ def allreduce_section(ctx, doc):
     for size in sorted(ways["all_reduce"]):
         row = [plots._bytes_label(size), f"{ways['all_reduce'][size]['iters']} / {ways['gloo'][size]['iters']}"]
         for way, _ in names:
-            slot = ways[way][size]
-            row += [f"{slot['time_s'] * 1e6:.1f}", f"{busbw(size, slot):.3f}"]
+            row += [f"{ways[way][size]['time_s'] * 1e6:.1f}", f"{busbw(way, size):.3f}"]
         row.append(f"{ways['gloo'][size]['time_s'] / ways['all_reduce'][size]['time_s']:.1f}")
         row.append("ok" if all(ways[w][size]["ok"] for w, _ in names) else "WRONG")
         rows.append(row)
     doc.table(["size", "iters ours / gloo"] + [h for _, label in names for h in (f"{label} µs", "busbw GB/s")]
               + ["gloo time / ours (all_reduce)", "check"], rows)
     doc.code(banner)
+
+    split = [("all_reduce", "all_reduce"), ("rs+ag", "ours, reduce_scatter + all_gather"),
+             ("rs+ag_async", "ours, both async + wait"), ("MPI_RSB+Allgather", "raw MPI_Reduce_scatter_block + MPI_Allgather"),
+             ("reduce_scatter", "ours, reduce_scatter alone"), ("all_gather", "ours, all_gather alone, in place"),
+             ("MPI_Reduce_scatter_block", "raw MPI_Reduce_scatter_block"), ("MPI_Allgather", "raw MPI_Allgather, in place")]
+    doc.para("ZeRO's traffic, the same runs: each replica reduce-scatters the gradients (its block of the sum) and "
+             "all-gathers the updated weights, which together move what one all-reduce moves. `rs+ag` is the "
+             "communicator's `reduce_scatter` into a block and `all_gather` of that block back into the buffer (an "
+             "all-reduce by other means); the halves alone are timed too, the all-gather in place as ZeRO calls it. "
+             "**busbw = algbw · 2(n−1)/n for an all-reduce and for a pair, algbw · (n−1)/n for a half alone** "
+             "(nccl-tests' reduce-scatter and all-gather convention, algbw over the whole buffer). Ours is a direct "
+             "exchange over MPI point-to-point ([comm/comm_mpi.cc](../../comm/comm_mpi.cc)): Open MPI 4.1's "
+             "MPI_Reduce_scatter_block reduces the whole buffer to rank 0 and scatters it at these sizes.")
+    rows = []
+    for size in sorted(ways["all_reduce"]):
+        row = [plots._bytes_label(size)]
+        for way, _ in split:
+            row += [f"{ways[way][size]['time_s'] * 1e6:.1f}", f"{busbw(way, size):.3f}"]
+        row.append(f"{ways['rs+ag'][size]['time_s'] / ways['all_reduce'][size]['time_s']:.2f}")
+        row.append("ok" if all(ways[w][size]["ok"] for w, _ in split) else "WRONG")
+        rows.append(row)
+    doc.table(["size"] + [h for _, label in split for h in (f"{label} µs", "busbw GB/s")]
+              + ["rs+ag time / all_reduce", "check"], rows)
+
     png, link = ctx.image("allreduce.png")
     styles = {"all_reduce": ("o-", plots.OURS), "async+wait": ("s-", "tab:green"), "MPI_Allreduce": (":", "black"),
-              "gloo": ("^-", plots.PEER)}
-    curves = [(label, [(size, busbw(size, slot), slot["time_s"]) for size, slot in sorted(ways[way].items())], *styles[way])
-              for way, label in names]
+              "gloo": ("^-", plots.PEER), "rs+ag": ("D-", "tab:purple"), "MPI_RSB+Allgather": ("--", "tab:red")}
+    curves = [(label, [(size, busbw(way, size), slot["time_s"]) for size, slot in sorted(ways[way].items())],
+               *styles[way])
+              for way, label in names + [("rs+ag", "ours, reduce_scatter + all_gather"),
+                                         ("MPI_RSB+Allgather", "raw MPI_Reduce_scatter_block + MPI_Allgather")]]
     plots.allreduce(png, curves, "busbw = bytes / time · 2(n−1)/n, n = 2; time = slowest rank, median of repetitions "
                     "and rounds. Source: bench/report.py --sections allreduce")
-    doc.image(link, "all-reduce bus bandwidth and time vs message size")
+    doc.image(link, "all-reduce and reduce-scatter + all-gather bus bandwidth and time vs message size")
     big = max(ways["all_reduce"])
-    best = max(ways["all_reduce"], key=lambda s: busbw(s, ways["all_reduce"][s]))
-    ctx.summary.append(f"All-reduce, 2 processes: ours peaks at {busbw(best, ways['all_reduce'][best]):.2f} GB/s busbw "
+    best = max(ways["all_reduce"], key=lambda s: busbw("all_reduce", s))
+    ctx.summary.append(f"All-reduce, 2 processes: ours peaks at {busbw('all_reduce', best):.2f} GB/s busbw "
                        f"({plots._bytes_label(best)}); at {plots._bytes_label(big)} all_reduce "
-                       f"{busbw(big, ways['all_reduce'][big]):.2f}, async+wait {busbw(big, ways['async+wait'][big]):.2f}, "
-                       f"gloo {busbw(big, ways['gloo'][big]):.2f} GB/s; at 4 KiB gloo takes "
+                       f"{busbw('all_reduce', big):.2f}, async+wait {busbw('async+wait', big):.2f}, "
+                       f"gloo {busbw('gloo', big):.2f} GB/s; at 4 KiB gloo takes "
                        f"{ways['gloo'][min_bytes]['time_s'] / ways['all_reduce'][min_bytes]['time_s']:.0f}× our time.")
+    mid = 16 << 20 if (16 << 20) in ways["rs+ag"] else big
+    ctx.summary.append(f"Reduce-scatter + all-gather at {plots._bytes_label(mid)}: ours "
+                       f"{ways['rs+ag'][mid]['time_s'] * 1e3:.2f} ms (async {ways['rs+ag_async'][mid]['time_s'] * 1e3:.2f}), "
+                       f"all_reduce {ways['all_reduce'][mid]['time_s'] * 1e3:.2f} ms, raw MPI_Reduce_scatter_block + "
+                       f"MPI_Allgather {ways['MPI_RSB+Allgather'][mid]['time_s'] * 1e3:.2f} ms.")
 
 
 def partition_section(ctx, doc):

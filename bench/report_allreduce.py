@@ -1,15 +1,18 @@
 """All-reduce rate for bench/report.py: ours (bench_allreduce) against PyTorch's gloo, 2 processes.
 
 Ours: `mpirun -np 2 bench_allreduce MIN MAX REPS` (bench/allreduce_rate.cc) times the communicator's
-blocking all_reduce, all_reduce_async + wait, and raw MPI_Allreduce, float32 sums in place. The peer:
+blocking all_reduce, all_reduce_async + wait, and raw MPI_Allreduce, float32 sums in place, and
+ZeRO's split of the same traffic: reduce_scatter + all_gather (blocking and async), raw
+MPI_Reduce_scatter_block + MPI_Allgather, and each half alone. The peer:
 torch.distributed.all_reduce on gloo (what DDP uses on CPUs), 2 Python processes rendezvousing
 through a file, not pinned: gloo moves data on a thread of its own, which pinning would squeeze
-onto the caller's core. Both sides time alike: per size, a
+onto the caller's core. Both sides time alike: per size and repetition, one untimed call, a
 barrier, then `iters` back-to-back calls, the slowest rank's time / iters; the median over
 repetitions; the whole sweep runs `rounds` times, ours and gloo alternating which goes first, and
 the figure is the median over rounds. gloo makes 1/8 of our calls per repetition (at least 2):
 its small messages take 2 to 3 orders of magnitude longer than ours.
-  algbw = bytes / time;  busbw = algbw * 2(n-1)/n  (nccl-tests' convention)
+  algbw = bytes / time;  busbw = algbw * 2(n-1)/n for an all-reduce or a reduce-scatter + all-gather,
+  algbw * (n-1)/n for a reduce-scatter or an all-gather alone  (nccl-tests' convention)
 
 Run as `report_allreduce.py --gloo-worker JSON`, it is one gloo rank (report.py starts them).
 """
@@ -22,6 +25,8 @@ import tempfile
 import time
 
 RANKS = 2
+# bench_allreduce's ways that move half an all-reduce's traffic (bus factor (n-1)/n, not 2(n-1)/n).
+HALF_WAYS = ("reduce_scatter", "MPI_Reduce_scatter_block", "all_gather", "MPI_Allgather")
 
 
 def iterations_for(size_bytes):
@@ -62,6 +67,7 @@ def gloo_worker(job):
         dist.all_reduce(data)  # warm-up
         iters, times = gloo_iterations_for(size), []
         for _ in range(job["repetitions"]):
+            dist.all_reduce(data)  # untimed, as bench_allreduce does before each repetition
             dist.barrier()
             t0 = time.perf_counter()
             for _ in range(iters):
@@ -118,7 +124,8 @@ def run_gloo(sizes, repetitions, env, folder, tag):
 
 def measure(bench, mpirun, min_bytes, max_bytes, repetitions, rounds, env_ours, env_peer, progress):
     """Alternating rounds of ours and gloo; returns {way: {size: {"time_s", "times", "ok"}}}, the banner,
-    torch's version. Ways: all_reduce, async+wait, MPI_Allreduce (ours), gloo (the peer)."""
+    torch's version. Ways: bench_allreduce's (all_reduce, async+wait, MPI_Allreduce, rs+ag, rs+ag_async,
+    MPI_RSB+Allgather, reduce_scatter, MPI_Reduce_scatter_block, all_gather, MPI_Allgather) and gloo."""
     sizes = sizes_between(min_bytes, max_bytes)
     per_round = {}
     banner, torch_version = "", ""
@@ -145,8 +152,10 @@ def measure(bench, mpirun, min_bytes, max_bytes, repetitions, rounds, env_ours, 
     return per_round, banner, torch_version
 
 
-def bus_factor(ranks=RANKS):
-    return 2 * (ranks - 1) / ranks
+def bus_factor(way="all_reduce", ranks=RANKS):
+    """nccl-tests' busbw / algbw for one of bench_allreduce's ways (or gloo, an all-reduce)."""
+    half = (ranks - 1) / ranks
+    return half if way in HALF_WAYS else 2 * half
 
 
 if __name__ == "__main__":

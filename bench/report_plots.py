@@ -44,9 +44,11 @@ def _save(fig, path, caption, legend_from=None):
     bottom = 0.05
     if legend_from is not None:
         handles, labels = legend_from.get_legend_handles_labels()
-        fig.legend(handles, labels, loc="lower center", ncol=len(labels), fontsize=8.5, frameon=False,
+        columns = min(len(labels), 4)  # more in one row would run off the figure
+        rows = -(-len(labels) // columns)
+        fig.legend(handles, labels, loc="lower center", ncol=columns, fontsize=8.5, frameon=False,
                    bbox_to_anchor=(0.5, 0.045))
-        bottom = 0.12
+        bottom = 0.08 + 0.04 * rows
     fig.text(0.5, 0.005, caption, ha="center", va="bottom", fontsize=7.5, color="dimgray", wrap=True)
     fig.tight_layout(rect=(0, bottom, 1, 1))
     fig.savefig(path, dpi=DPI)
@@ -127,11 +129,11 @@ def allreduce(path, curves, caption):
         right.plot([p[0] for p in pts], [p[2] * 1e6 for p in pts], style, color=color, label=label, ms=4)
     left.set_ylabel("bus bandwidth (GB/s) = bytes / time · 2(n−1)/n")
     left.set_ylim(bottom=0)
-    left.set_title("All-reduce bus bandwidth, 2 processes, float32 sum")
+    left.set_title("Bus bandwidth, 2 processes, float32")
     right.set_yscale("log")
     right.yaxis.set_major_locator(LogLocator(base=10))
-    right.set_ylabel("time per all-reduce (µs, log scale)")
-    right.set_title("All-reduce time")
+    right.set_ylabel("time per all-reduce or pair (µs, log scale)")
+    right.set_title("Time")
     every_other = sizes[::2]
     for ax in (left, right):
         _powers_of_two_axis(ax, every_other, _bytes_label)

@@ -9,13 +9,21 @@
 // for this before they run). Failures of the transport are fatal and abort the whole
 // job, so no rank is left waiting for a dead peer.
 //
-// - Results of an async operation are valid only after wait(); kAverage is a float sum
-//   divided by size() in float.
+// - Results of an async operation are valid only after wait(); until then its input is
+//   not to be written and its output not to be read or written. Any number may be in
+//   flight, on one group or several, and waited for in any order. kAverage is a float
+//   sum divided by size() in float.
 // - Point-to-point messages between two ranks match in the order they are issued;
 //   tags exist for MPI's benefit only (NCCL has none), so schedules never rely on a
 //   tag to reorder receives.
-// - reduce_scatter's send and recv must not overlap; all_gather may run in place when
-//   send == recv + rank() * n.
+// - In place: reduce_scatter when recv == send + rank() * n (this rank's block of the input
+//   becomes its result), all_gather when send == recv + rank() * n (this rank's block is
+//   already where it belongs). Otherwise their send and recv must not overlap.
+// - Exactness: every rank ends an all_gather with the same bits (it only copies), and an
+//   all-reduce or reduce_scatter sums each element in an order that depends on the
+//   communicator and the sizes, never on timing, so a rerun gives the same bits. MPI and
+//   the in-process group sum a reduce_scatter in rank order, ((x0 + x1) + x2) + …, so
+//   the two give the same block bit for bit; NCCL sums in the order of its ring.
 // - Calls come from the thread that created the world (MPI_THREAD_FUNNELED). Groups
 //   are destroyed in the same order on every rank (freeing is collective in MPI).
 #ifndef PIPESHARD_COMM_COMM_H_
@@ -61,6 +69,12 @@ class Communicator {
   virtual void all_gather(const float* send, float* recv, int64_t n) = 0;
   // recv[n] = op over ranks of block `rank()` of send[size * n].
   virtual void reduce_scatter(const float* send, float* recv, int64_t n, ReduceOp op) = 0;
+  // The same, started and finished by the Request's wait(), with the same result bit for
+  // bit (ZeRO reduce-scatters gradient buckets while backward runs, then all-gathers the
+  // updated weights). A blocking call and an async one are different collectives: every
+  // rank issues the same kind in the same order, as in MPI.
+  virtual std::unique_ptr<Request> all_gather_async(const float* send, float* recv, int64_t n) = 0;
+  virtual std::unique_ptr<Request> reduce_scatter_async(const float* send, float* recv, int64_t n, ReduceOp op) = 0;
   // data[n] = root's data[n].
   virtual void broadcast(float* data, int64_t n, int root) = 0;
   // bytes[n] = root's bytes[n], in HOST memory whatever memory the communicator works on:

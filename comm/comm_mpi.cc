@@ -13,10 +13,16 @@
 //
 // kAverage is MPI_SUM in float followed by a division by size() in float, on every rank
 // alike (MPI has no average), so all ranks hold bitwise-equal results.
+//
+// Reduce-scatter and all-gather are not MPI's collectives but a direct exchange over
+// point-to-point (ReduceScatterExchange below says why), on a duplicate of the group's
+// MPI communicator so that their messages never meet the caller's.
 #include <mpi.h>
 
 #include <algorithm>
 #include <atomic>
+#include <cstddef>
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -173,6 +179,176 @@ class MpiRequest final : public Request {
   bool done_ = false;
 };
 
+// Whether [a, a + a_n) and [b, b + b_n) share a float.
+bool overlap(const float* a, int64_t a_n, const float* b, int64_t b_n) {
+  const auto a0 = reinterpret_cast<uintptr_t>(a), b0 = reinterpret_cast<uintptr_t>(b);
+  return a_n > 0 && b_n > 0 && a0 < b0 + sizeof(float) * b_n && b0 < a0 + sizeof(float) * a_n;
+}
+
+// Host buffers that reduce-scatters receive into, kept for the next one: a fresh buffer's
+// pages fault in on first touch, which costs as much as moving them. Shared by a group and
+// its requests, which may outlive it.
+class ScratchPool {
+ public:
+  // At least n floats, contents undefined.
+  std::vector<float> take(int64_t n) {
+    for (size_t i = 0; i < spare_.size(); ++i) {
+      if (static_cast<int64_t>(spare_[i].size()) < n) continue;
+      std::vector<float> buffer = std::move(spare_[i]);
+      spare_.erase(spare_.begin() + static_cast<std::ptrdiff_t>(i));
+      return buffer;
+    }
+    return std::vector<float>(static_cast<size_t>(n));
+  }
+  void give(std::vector<float> buffer) {
+    if (buffer.empty()) return;
+    if (spare_.size() == kKept) spare_.erase(spare_.begin());  // the oldest goes
+    spare_.push_back(std::move(buffer));
+  }
+
+ private:
+  static constexpr size_t kKept = 4;  // one per reduce-scatter in flight, for a few buckets
+  std::vector<std::vector<float>> spare_;
+};
+
+// What an exchange needs of its group.
+struct ExchangeGroup {
+  MPI_Comm comm;  // the group's duplicate, for exchanges only
+  int rank, size;
+  int64_t chunk;  // floats per message: ≤ the per-call limit
+  std::shared_ptr<ScratchPool> scratch;
+  const std::string* others;  // the group's other ranks, for the watchdog
+};
+
+// A reduce-scatter's messages are 4 MiB, so that where the transport moves data by itself (a
+// network) the sums of one chunk overlap the transfer of the next; in shared memory the
+// receiver copies (CMA), inside its MPI calls, so nothing overlaps and each message only costs
+// a rendezvous: on the 2-core VM at 16 MiB over 2 ranks, 64 KiB chunks took 1.2× the time of
+// whole blocks, 1 MiB 1.1×, 4 MiB 1.07×.
+constexpr int64_t kExchangeChunkFloats = int64_t{1} << 20;
+constexpr int kExchangeTag = 0;  // on the duplicate: exchanges match by issue order alone
+
+// A reduce-scatter by direct exchange, in flight.
+//
+// Why not MPI_Reduce_scatter_block: Open MPI 4.1's coll/tuned decision rules send it, for
+// blocks of 128 KiB and more on 2 or 3 ranks (1 MiB and more on 4 to 7), to its basic_linear
+// algorithm: an MPI_Reduce of the WHOLE buffer to rank 0 (a segmented pipeline on 2 ranks,
+// one whole buffer after another on 4), then an MPI_Scatter. Rank 0 receives and sums
+// everything alone while the others wait, then sends their blocks back: at 16 MiB on 2
+// ranks 2 to 6 times the time of an MPI_Allreduce of the same buffer (it varies from run to
+// run), which is itself a reduce-scatter and an all-gather inside (Rabenseifner's algorithm). Its other algorithms,
+// forced through OMPI_MCA_coll_tuned_use_dynamic_rules (recursive doubling, recursive halving,
+// butterfly), took 1.5 to 4 times the all-reduce's time on their own. bench/README.md has the
+// figures (bench_allreduce).
+//
+// Instead every rank sends block b of its buffer straight to rank b and receives its own
+// block from every other rank, in messages of `chunk` floats: (size − 1)/size of the buffer
+// in and out of each rank, what a ring moves, in one round. Every transfer is posted when
+// the operation starts, so MPI moves them along inside any MPI call of this process (a
+// ring's later steps would wait for this process to post them, and a rank blocked
+// elsewhere, in a receive from another stage, would stall its peers). wait() sums each chunk
+// once all its contributions are in, in rank order, ((x0 + x1) + x2) + …: the same float
+// sum whatever the timing, and the in-process group's order. kAverage divides that by size
+// in float.
+//
+// Out of place, rank 0's (or, on rank 0, rank 1's) contribution lands in recv itself and the
+// others' in scratch, so 2 ranks need none; in place (recv = send + rank·n, where this rank's
+// own contribution is), every peer's lands in scratch.
+class ReduceScatterExchange final : public Request {
+ public:
+  ReduceScatterExchange(const ExchangeGroup& group, const float* send, float* recv, int64_t n, ReduceOp op)
+      : group_(group), recv_(recv), n_(n), op_(op), sources_(static_cast<size_t>(group.size)) {
+    const int size = group.size, rank = group.rank;
+    const bool in_place = recv == send + rank * n;
+    const int in_recv = in_place ? -1 : rank == 0 ? 1 : 0;  // the peer whose block lands in recv
+    const int in_scratch = in_place ? size - 1 : size - 2;
+    if (in_scratch > 0) scratch_ = group.scratch->take(in_scratch * n);
+    std::vector<float*> landing(static_cast<size_t>(size));  // where each peer's block arrives
+    for (int r = 0, slot = 0; r < size; ++r) {
+      if (r == rank) {
+        sources_[r] = send + rank * n;
+      } else {
+        landing[r] = r == in_recv ? recv : scratch_.data() + (slot++) * n;
+        sources_[r] = landing[r];
+      }
+    }
+    // Chunk by chunk, each peer's piece of it: receives from rank − k, sends to rank + k, so
+    // that the ranks do not all start with the same peer.
+    for (int64_t offset = 0; offset < n; offset += group.chunk) {
+      const int count = static_cast<int>(std::min(group.chunk, n - offset));
+      for (int k = 1; k < size; ++k) {
+        const int from = (rank - k + size) % size, to = (rank + k) % size;
+        receives_.emplace_back();
+        PIPESHARD_MPI_CALL(
+            MPI_Irecv(landing[from] + offset, count, MPI_FLOAT, from, kExchangeTag, group.comm, &receives_.back()));
+        sends_.emplace_back();
+        PIPESHARD_MPI_CALL(
+            MPI_Isend(send + to * n + offset, count, MPI_FLOAT, to, kExchangeTag, group.comm, &sends_.back()));
+      }
+    }
+  }
+  ~ReduceScatterExchange() override {
+    if (!done_ && mpi_is_running()) wait();
+  }
+  ReduceScatterExchange(const ReduceScatterExchange&) = delete;
+  ReduceScatterExchange& operator=(const ReduceScatterExchange&) = delete;
+
+  void wait() override {
+    if (done_) return;
+    done_ = true;
+    const WatchdogWait watched("the reduce-scatter with", group_.others);
+    const int size = group_.size, rank = group_.rank;
+    size_t next = 0;  // receives_[next] is the first not waited for
+    for (int64_t offset = 0; offset < n_; offset += group_.chunk) {
+      const int count = static_cast<int>(std::min(group_.chunk, n_ - offset));
+      for (int k = 1; k < size; ++k, ++next) {
+        MPI_Status status;
+        PIPESHARD_MPI_CALL(MPI_Wait(&receives_[next], &status));
+        check_received(status, count, (rank - k + size) % size, kExchangeTag);
+      }
+      sum_chunk(offset, count);
+    }
+    for (MPI_Request& request : sends_) PIPESHARD_MPI_CALL(MPI_Wait(&request, MPI_STATUS_IGNORE));
+    group_.scratch->give(std::move(scratch_));
+  }
+
+ private:
+  // recv[offset, offset + count) = Σ in rank order of sources_[r][...], then / size for kAverage.
+  // Tile by tile through a float accumulator that stays in L1, so that recv may be one of the
+  // sources (it is read before it is written) and every pass vectorizes.
+  void sum_chunk(int64_t offset, int count) {
+    constexpr int kTile = 1024;
+    float sum[kTile];
+    const float divisor = static_cast<float>(sources_.size());
+    for (int start = 0; start < count; start += kTile) {
+      const int m = std::min(kTile, count - start);
+      const float* x0 = sources_[0] + offset + start;
+      const float* x1 = sources_[1] + offset + start;
+      for (int i = 0; i < m; ++i) sum[i] = x0[i] + x1[i];
+      for (size_t r = 2; r < sources_.size(); ++r) {
+        const float* x = sources_[r] + offset + start;
+        for (int i = 0; i < m; ++i) sum[i] += x[i];
+      }
+      float* out = recv_ + offset + start;
+      if (op_ == ReduceOp::kAverage) {
+        for (int i = 0; i < m; ++i) out[i] = sum[i] / divisor;
+      } else {
+        std::memcpy(out, sum, sizeof(float) * static_cast<size_t>(m));
+      }
+    }
+  }
+
+  ExchangeGroup group_;
+  float* recv_;
+  int64_t n_;
+  ReduceOp op_;
+  std::vector<float> scratch_;         // [(size − 2 or 1) · n]: the blocks that do not land in recv
+  std::vector<const float*> sources_;  // [size]: where rank r's contribution to this block is
+  std::vector<MPI_Request> receives_;  // [chunk][k]: from rank − k
+  std::vector<MPI_Request> sends_;     // [chunk][k]: to rank + k
+  bool done_ = false;
+};
+
 enum class Ownership { kBorrowed, kOwned };
 
 class MpiCommunicator final : public Communicator {
@@ -193,6 +369,7 @@ class MpiCommunicator final : public Communicator {
   }
   ~MpiCommunicator() override {
     // Freed only while MPI runs: a communicator that outlives MPI_Finalize has nothing to free.
+    if (exchange_comm_ != MPI_COMM_NULL && mpi_is_running()) PIPESHARD_MPI_CALL(MPI_Comm_free(&exchange_comm_));
     if (ownership_ == Ownership::kOwned && mpi_is_running()) PIPESHARD_MPI_CALL(MPI_Comm_free(&comm_));
     if (ownership_ == Ownership::kBorrowed) --live_worlds;
   }
@@ -267,45 +444,56 @@ class MpiCommunicator final : public Communicator {
     });
   }
 
-  void all_gather(const float* send, float* recv, int64_t n) override {
-    check_buffer(send, n);
-    check_buffer(recv, n);
-    const WatchdogWait watched("the all-gather with", &others_);
-    if (n * size_ <= max_count_) {
-      // In place when this rank's block already sits where it belongs.
-      const void* source = send == recv + rank_ * n ? MPI_IN_PLACE : send;
-      PIPESHARD_MPI_CALL(
-          MPI_Allgather(source, static_cast<int>(n), MPI_FLOAT, recv, static_cast<int>(n), MPI_FLOAT, comm_));
-      return;
-    }
-    // Piece by piece through a staging buffer of size × piece floats.
-    const int64_t piece = max_count_ / size_;
-    std::vector<float> staging(static_cast<size_t>(piece * size_));
-    for_each_piece(n, piece, [&](int64_t offset, int count) {
-      PIPESHARD_MPI_CALL(MPI_Allgather(send + offset, count, MPI_FLOAT, staging.data(), count, MPI_FLOAT, comm_));
-      for (int r = 0; r < size_; ++r) {
-        std::memcpy(recv + r * n + offset, staging.data() + int64_t{r} * count, sizeof(float) * count);
-      }
-    });
+  void all_gather(const float* send, float* recv, int64_t n) override { all_gather_async(send, recv, n)->wait(); }
+  void reduce_scatter(const float* send, float* recv, int64_t n, ReduceOp op) override {
+    reduce_scatter_async(send, recv, n, op)->wait();
   }
 
-  void reduce_scatter(const float* send, float* recv, int64_t n, ReduceOp op) override {
+  // Every rank sends its block straight to every other rank and receives theirs where they
+  // belong, all posted now: the traffic of a ring, in one round, moved along by MPI alone.
+  // MPI_Allgather was about as fast, but its non-blocking twin runs on libnbc's schedules
+  // (MPI_Iallreduce there takes twice MPI_Allreduce's time): one exchange serves both calls.
+  std::unique_ptr<Request> all_gather_async(const float* send, float* recv, int64_t n) override {
     check_buffer(send, n);
     check_buffer(recv, n);
-    const WatchdogWait watched("the reduce-scatter with", &others_);
-    if (n * size_ <= max_count_) {
-      PIPESHARD_MPI_CALL(MPI_Reduce_scatter_block(send, recv, static_cast<int>(n), MPI_FLOAT, MPI_SUM, comm_));
-    } else {
-      const int64_t piece = max_count_ / size_;
-      std::vector<float> staging(static_cast<size_t>(piece * size_));
-      for_each_piece(n, piece, [&](int64_t offset, int count) {
-        for (int r = 0; r < size_; ++r) {
-          std::memcpy(staging.data() + int64_t{r} * count, send + r * n + offset, sizeof(float) * count);
-        }
-        PIPESHARD_MPI_CALL(MPI_Reduce_scatter_block(staging.data(), recv + offset, count, MPI_FLOAT, MPI_SUM, comm_));
+    const bool in_place = send == recv + rank_ * n;
+    PIPESHARD_CHECK(in_place || !overlap(send, n, recv, n * size_),
+                    "all_gather's send buffer overlaps its receive buffer other than at this rank's block");
+    const MPI_Comm exchange = exchange_comm();
+    std::vector<MPI_Request> requests;
+    std::vector<MpiRequest::Receive> receives;
+    for (int k = 1; k < size_; ++k) {
+      const int from = (rank_ - k + size_) % size_;
+      for_each_piece(n, max_count_, [&](int64_t offset, int count) {
+        requests.emplace_back();
+        PIPESHARD_MPI_CALL(
+            MPI_Irecv(recv + from * n + offset, count, MPI_FLOAT, from, kExchangeTag, exchange, &requests.back()));
+        receives.push_back({count, from, kExchangeTag});
       });
     }
-    if (op == ReduceOp::kAverage) divide(recv, n, size_);
+    for (int k = 1; k < size_; ++k) {
+      const int to = (rank_ + k) % size_;
+      for_each_piece(n, max_count_, [&](int64_t offset, int count) {
+        requests.emplace_back();
+        PIPESHARD_MPI_CALL(MPI_Isend(send + offset, count, MPI_FLOAT, to, kExchangeTag, exchange, &requests.back()));
+      });
+    }
+    if (!in_place && n > 0) std::memcpy(recv + rank_ * n, send, sizeof(float) * static_cast<size_t>(n));
+    return std::make_unique<MpiRequest>(std::move(requests), std::move(receives), nullptr, 0, size_,
+                                        "the all-gather with", &others_);
+  }
+
+  std::unique_ptr<Request> reduce_scatter_async(const float* send, float* recv, int64_t n, ReduceOp op) override {
+    check_buffer(send, n);
+    check_buffer(recv, n);
+    PIPESHARD_CHECK(recv == send + rank_ * n || !overlap(send, n * size_, recv, n),
+                    "reduce_scatter's receive buffer overlaps its send buffer other than at this rank's block");
+    if (size_ == 1 || n == 0) {
+      if (n > 0 && recv != send) std::memcpy(recv, send, sizeof(float) * static_cast<size_t>(n));  // / 1 is exact
+      return std::make_unique<MpiRequest>(std::vector<MPI_Request>{}, std::vector<MpiRequest::Receive>{}, nullptr, 0,
+                                          size_, "the reduce-scatter with", &others_);
+    }
+    return std::make_unique<ReduceScatterExchange>(exchange_group(), send, recv, n, op);
   }
 
   void broadcast(float* data, int64_t n, int root) override {
@@ -409,6 +597,21 @@ class MpiCommunicator final : public Communicator {
                     "tag " + std::to_string(tag) + " outside 0.." + std::to_string(max_tag_));
   }
 
+  // The duplicate of comm_ that exchanges use, made on the first of them: a collective call on
+  // every rank of the group, where the constructor is not (a rank makes its world when it needs
+  // one; the Python package's world_size() on rank 0 alone, say).
+  MPI_Comm exchange_comm() {
+    if (exchange_comm_ == MPI_COMM_NULL) {
+      const WatchdogWait watched("the group duplication with", &others_);
+      PIPESHARD_MPI_CALL(MPI_Comm_dup(comm_, &exchange_comm_));
+      PIPESHARD_MPI_CALL(MPI_Comm_set_errhandler(exchange_comm_, MPI_ERRORS_RETURN));
+    }
+    return exchange_comm_;
+  }
+  ExchangeGroup exchange_group() {
+    return ExchangeGroup{exchange_comm(), rank_, size_, std::min(kExchangeChunkFloats, max_count_), scratch_, &others_};
+  }
+
   // World ranks, for the watchdog's messages: peer_names_[r] = "rank W" for group rank r,
   // others_ = "rank W" or "ranks W1, W2, ..." for the group's other ranks.
   void name_ranks() {
@@ -429,6 +632,8 @@ class MpiCommunicator final : public Communicator {
   }
 
   MPI_Comm comm_;
+  MPI_Comm exchange_comm_ = MPI_COMM_NULL;  // comm_'s duplicate for reduce-scatters and all-gathers, or none yet
+  std::shared_ptr<ScratchPool> scratch_ = std::make_shared<ScratchPool>();
   Ownership ownership_;
   int64_t max_count_;  // elements (floats, doubles for all_reduce_sum, bytes for broadcast_bytes) per MPI call
   int rank_ = 0, size_ = 0;

@@ -59,6 +59,14 @@ class SingleProcessCommunicator final : public Communicator {
   void all_reduce_sum(double* data, int64_t n) override { check_buffer(data, n); }
   void all_gather(const float* send, float* recv, int64_t n) override { copy_floats(send, recv, n); }
   void reduce_scatter(const float* send, float* recv, int64_t n, ReduceOp) override { copy_floats(send, recv, n); }
+  std::unique_ptr<Request> all_gather_async(const float* send, float* recv, int64_t n) override {
+    copy_floats(send, recv, n);
+    return std::make_unique<CompletedRequest>();
+  }
+  std::unique_ptr<Request> reduce_scatter_async(const float* send, float* recv, int64_t n, ReduceOp) override {
+    copy_floats(send, recv, n);
+    return std::make_unique<CompletedRequest>();
+  }
   void broadcast(float* data, int64_t n, int root) override {
     check_buffer(data, n);
     PIPESHARD_CHECK(root == 0, "broadcast from rank " + std::to_string(root) + " in a group of one");
@@ -103,6 +111,10 @@ class PlaceholderCommunicator final : public Communicator {
   void all_reduce_sum(double*, int64_t) override { carried("all_reduce_sum"); }
   void all_gather(const float*, float*, int64_t) override { carried("all_gather"); }
   void reduce_scatter(const float*, float*, int64_t, ReduceOp) override { carried("reduce_scatter"); }
+  std::unique_ptr<Request> all_gather_async(const float*, float*, int64_t) override { carried("all_gather_async"); }
+  std::unique_ptr<Request> reduce_scatter_async(const float*, float*, int64_t, ReduceOp) override {
+    carried("reduce_scatter_async");
+  }
   void broadcast(float*, int64_t, int) override { carried("broadcast"); }
   void broadcast_bytes(void*, int64_t, int) override { carried("broadcast_bytes"); }
   void send(const float*, int64_t, int, int) override { carried("send"); }

@@ -28,19 +28,22 @@ void upload(Backend& backend, float* device, const std::vector<float>& host) {
 }
 
 // The host operation in flight and the host buffer it works on; wait() completes it and,
-// for operations that produce data, uploads the buffer to `device`.
+// for operations that produce data, uploads the buffer to `device`. `input`, when the
+// operation reads a buffer of its own (a reduce-scatter's, an all-gather's), is kept as
+// long as the operation runs.
 class StagedRequest final : public Request {
  public:
-  StagedRequest(Backend& backend, std::vector<float> host, float* device)
-      : backend_(backend), host_(std::move(host)), device_(device) {}
+  StagedRequest(Backend& backend, std::vector<float> host, float* device, std::vector<float> input = {})
+      : backend_(backend), host_(std::move(host)), device_(device), input_(std::move(input)) {}
   ~StagedRequest() override { StagedRequest::wait(); }
 
-  // Starts the host operation on host_; called once, right after construction, because the
-  // operation needs host_'s final address.
+  // Starts the host operation on host_ (and input_); called once, right after construction,
+  // because the operation needs their final addresses.
   template <typename Start>
   void start(Start&& start_operation) {
     inner_ = start_operation(host_.data());
   }
+  const float* input() const { return input_.data(); }
 
   void wait() override {
     if (!inner_) return;
@@ -53,6 +56,7 @@ class StagedRequest final : public Request {
   Backend& backend_;
   std::vector<float> host_;
   float* device_;  // null: nothing comes back (a send)
+  std::vector<float> input_;
   std::unique_ptr<Request> inner_;
 };
 
@@ -102,6 +106,22 @@ class StagedCommunicator final : public Communicator {
     std::vector<float> mine(static_cast<size_t>(n));
     host_.reduce_scatter(all.data(), mine.data(), n, op);
     upload(backend_, recv, mine);
+  }
+  // Both download their input now (in place, before anything is written back) and upload
+  // the result in wait().
+  std::unique_ptr<Request> all_gather_async(const float* send, float* recv, int64_t n) override {
+    check_count(n);
+    auto r = std::make_unique<StagedRequest>(backend_, std::vector<float>(static_cast<size_t>(n * size())), recv,
+                                             download(backend_, send, n));
+    r->start([&, input = r->input()](float* h) { return host_.all_gather_async(input, h, n); });
+    return r;
+  }
+  std::unique_ptr<Request> reduce_scatter_async(const float* send, float* recv, int64_t n, ReduceOp op) override {
+    check_count(n);
+    auto r = std::make_unique<StagedRequest>(backend_, std::vector<float>(static_cast<size_t>(n)), recv,
+                                             download(backend_, send, n * size()));
+    r->start([&, input = r->input()](float* h) { return host_.reduce_scatter_async(input, h, n, op); });
+    return r;
   }
   void broadcast(float* data, int64_t n, int root) override {
     check_count(n);

@@ -5,8 +5,10 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <bit>
 #include <chrono>
 #include <cmath>
+#include <cstdint>
 #include <cstring>
 #include <new>
 #include <string>
@@ -269,6 +271,165 @@ void reduce_scatter_gives_each_rank_its_block(const CommUnderTest& t) {
       recv.read(), [&](int64_t j) { return 0.5f * (size - 1) + rank * 1000.0f + j; }, "average");
 }
 
+// Several reduce-scatters and all-gathers in flight at once, in place and not, with a
+// blocking collective among them, waited for in another order than they started.
+void async_reduce_scatters_and_all_gathers_in_flight(const CommUnderTest& t) {
+  Communicator& c = t.world;
+  const int size = c.size(), rank = c.rank();
+  const int64_t a_n = 5, b_n = 300, d_n = 1;
+  auto block_value = [](int from, int64_t i) { return static_cast<float>(from + 1000 * i); };
+  auto own = [&](int from, int64_t n) {
+    return values(n, [&](int64_t j) { return static_cast<float>(from * 100 + j); });
+  };
+  Buffer a_send(t.memory, values(size * a_n, [&](int64_t i) { return block_value(rank, i); }));
+  Buffer a_recv(t.memory, a_n, -1.0f);
+  Buffer b_all(t.memory,
+               values(size * b_n, [&](int64_t i) { return i / b_n == rank ? rank * 100.0f + i % b_n : -1.0f; }));
+  Buffer d_send(t.memory, values(size * d_n, [&](int64_t i) { return block_value(rank, i); }));
+  Buffer d_recv(t.memory, d_n, -1.0f);
+  Buffer e_send(t.memory, own(rank, a_n));
+  Buffer e_all(t.memory, size * a_n, -1.0f);
+
+  std::unique_ptr<Request> a = c.reduce_scatter_async(a_send.data(), a_recv.data(), a_n, ReduceOp::kSum);
+  std::unique_ptr<Request> b = c.all_gather_async(b_all.data() + rank * b_n, b_all.data(), b_n);  // in place
+  std::unique_ptr<Request> d = c.reduce_scatter_async(d_send.data(), d_recv.data(), d_n, ReduceOp::kAverage);
+  Buffer g_all(t.memory, values(size * b_n, [&](int64_t i) { return block_value(rank, i); }));
+  std::unique_ptr<Request> g = c.reduce_scatter_async(g_all.data(), g_all.data() + rank * b_n, b_n, ReduceOp::kSum);
+  std::unique_ptr<Request> e = c.all_gather_async(e_send.data(), e_all.data(), a_n);
+  c.progress();
+  // Blocking collectives on the same group while the five are in flight.
+  EXPECT_EQ(c.all_reduce_sum(static_cast<double>(rank + 1)), 0.5 * size * (size + 1));
+  Buffer f_recv(t.memory, a_n, -1.0f);
+  c.reduce_scatter(a_send.data(), f_recv.data(), a_n, ReduceOp::kSum);
+  c.progress();
+  e->wait();
+  b->wait();
+  d->wait();
+  g->wait();
+  a->wait();
+  a->wait();  // a second wait returns at once
+
+  // Σ over ranks r of (r + 1000·i) at i = rank·n + j.
+  const float rank_sum = 0.5f * size * (size - 1);
+  auto reduced = [&](int64_t n) { return [&, n](int64_t j) { return rank_sum + size * 1000.0f * (rank * n + j); }; };
+  expect_values(a_recv.read(), reduced(a_n), "reduce_scatter_async (sum)");
+  expect_values(f_recv.read(), reduced(a_n), "reduce_scatter while others are in flight");
+  expect_values(
+      d_recv.read(), [&](int64_t j) { return reduced(d_n)(j) / static_cast<float>(size); },
+      "reduce_scatter_async (average)");
+  expect_values(
+      b_all.read(), [&](int64_t i) { return (i / b_n) * 100.0f + i % b_n; }, "all_gather_async in place");
+  const std::vector<float> g_result = g_all.read();
+  expect_values(std::vector<float>(g_result.begin() + rank * b_n, g_result.begin() + (rank + 1) * b_n), reduced(b_n),
+                "reduce_scatter_async in place");
+  expect_values(
+      e_all.read(), [&](int64_t i) { return (i / a_n) * 100.0f + i % a_n; }, "all_gather_async");
+
+  // Destroyed without wait(): the destructor waits.
+  Buffer dropped(t.memory, a_n, -1.0f);
+  { std::unique_ptr<Request> r = c.reduce_scatter_async(a_send.data(), dropped.data(), a_n, ReduceOp::kSum); }
+  expect_values(dropped.read(), reduced(a_n), "destroyed unwaited");
+  c.reduce_scatter_async(nullptr, nullptr, 0, ReduceOp::kSum)->wait();
+  c.all_gather_async(nullptr, nullptr, 0)->wait();
+}
+
+// Floats whose sums round, and at every fourth element (1, 2^24, −2^24, then small ones) a
+// sum that depends on the order: ((1 + 2^24) − 2^24) = 0 in float, (2^24 − 2^24) + 1 = 1.
+float rounding_value(int rank, int64_t i) {
+  if (i % 4 == 0) {
+    const float pattern[] = {1.0f, 16777216.0f, -16777216.0f};
+    return rank < 3 ? pattern[rank] : 0.25f * static_cast<float>(rank);
+  }
+  const uint32_t h = (static_cast<uint32_t>(rank) + 1) * 2654435761u ^ static_cast<uint32_t>(i) * 40503u;
+  return static_cast<float>(h % 100003) / 7.0f - 5000.0f;
+}
+
+// The float sum of rounding_value over ranks 0, 1, …, size − 1, in that order.
+float rank_order_sum(int size, int64_t i) {
+  float sum = rounding_value(0, i);
+  for (int r = 1; r < size; ++r) sum += rounding_value(r, i);
+  return sum;
+}
+
+// got[i] and want(i) have the same bits (== would let −0 pass for +0).
+void expect_bits(const std::vector<float>& got, const std::function<float(int64_t)>& want, const std::string& what) {
+  int reported = 0;
+  for (size_t i = 0; i < got.size() && reported < 5; ++i) {
+    const float w = want(static_cast<int64_t>(i));
+    if (std::bit_cast<uint32_t>(got[i]) != std::bit_cast<uint32_t>(w)) {
+      ++reported;
+      ADD_FAILURE() << what << "[" << i << "]: got " << got[i] << ", want " << w << " (bit for bit)";
+    }
+  }
+}
+
+// comm.h's exactness promise for MPI and the in-process group: a reduce-scatter sums in rank
+// order, blocking or not, so the two agree bit for bit.
+void reduce_scatter_sums_in_rank_order(const CommUnderTest& t) {
+  if (t.reduce_scatter_order != ReduceScatterOrder::kRankOrder) {
+    GTEST_SKIP() << "this communicator sums in an order of its own";
+  }
+  Communicator& c = t.world;
+  const int size = c.size(), rank = c.rank();
+  const int64_t n = 37;  // odd, and several pieces of the small-piece MPI world
+  Buffer send(t.memory, values(size * n, [&](int64_t i) { return rounding_value(rank, i); }));
+  Buffer recv(t.memory, n, -1.0f);
+  auto want = [&](int64_t j) { return rank_order_sum(size, rank * n + j); };
+  c.reduce_scatter(send.data(), recv.data(), n, ReduceOp::kSum);
+  expect_bits(recv.read(), want, "reduce_scatter");
+  recv.write(std::vector<float>(n, -1.0f));
+  c.reduce_scatter_async(send.data(), recv.data(), n, ReduceOp::kSum)->wait();
+  expect_bits(recv.read(), want, "reduce_scatter_async");
+  c.reduce_scatter_async(send.data(), recv.data(), n, ReduceOp::kAverage)->wait();
+  expect_bits(
+      recv.read(), [&](int64_t j) { return want(j) / static_cast<float>(size); }, "reduce_scatter_async (average)");
+
+  // In place: this rank's block of the input becomes its result.
+  Buffer in_place(t.memory, values(size * n, [&](int64_t i) { return rounding_value(rank, i); }));
+  c.reduce_scatter(in_place.data(), in_place.data() + rank * n, n, ReduceOp::kSum);
+  const std::vector<float> all = in_place.read();
+  expect_bits(std::vector<float>(all.begin() + rank * n, all.begin() + (rank + 1) * n), want,
+              "reduce_scatter in place");
+  in_place.write(values(size * n, [&](int64_t i) { return rounding_value(rank, i); }));
+  c.reduce_scatter_async(in_place.data(), in_place.data() + rank * n, n, ReduceOp::kSum)->wait();
+  const std::vector<float> again = in_place.read();
+  expect_bits(std::vector<float>(again.begin() + rank * n, again.begin() + (rank + 1) * n), want,
+              "reduce_scatter_async in place");
+}
+
+// 64-bit FNV-1a of the floats' bits.
+uint64_t fingerprint(const std::vector<float>& v) {
+  uint64_t h = 14695981039346656037ull;
+  for (float x : v) {
+    const uint32_t bits = std::bit_cast<uint32_t>(x);
+    for (int k = 0; k < 4; ++k) h = (h ^ ((bits >> (8 * k)) & 0xff)) * 1099511628211ull;
+  }
+  return h;
+}
+
+// ZeRO's round trip on floats that round: reduce-scatter, then all-gather the blocks. Every
+// rank must end with the same bits (compared by fingerprint with rank 0's), and the blocking
+// and async forms must agree bit for bit, in any communicator's order.
+void gathered_bits_agree_on_every_rank(const CommUnderTest& t) {
+  Communicator& c = t.world;
+  const int size = c.size(), rank = c.rank();
+  const int64_t n = 37;
+  Buffer send(t.memory, values(size * n, [&](int64_t i) { return rounding_value(rank, i); }));
+  Buffer blocking_all(t.memory, size * n, -1.0f), async_block(t.memory, n, -1.0f), async_all(t.memory, size * n, -1.0f);
+  c.reduce_scatter(send.data(), blocking_all.data() + rank * n, n, ReduceOp::kAverage);
+  c.all_gather(blocking_all.data() + rank * n, blocking_all.data(), n);  // in place
+  std::unique_ptr<Request> rs = c.reduce_scatter_async(send.data(), async_block.data(), n, ReduceOp::kAverage);
+  rs->wait();
+  c.all_gather_async(async_block.data(), async_all.data(), n)->wait();
+  const std::vector<float> gathered = blocking_all.read();
+  expect_bits(
+      async_all.read(), [&](int64_t i) { return gathered[static_cast<size_t>(i)]; }, "async against blocking");
+  const uint64_t mine = fingerprint(gathered);
+  uint64_t root = mine;
+  c.broadcast_bytes(&root, sizeof root, 0);
+  EXPECT_EQ(mine, root) << "rank " << rank << "'s all-gathered bits differ from rank 0's";
+}
+
 void broadcast_from_every_root(const CommUnderTest& t) {
   Communicator& c = t.world;
   const int64_t n = 11;
@@ -432,6 +593,8 @@ void empty_operations(const CommUnderTest& t) {
   c.all_reduce_sum(static_cast<double*>(nullptr), 0);
   c.all_gather(nullptr, nullptr, 0);
   c.reduce_scatter(nullptr, nullptr, 0, ReduceOp::kSum);
+  c.all_gather_async(nullptr, nullptr, 0)->wait();
+  c.reduce_scatter_async(nullptr, nullptr, 0, ReduceOp::kAverage)->wait();
   c.broadcast(nullptr, 0, c.size() - 1);
   c.broadcast_bytes(nullptr, 0, c.size() - 1);
   if (no_transfers(t)) return;
@@ -566,6 +729,9 @@ const std::vector<ConformanceCase>& comm_conformance_cases() {
       {"GatherTextToEveryRoot", gather_text_to_every_root},
       {"AllGatherConcatenatesInRankOrder", all_gather_concatenates_in_rank_order},
       {"ReduceScatterGivesEachRankItsBlock", reduce_scatter_gives_each_rank_its_block},
+      {"AsyncReduceScattersAndAllGathersInFlight", async_reduce_scatters_and_all_gathers_in_flight},
+      {"ReduceScatterSumsInRankOrder", reduce_scatter_sums_in_rank_order},
+      {"GatheredBitsAgreeOnEveryRank", gathered_bits_agree_on_every_rank},
       {"BroadcastFromEveryRoot", broadcast_from_every_root},
       {"BroadcastBytesFromEveryRoot", broadcast_bytes_from_every_root},
       {"BarrierWaitsForEveryRank", barrier_waits_for_every_rank},

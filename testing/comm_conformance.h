@@ -52,6 +52,10 @@ enum class SelfTransfers { kSupported, kRefused };
 // Whether receives match sends by tag (MPI, in-process) or only by issue order (NCCL has no
 // tags; comm.h lets schedules rely on issue order only).
 enum class TagMatching { kPerTag, kIssueOrderOnly };
+// The order in which a reduce-scatter sums each element: rank order, ((x0 + x1) + x2) + …
+// (MPI, the in-process group, the staged communicator over them), or one of the
+// communicator's own (NCCL's ring). Either way it never depends on timing (comm.h).
+enum class ReduceScatterOrder { kRankOrder, kCommunicatorsOwn };
 
 // One rank's view of the communicator under test.
 struct CommUnderTest {
@@ -59,6 +63,7 @@ struct CommUnderTest {
   CommMemory& memory;
   SelfTransfers self_transfers = SelfTransfers::kSupported;
   TagMatching tags = TagMatching::kPerTag;
+  ReduceScatterOrder reduce_scatter_order = ReduceScatterOrder::kRankOrder;
 };
 
 // One case of the suite: a GoogleTest name and the function every rank runs.

@@ -37,7 +37,9 @@ enum class CollectiveKind {
   kDoubleArraySum,
   kGatherText,
   kAllGather,
+  kAllGatherAsync,
   kReduceScatter,
+  kReduceScatterAsync,
   kBroadcast,
   kBroadcastBytes,
   kBarrier,
@@ -56,7 +58,8 @@ const KindFacts& facts(CollectiveKind kind) {
       {"all_reduce", "floats", true, false},       {"all_reduce_async", "floats", true, false},
       {"all_reduce_sum", "doubles", false, false},  // of one value
       {"all_reduce_sum", "doubles", false, false}, {"gather_text", nullptr, false, true},
-      {"all_gather", "floats", false, false},      {"reduce_scatter", "floats", true, false},
+      {"all_gather", "floats", false, false},      {"all_gather_async", "floats", false, false},
+      {"reduce_scatter", "floats", true, false},   {"reduce_scatter_async", "floats", true, false},
       {"broadcast", "floats", false, true},        {"broadcast_bytes", "bytes", false, true},
       {"barrier", nullptr, false, false},          {"split", nullptr, false, false},
   };
@@ -267,14 +270,14 @@ class Group {
       case CollectiveKind::kAllReduce:
       case CollectiveKind::kAllReduceAsync:
       case CollectiveKind::kReduceScatter:  // every block; each rank takes its own
-        c.floats = reduce_floats(c.inputs, c.call.op);
-        break;
+      case CollectiveKind::kReduceScatterAsync: c.floats = reduce_floats(c.inputs, c.call.op); break;
       case CollectiveKind::kDoubleSum:
       case CollectiveKind::kDoubleArraySum: c.doubles = sum_in_rank_order(c.inputs, &Contribution::doubles); break;
       case CollectiveKind::kGatherText:
         for (const Contribution& in : c.inputs) c.texts.push_back(in.bytes);
         break;
       case CollectiveKind::kAllGather:
+      case CollectiveKind::kAllGatherAsync:
         for (const Contribution& in : c.inputs) c.floats.insert(c.floats.end(), in.floats.begin(), in.floats.end());
         break;
       case CollectiveKind::kBroadcast: c.floats = c.inputs[static_cast<size_t>(c.call.root)].floats; break;
@@ -398,25 +401,27 @@ class InProcessCommunicator final : public Communicator {
     collect(seq, WaitMode::kThrow, [&](const Collective& c) { copy_out(c.doubles, 0, data, n); });
   }
   void all_gather(const float* send, float* recv, int64_t n) override {
-    check_buffer(send, n);
-    check_buffer(recv, n);
-    const int64_t total = n * size();
-    // In place is send == recv + rank·n; any other overlap is an error in MPI.
-    PIPESHARD_CHECK(n == 0 || send == recv + rank_ * n || send + n <= recv || recv + total <= send,
-                    "all_gather's send buffer overlaps its receive buffer other than at this rank's block");
-    const int64_t seq =
-        post({CollectiveKind::kAllGather, n, 0, ReduceOp::kSum}, Contribution::of_floats(copy_of(send, n)));
-    collect(seq, WaitMode::kThrow, [&](const Collective& c) { copy_out(c.floats, 0, recv, total); });
+    const int64_t seq = post_all_gather(CollectiveKind::kAllGather, send, recv, n);
+    collect(seq, WaitMode::kThrow, [&](const Collective& c) { copy_out(c.floats, 0, recv, n * size()); });
+  }
+  std::unique_ptr<Request> all_gather_async(const float* send, float* recv, int64_t n) override {
+    const int64_t seq = post_all_gather(CollectiveKind::kAllGatherAsync, send, recv, n);
+    return std::make_unique<InProcessRequest>(
+        [group = group_, rank = rank_, seq, recv, total = n * size()](WaitMode mode) {
+          return group->collect(rank, seq, mode, [&](const Collective& c) { copy_out(c.floats, 0, recv, total); });
+        });
   }
   void reduce_scatter(const float* send, float* recv, int64_t n, ReduceOp op) override {
-    check_buffer(send, n);
-    check_buffer(recv, n);
-    const int64_t total = n * size();
-    PIPESHARD_CHECK(n == 0 || send + total <= recv || recv + n <= send,
-                    "reduce_scatter's send and receive buffers overlap");
-    const int64_t seq = post({CollectiveKind::kReduceScatter, n, 0, op}, Contribution::of_floats(copy_of(send, total)));
+    const int64_t seq = post_reduce_scatter(CollectiveKind::kReduceScatter, send, recv, n, op);
     collect(seq, WaitMode::kThrow,
             [&](const Collective& c) { copy_out(c.floats, static_cast<size_t>(rank_ * n), recv, n); });
+  }
+  std::unique_ptr<Request> reduce_scatter_async(const float* send, float* recv, int64_t n, ReduceOp op) override {
+    const int64_t seq = post_reduce_scatter(CollectiveKind::kReduceScatterAsync, send, recv, n, op);
+    return std::make_unique<InProcessRequest>([group = group_, rank = rank_, seq, recv, n](WaitMode mode) {
+      return group->collect(rank, seq, mode,
+                            [&](const Collective& c) { copy_out(c.floats, static_cast<size_t>(rank * n), recv, n); });
+    });
   }
   void broadcast(float* data, int64_t n, int root) override {
     check_buffer(data, n);
@@ -488,6 +493,26 @@ class InProcessCommunicator final : public Communicator {
   }
   void collect(int64_t seq, WaitMode mode, const std::function<void(const Collective&)>& take) {
     group_->collect(rank_, seq, mode, take);
+  }
+  // Post this rank's part of an all-gather or reduce-scatter (blocking or not), its buffers
+  // checked as MPI would have them.
+  int64_t post_all_gather(CollectiveKind kind, const float* send, float* recv, int64_t n) {
+    check_buffer(send, n);
+    check_buffer(recv, n);
+    const int64_t total = n * size();
+    // In place is send == recv + rank·n; any other overlap is an error in MPI.
+    PIPESHARD_CHECK(n == 0 || send == recv + rank_ * n || send + n <= recv || recv + total <= send,
+                    "all_gather's send buffer overlaps its receive buffer other than at this rank's block");
+    return post({kind, n, 0, ReduceOp::kSum}, Contribution::of_floats(copy_of(send, n)));
+  }
+  int64_t post_reduce_scatter(CollectiveKind kind, const float* send, float* recv, int64_t n, ReduceOp op) {
+    check_buffer(send, n);
+    check_buffer(recv, n);
+    const int64_t total = n * size();
+    // In place is recv == send + rank·n; any other overlap is an error in MPI.
+    PIPESHARD_CHECK(n == 0 || recv == send + rank_ * n || send + total <= recv || recv + n <= send,
+                    "reduce_scatter's receive buffer overlaps its send buffer other than at this rank's block");
+    return post({kind, n, 0, op}, Contribution::of_floats(copy_of(send, total)));
   }
   void check_root(int root) const {
     PIPESHARD_CHECK(root >= 0 && root < size(),

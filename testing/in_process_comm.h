@@ -6,12 +6,14 @@
 // - Collectives match by their order on each rank, as in MPI. Every rank must call the same
 //   operation with the same element count, root and ReduceOp; a rank that calls another is
 //   a fatal error naming both calls (MPI would hang or mix up the data). A blocking and a
-//   non-blocking all-reduce do not match each other (nor do they in MPI).
+//   non-blocking all-reduce, all-gather or reduce-scatter do not match each other (nor do
+//   they in MPI).
 // - Reductions are deterministic: a sum in rank order (((r0 + r1) + r2) + …), in float for
 //   float buffers and in double for doubles; kAverage is that float sum divided by size()
-//   in float. Async collectives complete once every rank has posted them; their results
-//   are written to the caller's buffer in Request::wait(), so a buffer must not be touched
-//   between the call and wait() (comm.h's rule; here breaking it shows as wrong values).
+//   in float. A reduce-scatter's block is bit for bit the MPI communicator's. Async
+//   collectives complete once every rank has posted them; their results are written to
+//   the caller's buffer in Request::wait(), so a buffer must not be touched between the
+//   call and wait() (comm.h's rule; here breaking it shows as wrong values).
 // - Point to point: messages from one rank to another match receives in the order both
 //   were issued, per (source, destination, tag), as in MPI. Every send is buffered (as if
 //   by MPI_Bsend): the data is copied when the send is posted, and send/send_async never

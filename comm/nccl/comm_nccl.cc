@@ -202,23 +202,20 @@ class NcclCommunicator final : public Communicator {
     record_and_wait("the NCCL all-reduce with", &others_);
   }
   void all_gather(const float* send, float* recv, int64_t n) override {
-    check_device_buffer(send, n, "all-gather");
-    check_device_buffer(recv, n, "all-gather");
-    if (n == 0) return;
-    order_after_producer();
-    PIPESHARD_NCCL_CALL(ncclAllGather(send, recv, static_cast<size_t>(n), ncclFloat, comm_, stream_),
-                        "the NCCL all-gather with");
+    if (!enqueue_all_gather(send, recv, n)) return;
     record_and_wait("the NCCL all-gather with", &others_);
   }
+  std::unique_ptr<Request> all_gather_async(const float* send, float* recv, int64_t n) override {
+    if (!enqueue_all_gather(send, recv, n)) return std::make_unique<CompletedRequest>();
+    return record_request("the NCCL all-gather with", &others_);
+  }
   void reduce_scatter(const float* send, float* recv, int64_t n, ReduceOp op) override {
-    check_device_buffer(send, n, "reduce-scatter");
-    check_device_buffer(recv, n, "reduce-scatter");
-    if (n == 0) return;
-    order_after_producer();
-    PIPESHARD_NCCL_CALL(ncclReduceScatter(send, recv, static_cast<size_t>(n), ncclFloat, ncclSum, comm_, stream_),
-                        "the NCCL reduce-scatter with");
-    if (op == ReduceOp::kAverage) divide(recv, n);
+    if (!enqueue_reduce_scatter(send, recv, n, op)) return;
     record_and_wait("the NCCL reduce-scatter with", &others_);
+  }
+  std::unique_ptr<Request> reduce_scatter_async(const float* send, float* recv, int64_t n, ReduceOp op) override {
+    if (!enqueue_reduce_scatter(send, recv, n, op)) return std::make_unique<CompletedRequest>();
+    return record_request("the NCCL reduce-scatter with", &others_);
   }
   void broadcast(float* data, int64_t n, int root) override {
     check_device_buffer(data, n, "broadcast");
@@ -311,6 +308,26 @@ class NcclCommunicator final : public Communicator {
     PIPESHARD_NCCL_CALL(ncclAllReduce(data, data, static_cast<size_t>(n), ncclFloat, ncclSum, comm_, stream_),
                         "the NCCL all-reduce with");
     if (op == ReduceOp::kAverage) divide(data, n);
+  }
+  // Queue the collective on the NCCL stream; false when there is nothing to move (n = 0).
+  bool enqueue_all_gather(const float* send, float* recv, int64_t n) {
+    check_device_buffer(send, n, "all-gather");
+    check_device_buffer(recv, n, "all-gather");
+    if (n == 0) return false;
+    order_after_producer();
+    PIPESHARD_NCCL_CALL(ncclAllGather(send, recv, static_cast<size_t>(n), ncclFloat, comm_, stream_),
+                        "the NCCL all-gather with");
+    return true;
+  }
+  bool enqueue_reduce_scatter(const float* send, float* recv, int64_t n, ReduceOp op) {
+    check_device_buffer(send, n, "reduce-scatter");
+    check_device_buffer(recv, n, "reduce-scatter");
+    if (n == 0) return false;
+    order_after_producer();
+    PIPESHARD_NCCL_CALL(ncclReduceScatter(send, recv, static_cast<size_t>(n), ncclFloat, ncclSum, comm_, stream_),
+                        "the NCCL reduce-scatter with");
+    if (op == ReduceOp::kAverage) divide(recv, n);
+    return true;
   }
   void divide(float* data, int64_t n) {
     const cudaError_t rc = divide_on_device(data, n, size_, stream_);

@@ -203,6 +203,47 @@ TEST_P(CommTest, ReduceScatterGivesEachRankItsBlock) {
   for (int64_t j = 0; j < n; ++j) EXPECT_EQ(recv[j], 0.5f * (size - 1) + rank * 1000.0f + j) << "j=" << j;
 }
 
+// Reduce-scatter and all-gather go by direct exchange over point-to-point, in messages of
+// at most the per-call limit: block sizes below, at and above kSmallPiece, none a multiple
+// of it but one, blocking and async, in place and not.
+TEST_P(CommTest, ReduceScatterAndAllGatherAtAwkwardSizes) {
+  Communicator& c = comm();
+  const int size = c.size(), rank = c.rank();
+  for (int64_t n : {int64_t{1}, int64_t{6}, kSmallPiece, kSmallPiece + 1, int64_t{13}, int64_t{50}}) {
+    for (bool async : {false, true}) {
+      SCOPED_TRACE("n=" + std::to_string(n) + (async ? ", async" : ", blocking"));
+      std::vector<float> send(size * n), recv(n, -1.0f);
+      for (int64_t i = 0; i < size * n; ++i) send[i] = static_cast<float>(rank + 10 * i);
+      if (async) {
+        c.reduce_scatter_async(send.data(), recv.data(), n, ReduceOp::kSum)->wait();
+      } else {
+        c.reduce_scatter(send.data(), recv.data(), n, ReduceOp::kSum);
+      }
+      for (int64_t j = 0; j < n; ++j) EXPECT_EQ(recv[j], 0.5f * size * (size - 1) + 10.0f * size * (rank * n + j));
+      std::vector<float> reduced_in_place = send;  // recv = send + rank·n
+      if (async) {
+        c.reduce_scatter_async(reduced_in_place.data(), reduced_in_place.data() + rank * n, n, ReduceOp::kSum)->wait();
+      } else {
+        c.reduce_scatter(reduced_in_place.data(), reduced_in_place.data() + rank * n, n, ReduceOp::kSum);
+      }
+      EXPECT_TRUE(std::equal(recv.begin(), recv.end(), reduced_in_place.begin() + rank * n)) << "in place";
+
+      std::vector<float> gathered(size * n, -1.0f), in_place(size * n, -1.0f);
+      for (int64_t j = 0; j < n; ++j) in_place[rank * n + j] = recv[j];
+      if (async) {
+        std::unique_ptr<Request> out = c.all_gather_async(recv.data(), gathered.data(), n);
+        c.all_gather_async(in_place.data() + rank * n, in_place.data(), n)->wait();
+        out->wait();
+      } else {
+        c.all_gather(recv.data(), gathered.data(), n);
+        c.all_gather(in_place.data() + rank * n, in_place.data(), n);
+      }
+      for (int64_t i = 0; i < size * n; ++i) EXPECT_EQ(gathered[i], 0.5f * size * (size - 1) + 10.0f * size * i);
+      EXPECT_EQ(in_place, gathered);
+    }
+  }
+}
+
 TEST_P(CommTest, BroadcastFromEveryRoot) {
   Communicator& c = comm();
   const int64_t n = 11;
@@ -371,6 +412,50 @@ TEST(LargeMessageTest, FourMillionFloats) {
   receive->wait();
   wrong = 0;
   for (int64_t i = 0; i < n; ++i) wrong += in[i] != static_cast<float>(left * 8192 + i % 8192);
+  EXPECT_EQ(wrong, 0);
+}
+
+// Making a world communicator is local: a rank makes one when it needs one (the Python
+// package's world_size() on rank 0 alone). The duplicate that reduce-scatters and all-gathers
+// use is made by the first of them, a collective call, not by the constructor.
+TEST(WorldTest, OneRankAloneMakesAWorld) {
+  if (g_world->rank() == 0) {
+    std::unique_ptr<Communicator> alone = make_mpi_world_communicator(kMaxMpiCount);
+    EXPECT_EQ(alone->size(), g_world->size());
+  }
+  g_world->barrier();
+}
+
+// Reduce-scatters travel in messages of 4 MiB (comm_mpi.cc): blocks of one such chunk and
+// 3 floats, so the last is short, several in flight, exact sums and averages.
+TEST(LargeMessageTest, ReduceScatterAndAllGatherAcrossChunks) {
+  Communicator& c = *g_world;
+  const int size = c.size(), rank = c.rank();
+  const int64_t n = (int64_t{1} << 20) + 3, total = size * n;
+  std::vector<float> send(total), summed(n, -1.0f), averaged(n, -1.0f), gathered(total, -1.0f);
+  for (int64_t i = 0; i < total; ++i) send[i] = static_cast<float>(i % 4096 + rank);
+  // rank + 1 + i·size averages to (size + 1)/2 + i·size exactly; its sum needs no rounding either.
+  std::vector<float> spread(total);
+  for (int64_t i = 0; i < total; ++i) spread[i] = static_cast<float>(rank + 1 + (i % 1024) * size);
+  std::unique_ptr<Request> sum = c.reduce_scatter_async(send.data(), summed.data(), n, ReduceOp::kSum);
+  std::unique_ptr<Request> average = c.reduce_scatter_async(spread.data(), averaged.data(), n, ReduceOp::kAverage);
+  c.progress();
+  average->wait();
+  sum->wait();
+  int64_t wrong_sums = 0, wrong_averages = 0;
+  for (int64_t j = 0; j < n; ++j) {
+    const int64_t i = rank * n + j;
+    wrong_sums += summed[j] != static_cast<float>(size * (i % 4096) + size * (size - 1) / 2);
+    wrong_averages += averaged[j] != 0.5f * (size + 1) + static_cast<float>((i % 1024) * size);
+  }
+  EXPECT_EQ(wrong_sums, 0);
+  EXPECT_EQ(wrong_averages, 0);
+
+  std::copy(summed.begin(), summed.end(), gathered.begin() + rank * n);
+  c.all_gather(gathered.data() + rank * n, gathered.data(), n);
+  int64_t wrong = 0;
+  for (int64_t i = 0; i < total; ++i)
+    wrong += gathered[i] != static_cast<float>(size * (i % 4096) + size * (size - 1) / 2);
   EXPECT_EQ(wrong, 0);
 }
 

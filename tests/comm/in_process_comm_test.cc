@@ -168,6 +168,15 @@ TEST_F(InProcessCommDeathTest, MismatchedCollectivesAreFatal) {
                            world.all_reduce(x, world.rank() == 0 ? 4 : 3, ReduceOp::kSum);
                          }),
                "all_reduce of [34] floats \\(sum\\) where rank [01] called all_reduce of [34] floats");
+  // A blocking reduce-scatter does not match an async one (nor in MPI), though they compute the same.
+  EXPECT_DEATH(run_ranks(2,
+                         [](Communicator& world) {
+                           float send[4] = {}, recv[2] = {};
+                           if (world.rank() == 0) world.reduce_scatter(send, recv, 2, ReduceOp::kSum);
+                           if (world.rank() == 1) world.reduce_scatter_async(send, recv, 2, ReduceOp::kSum)->wait();
+                         }),
+               "rank [01] calls reduce_scatter(_async)? of 2 floats \\(sum\\) where rank [01] called "
+               "reduce_scatter(_async)? of 2 floats");
 }
 
 // Not a deadlock (rank 1 is busy), but rank 0 waits past the timeout.

@@ -172,6 +172,35 @@ TEST_F(NcclCommTest, ReduceScatterGivesTheOnlyBlock) {
   }
 }
 
+// The async forms queue on the NCCL stream like the blocking ones: several in flight,
+// waited for out of order, the kAverage division included.
+TEST_F(NcclCommTest, AsyncReduceScatterAndAllGather) {
+  const std::vector<float> values = pattern(4097, 0.5f);
+  const int64_t n = static_cast<int64_t>(values.size());
+  DeviceArray<float> send(values), summed(values.size(), 9.0f), averaged(values.size(), 9.0f);
+  DeviceArray<float> gathered(values.size(), -1.0f), in_place(values);
+  std::unique_ptr<Request> sum = nccl().reduce_scatter_async(send.data(), summed.data(), n, ReduceOp::kSum);
+  std::unique_ptr<Request> gather = nccl().all_gather_async(send.data(), gathered.data(), n);
+  std::unique_ptr<Request> average = nccl().reduce_scatter_async(send.data(), averaged.data(), n, ReduceOp::kAverage);
+  std::unique_ptr<Request> own = nccl().all_gather_async(in_place.data(), in_place.data(), n);  // send == recv + rank·n
+  DeviceArray<float> reduced_in_place(values);
+  std::unique_ptr<Request> reduce_own =  // recv == send + rank·n
+      nccl().reduce_scatter_async(reduced_in_place.data(), reduced_in_place.data(), n, ReduceOp::kSum);
+  nccl().progress();
+  reduce_own->wait();
+  own->wait();
+  average->wait();
+  gather->wait();
+  sum->wait();
+  expect_bitwise_equal(summed.host(), values, "reduce_scatter_async (sum)");
+  expect_bitwise_equal(averaged.host(), values, "reduce_scatter_async (average)");
+  expect_bitwise_equal(gathered.host(), values, "all_gather_async");
+  expect_bitwise_equal(in_place.host(), values, "all_gather_async in place");
+  expect_bitwise_equal(reduced_in_place.host(), values, "reduce_scatter_async in place");
+  nccl().reduce_scatter_async(nullptr, nullptr, 0, ReduceOp::kSum)->wait();
+  nccl().all_gather_async(nullptr, nullptr, 0)->wait();
+}
+
 TEST_F(NcclCommTest, BroadcastFromTheRoot) {
   const std::vector<float> values = pattern(100, 0.0f);
   DeviceArray<float> data(values);
@@ -268,8 +297,9 @@ class CudaCommMemory final : public CommMemory {
 void run_on_nccl(const ConformanceCase& c) {
   if (!g_no_gpu.empty()) GTEST_SKIP() << g_no_gpu;
   CudaCommMemory memory;
-  // NCCL has no tags: receives match by issue order only (comm.h).
-  c.run({*g_nccl, memory, SelfTransfers::kSupported, TagMatching::kIssueOrderOnly});
+  // NCCL has no tags: receives match by issue order only, and it sums in its ring's order (comm.h).
+  c.run({*g_nccl, memory, SelfTransfers::kSupported, TagMatching::kIssueOrderOnly,
+         ReduceScatterOrder::kCommunicatorsOwn});
 }
 
 // Why this process cannot use a GPU, or empty.
