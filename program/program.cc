@@ -18,7 +18,8 @@ Activation activation_of(const Node& n) { return Activation{n.activation, n.alph
 
 Program::Program(const Graph& graph, Backend& backend, ProgramPlan plan, const ProgramOptions& options)
     : graph_(graph), backend_(backend), plan_(std::move(plan)), tensor_(options.tensor),
-      model_node_ids_(options.model_node_ids), batchnorm_reducer_(options.batchnorm_reducer) {}
+      model_node_ids_(options.model_node_ids), batchnorm_reducer_(options.batchnorm_reducer),
+      gradients_elsewhere_(options.gradients_elsewhere) {}
 
 Program::~Program() = default;
 
@@ -75,7 +76,9 @@ void Program::allocate() {
   const Graph& g = graph_;
   const size_t nv = g.values.size(), nn = g.nodes.size();
   params_ = DeviceBuffer(backend_, std::max<int64_t>(plan_.trainable_elements, 1));
-  if (!plan_.forward_only) grads_ = DeviceBuffer(backend_, std::max<int64_t>(plan_.trainable_elements, 1));
+  if (!plan_.forward_only && !gradients_elsewhere_) {
+    grads_ = DeviceBuffer(backend_, std::max<int64_t>(plan_.trainable_elements, 1));
+  }
   buffers_ = DeviceBuffer(backend_, std::max<int64_t>(plan_.buffer_elements, 1));
   upload_parameters(g);
   saved_a_.resize(nn);
@@ -116,7 +119,27 @@ const float* Program::param(int p) const {
 
 float* Program::param_grad(int p) {
   if (p < 0 || !graph_.params[p].trainable) return nullptr;
+  if (place_gradients_) return place_gradients_(plan_.param_offset[p]);
+  PIPESHARD_CHECK(!gradients_elsewhere_, "a backward before place_gradients()");
   return grads_.data() + plan_.param_offset[p];
+}
+
+void Program::place_gradients(GradientPlacement place) {
+  PIPESHARD_CHECK(gradients_elsewhere_ && !place_gradients_,
+                  "place_gradients() once, with ProgramOptions::gradients_elsewhere");
+  if (!place) {
+    gradients_elsewhere_ = false;
+    grads_ = DeviceBuffer(backend_, std::max<int64_t>(plan_.trainable_elements, 1));
+    zero_gradients();
+    return;
+  }
+  place_gradients_ = std::move(place);
+}
+
+Program::Memory Program::memory() const {
+  Memory m = plan_.memory();
+  if (gradients_elsewhere_) m.gradients = 0;  // the placer's to count
+  return m;
 }
 
 void Program::copy_parameters_from(const Program& from) {
@@ -264,9 +287,10 @@ void Program::forward_node(size_t i, int64_t batch, Mode mode, uint64_t seed, in
   }
 }
 
-void Program::backward(int64_t batch, const std::function<void(size_t)>& after_node) {
+void Program::backward(int64_t batch, const std::function<void(size_t)>& after_node,
+                       const std::function<void(size_t)>& before_node) {
   PIPESHARD_CHECK(!plan_.forward_only, "backward() of a forward-only program");
-  backward_nodes(batch, Part::kWhole, after_node);
+  backward_nodes(batch, Part::kWhole, after_node, before_node);
   set_fresh(false);  // further backwards (accumulation) add
 }
 
@@ -290,9 +314,12 @@ void Program::backward_weight(int64_t batch, const std::function<void(size_t)>& 
   set_fresh(false);
 }
 
-void Program::backward_nodes(int64_t batch, Part part, const std::function<void(size_t)>& after_node) {
+void Program::backward_nodes(int64_t batch, Part part, const std::function<void(size_t)>& after_node,
+                             const std::function<void(size_t)>& before_node) {
+  PIPESHARD_CHECK(!gradients_elsewhere_ || part == Part::kWhole, "a split backward of gradients placed elsewhere");
   for (size_t i = graph_.nodes.size(); i-- > 0;) {
     if (!selected(i)) continue;
+    if (before_node) before_node(i);
     if (part == Part::kWeight) {
       if (plan_.deferred_weight_grad[i]) weight_backward(i, batch);
     } else {
@@ -424,7 +451,9 @@ void Program::weight_backward(size_t i, int64_t batch) {
 
 void Program::zero_gradients() {
   if (plan_.forward_only) return;
-  for (const auto& [begin, end] : plan_.zeroed_ranges) backend_.fill(grads_.data() + begin, 0.0f, end - begin);
+  if (!gradients_elsewhere_) {
+    for (const auto& [begin, end] : plan_.zeroed_ranges) backend_.fill(grads_.data() + begin, 0.0f, end - begin);
+  }
   fresh_step_.assign(fresh_step_.size(), true);
 }
 

@@ -64,7 +64,8 @@ class Program {
   // Trainable parameter elements: the size of parameters() and gradients().
   int64_t trainable_elements() const { return plan_.trainable_elements; }
   float* parameters() { return params_.data(); }  // [trainable_elements]
-  float* gradients() { return grads_.data(); }    // [trainable_elements]; null when forward_only
+  // [trainable_elements]; null when forward_only or the gradients live elsewhere
+  float* gradients() { return grads_.data(); }
   // Where Graph parameter `p` lives in parameters() (-1 when it is not trainable).
   int64_t parameter_offset(int p) const { return graph_.params[p].trainable ? plan_.param_offset[p] : -1; }
 
@@ -125,7 +126,9 @@ class Program {
   // `after_node(i)` runs once node i's backward is done (nodes go in reverse order):
   // from then on no later node adds into the gradients of node i's parameters unless
   // an earlier node shares them.
-  void backward(int64_t batch, const std::function<void(size_t)>& after_node = {});
+  // `before_node(i)` runs before node i's backward writes anything.
+  void backward(int64_t batch, const std::function<void(size_t)>& after_node = {},
+                const std::function<void(size_t)>& before_node = {});
   // backward() in two halves (ProgramOptions::split_backward): backward_input() computes
   // every input gradient and the parameter gradients of nodes other than those
   // plan().deferred_weight_grad names; backward_weight() then adds theirs, in reverse node
@@ -143,6 +146,14 @@ class Program {
   // Zeroes the parameter gradients for a new step. Buffers that a single Linear writes
   // are not touched: its next backward overwrites them instead of adding.
   void zero_gradients();
+  // ProgramOptions::gradients_elsewhere: parameter gradients then live at place(offset)
+  // for parameter-buffer offset `offset` (parameter_offset()). Each backward overwrites
+  // them, but in the ranges zeroed_gradient_ranges() lists, which it adds into: whoever
+  // places the gradients fills those with zeros before the backward that writes them.
+  // An empty `place`: the gradients live in the program after all, as without the option.
+  using GradientPlacement = std::function<float*(int64_t offset)>;
+  void place_gradients(GradientPlacement place);
+  const std::vector<std::pair<int64_t, int64_t>>& zeroed_gradient_ranges() const { return plan_.zeroed_ranges; }
 
   Backend& backend() { return backend_; }
   // Elements of the gradient buffers of values (activations' gradients, not parameters'):
@@ -152,7 +163,7 @@ class Program {
   bool recomputed(int v) const { return plan_.recomputed[v]; }
   // Bytes of the buffers this program holds (ProgramPlan::Memory).
   using Memory = ProgramPlan::Memory;
-  Memory memory() const { return plan_.memory(); }
+  Memory memory() const;
 
  private:
   Program(const Graph& graph, Backend& backend, ProgramPlan plan, const ProgramOptions& options);
@@ -160,7 +171,8 @@ class Program {
   void assign_chunks(const std::vector<int>& node_chunk);
   // The parts of backward: which parameter gradients a node's backward writes.
   enum class Part { kWhole, kInput, kWeight };
-  void backward_nodes(int64_t batch, Part part, const std::function<void(size_t)>& after_node);
+  void backward_nodes(int64_t batch, Part part, const std::function<void(size_t)>& after_node,
+                      const std::function<void(size_t)>& before_node = {});
   void forward_node(size_t i, int64_t batch, Mode mode, uint64_t seed, int64_t first_sample);
   void dropout_forward(size_t i, int64_t batch, uint64_t seed, int64_t first_sample);
   void backward_node(size_t i, int64_t batch, Part part);
@@ -176,7 +188,7 @@ class Program {
   // Whether the selected chunk's backwards of this step have not yet written its parameter
   // gradients (zero_gradients() ran since); set_fresh() sets it for the selected chunk
   // (or every chunk).
-  bool fresh() const { return fresh_step_[std::max(chunk_, 0)]; }
+  bool fresh() const { return place_gradients_ || fresh_step_[std::max(chunk_, 0)]; }
   void set_fresh(bool fresh);
 
   const Graph& graph_;
@@ -197,6 +209,8 @@ class Program {
   std::vector<DeviceBuffer> scratch_;            // [graph nodes]: AllGather's and partial dx's staging
   std::vector<float*> value_, grad_;             // [graph values]; aliases point at their owner's
   std::vector<bool> fresh_step_;                 // [chunks]: zero_gradients() ran and no backward since
+  bool gradients_elsewhere_ = false;             // ProgramOptions::gradients_elsewhere
+  GradientPlacement place_gradients_;            // set by place_gradients()
 };
 
 }  // namespace pipeshard

@@ -72,6 +72,10 @@ struct ProgramOptions {
   // nodes' outputs, and the model inputs its nodes read); `slots` must be the largest.
   // Empty: `slots` for every chunk.
   std::vector<int> chunk_slots;
+  // true: the program allocates no parameter-gradient buffer; Program::place_gradients()
+  // says where each parameter's gradient lives for the next backward pass, and every pass
+  // writes afresh (ZeRO stage 2's windows, runtime/gradient_sync.h). Whole backwards only.
+  bool gradients_elsewhere = false;
 };
 
 struct ProgramPlan {
