@@ -206,6 +206,44 @@ int64_t recomputed_bytes(const Graph& g, const StageProgram& p, const StagePlan&
   return bytes;
 }
 
+// The gradient buckets train cuts stage `s`'s parameter gradients into
+// (runtime/gradient_sync.h: laid out in the order the nodes use them, bucketed from the
+// end, each closing once it holds `bucket_bytes`, never splitting a parameter): how many,
+// and the two windows ZeRO stage 2 puts them in (bucket i in window i mod 2, each as big as
+// its largest bucket). Sizes scale to a shard's when the stage is tensor-parallel
+// (`param_elements` of the whole).
+struct ZeroBuckets {
+  int64_t count = 0, window_elements = 0;
+};
+
+ZeroBuckets zero_buckets(const Graph& g, const PartitionOptions& o, const StagePlan& s, int64_t param_elements) {
+  std::vector<int64_t> sizes;
+  std::set<int> seen;
+  int64_t whole = 0;
+  for (int i : s.nodes) {
+    for (int q : g.node_params(g.nodes[i])) {
+      if (seen.insert(q).second) {
+        sizes.push_back(g.params[q].elements());
+        whole += sizes.back();
+      }
+    }
+  }
+  const double scale = whole > 0 ? static_cast<double>(param_elements) / static_cast<double>(whole) : 1.0;
+  const int64_t per_bucket = std::max<int64_t>(1, o.bucket_bytes / kFloatBytes);
+  int64_t windows[2] = {0, 0}, open = 0;
+  ZeroBuckets b;
+  for (auto it = sizes.rbegin(); it != sizes.rend(); ++it) {
+    open += static_cast<int64_t>(static_cast<double>(*it) * scale);
+    if (open >= per_bucket || it + 1 == sizes.rend()) {
+      windows[b.count % 2] = std::max(windows[b.count % 2], open);
+      ++b.count;
+      open = 0;
+    }
+  }
+  b.window_elements = windows[0] + windows[1];
+  return b;
+}
+
 // Estimate per rank of stage `k`: parameters, their gradients and optimizer state; what
 // its nodes keep for backward in every slot in flight (node_kept_bytes()), and with a
 // split backward each Linear's output gradient there too; and the working set beside them:
@@ -217,8 +255,8 @@ int64_t recomputed_bytes(const Graph& g, const StageProgram& p, const StagePlan&
 //   (recomputed_bytes()); two of each for an MLP, more with residual branches;
 // - one micro-batch of tensor-parallel scratch: an AllGather's whole output, and the
 //   input gradient a column-parallel Linear computes in part.
-int64_t memory_bytes(const Graph& g, const PartitionOptions& o, int in_flight, bool split, const StagePlan& s,
-                     int64_t param_elements, const std::vector<bool>& recomputed) {
+int64_t memory_bytes(const Graph& g, const PartitionOptions& o, int in_flight, bool split, bool one_chunk,
+                     const StagePlan& s, int64_t param_elements, const std::vector<bool>& recomputed) {
   std::map<std::string, int> by_name;
   for (size_t v = 0; v < g.values.size(); ++v) by_name[g.values[v].name] = static_cast<int>(v);
   auto bytes = [](const TensorSpec& t) { return t.shape.per_sample_elements() * kFloatBytes; };
@@ -251,12 +289,20 @@ int64_t memory_bytes(const Graph& g, const PartitionOptions& o, int in_flight, b
   const StageProgram program = stage_program(g, by_name, s);
   const int64_t shared = shared_gradient_bytes(g, program, split, s, shards, outputs) +
                          recomputed_bytes(g, program, s, shards, recomputed, outputs) + scratch;
-  // Weights and gradients; the optimizer's state, or under ZeRO a replica's share of it and
-  // of the reduced gradients (runtime/zero_shards.h).
+  // Weights, gradients and the optimizer's state; under ZeRO a replica's share of the state
+  // (runtime/zero_shards.h) and with stage 2, where every backward pass is whole, of the
+  // gradients too, beside two windows of buckets (runtime/gradient_sync.h), unless that is
+  // no smaller than the whole buffer.
+  // Each bucket's tail (under D elements) is on every replica.
   const int64_t d = std::max(o.zero_replicas, 1);
-  const int64_t state =
-      d == 1 ? param_elements * o.optimizer_slots : (param_elements * (o.optimizer_slots + 1) + d - 1) / d;
-  return (param_elements * 2 + state) * kFloatBytes + micro_batch_size(o) * (in_flight * per_slot + shared);
+  const ZeroBuckets buckets = d > 1 ? zero_buckets(g, o, s, param_elements) : ZeroBuckets{};
+  const int64_t owned = d == 1 ? param_elements : param_elements / d + buckets.count * (d - 1);
+  const int64_t state = owned * o.optimizer_slots;
+  int64_t gradients = param_elements;
+  if (d > 1 && o.zero_stage >= 2 && !split && one_chunk) {
+    gradients = std::min(gradients, owned + buckets.window_elements);
+  }
+  return (param_elements + gradients + state) * kFloatBytes + micro_batch_size(o) * (in_flight * per_slot + shared);
 }
 
 PipelineSplitProblem make_problem(const PartitionOptions& o, const ChunkSchedule& chunks, const LayerFigures& f,
@@ -311,6 +357,14 @@ Status check_options(const PartitionOptions& o) {
   if (Status s = check_schedule_counts(o.schedule, o.stages, micro_batch_count(o), o.virtual_stages); !s) {
     return s.setting().empty() ? Status::invalid("schedule", s.message()) : s;
   }
+  if (o.zero_replicas < 1) {
+    return Status::invalid("zero_replicas",
+                           "a stage needs at least 1 data-parallel replica, not " + std::to_string(o.zero_replicas));
+  }
+  if (o.zero_stage < 0 || o.zero_stage > 2) {
+    return Status::invalid("zero_stage", "the ZeRO stage must be 0, 1 or 2, not " + std::to_string(o.zero_stage));
+  }
+  if (o.bucket_bytes < 1) return Status::invalid("bucket_bytes", "the gradient bucket size must be positive");
   return Status::ok();
 }
 
@@ -426,7 +480,8 @@ Result<Plan> make_plan(const Graph& g, const std::string& model_path, const Part
     } else {
       s.files.push_back(file_prefix + std::to_string(k) + ".onnx");
     }
-    s.memory_bytes = memory_bytes(g, o, chunks.in_flight[k], chunks.split[k], s, elements, recomputed);
+    s.memory_bytes =
+        memory_bytes(g, o, chunks.in_flight[k], chunks.split[k], pieces == o.stages, s, elements, recomputed);
     plan.stages.push_back(std::move(s));
   }
   const double mean = static_cast<double>(cost_sum) / pieces;
@@ -491,7 +546,9 @@ nlohmann::json plan_to_json(const Plan& plan, const Graph& g) {
                              {"micro_batches", micro_batch_count(o)},
                              {"schedule", o.schedule},
                              {"chunks_per_stage", plan.chunks_per_stage},
-                             {"optimizer_slots", o.optimizer_slots}};
+                             {"optimizer_slots", o.optimizer_slots},
+                             {"zero_stage", o.zero_replicas > 1 ? o.zero_stage : 0},
+                             {"zero_replicas", o.zero_replicas}};
   j["stages"] = nlohmann::json::array();
   for (const StagePlan& s : plan.stages) {
     nlohmann::json st;

@@ -46,9 +46,12 @@ struct PartitionOptions {
   // --virtual-stages); 0: the schedule's own (chunks_per_stage_of() in schedule/registry.h).
   int virtual_stages = 0;
   int optimizer_slots = 2;  // float32 state per parameter (Adam: 2, SGD+momentum: 1)
-  // ZeRO stage 1 (train --zero 1) over this many data-parallel replicas: each holds the
-  // optimizer state of 1/D of the parameters and a buffer of their reduced gradients.
+  // ZeRO (train --zero) over this many data-parallel replicas: each holds the optimizer
+  // state of 1/D of the parameters (stage 1), and with stage 2 of the gradients too, beside
+  // two windows of the gradient buckets, of `bucket_bytes` (train --bucket-mb).
   int zero_replicas = 1;
+  int zero_stage = 1;
+  int64_t bucket_bytes = 25 << 20;
   bool recompute_activations = true;  // training recomputes recomputable_values() (train --keep-activations: false)
   // Fused activations the backend keeps anyway (program/program.h's kept_when_fused():
   // GeluTanh on a GPU below fp32); none on the CPU.

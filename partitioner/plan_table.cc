@@ -89,10 +89,11 @@ std::string plan_table_text(const Graph& g, const Plan& plan, const std::string&
   }
   const int m_batches = micro_batch_count(o);
   out += fmt::format(
-      "memory: per rank, fp32 weights + grads + {} optimizer slot{}, activations of batch {} in {} "
+      "memory: per rank, fp32 weights + grads + {} optimizer slot{}{}, activations of batch {} in {} "
       "micro-batch{} under {}{}\n",
-      o.optimizer_slots, o.optimizer_slots == 1 ? "" : "s", o.batch_size, m_batches, m_batches == 1 ? "" : "es",
-      find_schedule(o.schedule)->title,
+      o.optimizer_slots, o.optimizer_slots == 1 ? "" : "s",
+      o.zero_replicas > 1 ? fmt::format(" under ZeRO stage {} over {} replicas", o.zero_stage, o.zero_replicas) : "",
+      o.batch_size, m_batches, m_batches == 1 ? "" : "es", find_schedule(o.schedule)->title,
       o.recompute_activations ? "" : ", activation functions' outputs kept (--keep-activations)");
   if (dir.empty()) return out;
   size_t files = 0;

@@ -62,9 +62,11 @@ struct PlanHandle {
 };
 
 // The keyword each PartitionOptions setting is given by (a library error names it).
-const FlagNames kPartitionKeywords = {{"stages", "stages"},         {"tensor_parallel", "tensor_parallel"},
-                                      {"batch_size", "batch_size"}, {"micro_batches", "micro_batches"},
-                                      {"schedule", "schedule"},     {"virtual_stages", "virtual_stages"}};
+const FlagNames kPartitionKeywords = {{"stages", "stages"},          {"tensor_parallel", "tensor_parallel"},
+                                      {"batch_size", "batch_size"},  {"micro_batches", "micro_batches"},
+                                      {"schedule", "schedule"},      {"virtual_stages", "virtual_stages"},
+                                      {"zero_replicas", "replicas"}, {"zero_stage", "zero"},
+                                      {"bucket_bytes", "bucket_mb"}};
 
 // As partition --balance and --optimizer take them.
 BalanceBy balance_of(const std::string& name) {
@@ -82,7 +84,8 @@ int optimizer_slots_of(const std::string& name) {
 
 PlanHandle partition(const std::shared_ptr<Model>& model, int stages, int tensor_parallel, const std::string& balance,
                      int64_t batch_size, std::optional<int> micro_batches, const std::string& schedule,
-                     int virtual_stages, const std::string& optimizer, bool keep_activations) {
+                     int virtual_stages, const std::string& optimizer, bool keep_activations, int replicas, int zero,
+                     double bucket_mb) {
   PartitionOptions o;
   o.stages = stages;
   o.tensor_parallel = tensor_parallel;
@@ -95,6 +98,11 @@ PlanHandle partition(const std::shared_ptr<Model>& model, int stages, int tensor
   o.virtual_stages = virtual_stages;
   o.optimizer_slots = optimizer_slots_of(optimizer);
   o.recompute_activations = !keep_activations;
+  if (replicas < 1)
+    raise_value_error("replicas: a stage needs at least 1 data-parallel replica, not " + std::to_string(replicas));
+  o.zero_replicas = zero >= 1 ? replicas : 1;
+  o.zero_stage = zero;
+  o.bucket_bytes = static_cast<int64_t>(bucket_mb * (1 << 20));
   Result<Plan> plan = make_plan(model->graph, model->imported.path, o);
   if (!plan && !plan.status().setting().empty()) raise_value_error(flag_message(plan.status(), kPartitionKeywords));
   if (!plan) raise_value_error(model->imported.path + ": " + plan.status().message());
@@ -179,7 +187,8 @@ PYBIND11_MODULE(_pipeshard, m) {
       .def("partition", &partition, py::arg("stages") = 1, py::arg("tensor_parallel") = 1,
            py::arg("balance") = "params", py::arg("batch_size") = 32, py::arg("micro_batches") = py::none(),
            py::arg("schedule") = "1f1b", py::arg("virtual_stages") = 0, py::arg("optimizer") = "adam",
-           py::arg("keep_activations") = false,
+           py::arg("keep_activations") = false, py::arg("replicas") = 1, py::arg("zero") = 0,
+           py::arg("bucket_mb") = 25.0,
            "Cuts the model as `partition` does (its flags by the same names); a Plan. ValueError: bad options.")
       .def("__repr__", [](const Model& x) {
         return "<pipeshard.Model " + x.imported.path + ": " + std::to_string(x.graph.total_parameter_count()) +

@@ -209,7 +209,7 @@ void StageRunner::run_action(size_t index, const Action& a, const MicroStep& ms,
     watchdog_activity(ms.step, "gradient all-reduce");
     fault_point(FaultWhere::kAllReduce, ms.step);
     sync_->reduce_rest();
-    // The buckets not launched during backward (the last; under ZeRO, all), and the wait for all.
+    // The buckets not launched during backward (the last), and the wait for all.
     tracer_.add("reduce gradients (buckets left, and wait)", category(info.role), begin, ms.step, -1);
     reduce_us_ += tracer_.now_us() - begin;
     return;
@@ -327,21 +327,25 @@ void StageRunner::forward(const Action& a, const MicroStep& ms) {
 
 // B, I or W of one micro-batch. The pass that completes the chunk's gradients of the step
 // (its last B or W, in the last micro-step) reports each node to the gradient sync, which
-// launches the buckets it completes. Replayed from a recording (--cuda-graph) a pass runs
-// no host code: the buckets then all go at R, and the program is told what the pass
-// would have left behind on the host.
+// launches the buckets it completes; under ZeRO stage 2's windows every B does, and the
+// sync readies each window before it is written and reduces every pass. Replayed from a
+// recording (--cuda-graph) a pass runs no host code: the buckets then all go at R, and
+// the program is told what the pass would have left behind on the host.
 void StageRunner::backward(size_t index, const Action& a, const MicroStep& ms) {
   const int k = a.micro_batch;
   const bool completes = ms.last && static_cast<int>(index) == chunks_[a.chunk].last_gradient_action;
-  std::function<void(size_t)> node_done;
-  if (sync_ && completes) node_done = [this](size_t node) { sync_->node_done(node); };
+  const bool windows = sync_ && sync_->windows();
+  std::function<void(size_t)> node_done, node_starts;
+  if (sync_ && (completes || windows)) node_done = [this](size_t node) { sync_->node_done(node); };
+  if (windows) node_starts = [this](size_t node) { sync_->node_starts(node); };
   switch (a.kind) {
     case ActionKind::kBackward:
       if (ms.replay) {
         replay_or_record(ActionKind::kBackward, ms, k, [&] { program_.backward(micro_); });
         program_.backward_replayed();
       } else {
-        program_.backward(micro_, node_done);
+        program_.backward(micro_, node_done, node_starts);
+        if (windows) sync_->pass_done();
       }
       add_carried_gradients(a.chunk);
       return;

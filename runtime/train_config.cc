@@ -55,9 +55,8 @@ Status check_train_config(const TrainConfig& config, const ProcessLayout& layout
     return Status::invalid("batch_size", "a batch of " + samples_text(config.batch_size) + " does not divide among " +
                                              std::to_string(d) + " data-parallel replicas");
   }
-  if (config.zero != 0 && config.zero != 1) {
-    return Status::invalid("zero", "the ZeRO stage must be 0 or 1, not " + std::to_string(config.zero) +
-                                       " (stage 2, which shards the gradients too, is not built yet)");
+  if (config.zero < 0 || config.zero > 2) {
+    return Status::invalid("zero", "the ZeRO stage must be 0, 1 or 2, not " + std::to_string(config.zero));
   }
   if (Status s = check_loss_scaling(config.loss_scaling); !s) return Status::invalid("loss_scaling", s.message());
   if (m < 1) return Status::invalid("micro_batches", "there must be at least one micro-batch");

@@ -41,7 +41,9 @@ struct TrainConfig {
   int virtual_stages = 0;                  // chunks per stage where the schedule lets it be chosen; 0: its default
   BalanceBy balance = BalanceBy::kParams;  // how stages are cut
   bool sync_batchnorm = false;             // BatchNorm statistics over all replicas, not each replica's slice
-  int zero = 0;  // ZeRO stage: 0 (each replica holds all optimizer state) or 1 (1/D of it: runtime/zero_shards.h)
+  // ZeRO stage: 0 (each replica holds all optimizer state), 1 (1/D of it: runtime/zero_shards.h)
+  // or 2 (and 1/D of the reduced gradients: runtime/gradient_sync.h)
+  int zero = 0;
   NonFinite on_nonfinite = NonFinite::kStop;  // a step whose loss or gradients are not finite
   LossScaling loss_scaling;
   // Record each forward and backward the first step runs, and from the second step on

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 
 #include "comm/watchdog.h"
 #include "common/fault_injection.h"
@@ -57,6 +58,8 @@ std::vector<int64_t> Trainer::memory_per_stage(const Graph& graph, const TrainCo
   o.stages = layout.stages;
   o.tensor_parallel = layout.shards;
   if (config.zero >= 1) o.zero_replicas = layout.replicas;
+  o.zero_stage = config.zero;
+  o.bucket_bytes = config.bucket_bytes;
   Result<Plan> plan = make_plan(graph, "", o);
   if (!plan) return {};
   return pipeshard::memory_per_stage(*plan);
@@ -67,6 +70,12 @@ Trainer::Trainer(const Dataset& data, Backend& backend, const TrainConfig& confi
       order_(data.samples, config.batch_size, config.shuffle, config.seed) {}
 
 Trainer::~Trainer() = default;
+
+Trainer::Memory Trainer::memory() const {
+  Memory m{program_->memory(), optimizer_->state_bytes(), backend_.memory_use().peak};
+  if (zero_stage() == 2) m.program.gradients = sync_->gradient_bytes();  // its windows and sums
+  return m;
+}
 
 Result<std::unique_ptr<Trainer>> Trainer::create(const Graph& graph, const Dataset& data, Backend& backend,
                                                  const TrainConfig& config, const Parallel& parallel) {
@@ -125,6 +134,10 @@ Status Trainer::build(const TrainConfig& config, Communicator* device_replicas, 
   options.model_node_ids = rank_.model_node_ids();
   options.recompute_activations = !config.keep_activations;
   options.split_backward = splits_backward(schedule_.actions[layout.stage]);
+  // ZeRO stage 2 keeps the gradients in windows where every backward pass is whole.
+  // ZeRO stage 2 keeps the gradients in windows, where every backward pass writes them
+  // whole (runtime/gradient_sync.h); with I and W passes or model chunks it runs as stage 1.
+  options.gradients_elsewhere = config.zero >= 2 && device_replicas && !options.split_backward && rank_.chunks() == 1;
   if (config.sync_batchnorm && device_replicas) {
     options.batchnorm_reducer = [device_replicas](double* data, int64_t n) {
       device_replicas->all_reduce_sum(data, n);
@@ -139,7 +152,16 @@ Status Trainer::build(const TrainConfig& config, Communicator* device_replicas, 
   targets_ = DeviceBuffer(backend_, std::max(local_batch_, config.batch_size) * data_.targets_per_sample);
   if (device_replicas) {
     sync_ = std::make_unique<GradientSync>(g, *program_, *device_replicas, config.bucket_bytes);
-    if (config.zero >= 1) sync_->shard(backend_);
+    // PIPESHARD_ZERO_WINDOWS=always: stage 2's windows even where they save nothing (tests).
+    const char* always = std::getenv("PIPESHARD_ZERO_WINDOWS");
+    if (config.zero >= 1) {
+      sync_->shard(backend_, options.gradients_elsewhere, always && std::string(always) == "always");
+    }
+  }
+  if (sync_ && sync_->zero()) {
+    spans_ = sync_->spans();
+  } else {
+    spans_ = {{program_->parameters(), program_->gradients(), program_->trainable_elements()}};
   }
   // Under ZeRO each replica keeps the state of its slices only.
   optimizer_ = std::make_unique<Optimizer>(backend_, config.optimizer,
@@ -279,22 +301,14 @@ bool Trainer::skip_non_finite(StepResult& r) {
 template <typename Fn>
 void Trainer::for_each_gradient_piece(int64_t at, int64_t elements, Fn fn) {
   if (!zero()) {
-    fn(program_->gradients() + at, elements, false);
+    fn(spans_[0].grads + at, elements, false);
     return;
   }
-  const std::vector<ZeroShards::Range> ranges = zero()->ranges();
-  const std::vector<Optimizer::Span> spans = gradient_spans();
+  const std::vector<ZeroShards::Range>& ranges = zero()->ranges();
   for (size_t i = 0; i < ranges.size(); ++i) {
     const int64_t begin = std::max(at, ranges[i].at), end = std::min(at + elements, ranges[i].at + ranges[i].n);
-    if (begin < end) fn(spans[i].grads + (begin - ranges[i].at), end - begin, i >= zero()->pieces().size());
+    if (begin < end) fn(spans_[i].grads + (begin - ranges[i].at), end - begin, i >= zero()->pieces().size());
   }
-}
-
-// The gradients the optimizer reads: the whole buffer, or under ZeRO this replica's
-// reduced slices and the tails.
-std::vector<Optimizer::Span> Trainer::gradient_spans() {
-  if (!zero()) return {{program_->parameters(), program_->gradients(), program_->trainable_elements()}};
-  return zero()->spans(program_->parameters(), program_->gradients(), sync_->owned_gradients());
 }
 
 bool Trainer::gradients_non_finite_anywhere() {

@@ -129,7 +129,10 @@ class Trainer {
     Program::Memory program;
     int64_t optimizer = 0, peak = 0;
   };
-  Memory memory() const { return Memory{program_->memory(), optimizer_->state_bytes(), backend_.memory_use().peak}; }
+  Memory memory() const;
+  // The ZeRO stage this rank runs: 0 (none, or one replica), 1, or 2 (--zero 2 runs as 1
+  // where a stage's backward is split into I and W passes or it holds several chunks).
+  int zero_stage() const { return !zero() ? 0 : sync_->windows() ? 2 : 1; }
   // The loss scale the next step will use (1 when scaling is off).
   double loss_scale() const { return scaler_.scale(); }
   int64_t batches_per_epoch() const { return order_.batches_per_epoch(); }
@@ -212,7 +215,9 @@ class Trainer {
   bool gradients_non_finite_anywhere();
   // ZeRO's slices of this replica (runtime/zero_shards.h), null without ZeRO.
   const ZeroShards* zero() const { return sync_ ? sync_->zero() : nullptr; }
-  std::vector<Optimizer::Span> gradient_spans();
+  // The gradients the optimizer reads: the whole buffer, or under ZeRO this replica's
+  // reduced slices and the tails.
+  const std::vector<Optimizer::Span>& gradient_spans() const { return spans_; }
   template <typename Fn>
   void for_each_gradient_piece(int64_t at, int64_t elements, Fn fn);
   // Host copies of this rank's parameters (values) or of optimizer slot s.
@@ -237,6 +242,7 @@ class Trainer {
   std::unique_ptr<Program> program_;
   std::unique_ptr<Optimizer> optimizer_;
   std::unique_ptr<GradientSync> sync_;  // with replicas
+  std::vector<Optimizer::Span> spans_;  // gradient_spans()
   Tracer tracer_;
   std::unique_ptr<StageRunner> runner_;
   DeviceBuffer targets_;              // [local_batch * targets_per_sample]

@@ -16,25 +16,27 @@ ZeroShards::ZeroShards(const std::vector<std::pair<int64_t, int64_t>>& buckets, 
     p.end = end;
     p.block = (end - begin) / replicas;
     p.tail = begin + p.block * replicas;
-    p.owned_at = slice_elements_;
-    slice_elements_ += p.block;
-    owned_elements_ += p.block + (end - p.tail);
     pieces_.push_back(p);
+  }
+  for (Piece& p : pieces_) {
+    p.slice_at = owned_elements_;
+    ranges_.push_back({p.begin + replica_ * p.block, p.block});
+    owned_elements_ += p.block;
+  }
+  for (Piece& p : pieces_) {
+    p.tail_at = owned_elements_;
+    ranges_.push_back({p.tail, p.end - p.tail});
+    owned_elements_ += p.end - p.tail;
   }
 }
 
-std::vector<Optimizer::Span> ZeroShards::spans(float* params, float* grads, float* owned_grads) const {
+std::vector<Optimizer::Span> ZeroShards::spans(float* params, float* grads, float* packed) const {
   std::vector<Optimizer::Span> out;
-  for (const Piece& p : pieces_)
-    out.push_back({params + p.begin + replica_ * p.block, owned_grads + p.owned_at, p.block});
-  for (const Piece& p : pieces_) out.push_back({params + p.tail, grads + p.tail, p.end - p.tail});
-  return out;
-}
-
-std::vector<ZeroShards::Range> ZeroShards::ranges() const {
-  std::vector<Range> out;
-  for (const Piece& p : pieces_) out.push_back({p.begin + replica_ * p.block, p.block});
-  for (const Piece& p : pieces_) out.push_back({p.tail, p.end - p.tail});
+  int64_t at = 0;
+  for (const Range& r : ranges_) {
+    out.push_back({params + r.at, packed ? packed + at : grads + r.at, r.n});
+    at += r.n;
+  }
   return out;
 }
 
@@ -42,7 +44,7 @@ std::vector<float> ZeroShards::to_whole(const std::vector<float>& owned, int64_t
   PIPESHARD_CHECK(static_cast<int64_t>(owned.size()) == owned_elements_, "owned optimizer state's size");
   std::vector<float> whole(static_cast<size_t>(elements), 0.0f);
   int64_t from = 0;
-  for (const Range& r : ranges()) {
+  for (const Range& r : ranges_) {
     PIPESHARD_CHECK(r.at + r.n <= elements, "a ZeRO range beyond the buffer");
     std::copy(owned.begin() + from, owned.begin() + from + r.n, whole.begin() + r.at);
     from += r.n;
@@ -53,7 +55,7 @@ std::vector<float> ZeroShards::to_whole(const std::vector<float>& owned, int64_t
 std::vector<float> ZeroShards::to_owned(const std::vector<float>& whole) const {
   std::vector<float> owned;
   owned.reserve(static_cast<size_t>(owned_elements_));
-  for (const Range& r : ranges()) {
+  for (const Range& r : ranges_) {
     PIPESHARD_CHECK(r.at + r.n <= static_cast<int64_t>(whole.size()), "a ZeRO range beyond the whole state");
     owned.insert(owned.end(), whole.begin() + r.at, whole.begin() + r.at + r.n);
   }

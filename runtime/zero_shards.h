@@ -1,23 +1,23 @@
-// ZeRO stage 1 (Rajbhandari et al., 2020, §5.1): the data-parallel replicas of a stage
-// (and shard) split the optimizer state between them. Each replica keeps the state of its
-// slice of every gradient bucket (runtime/gradient_sync.h), so that the traffic stays
-// in the buckets' large messages:
+// ZeRO (Rajbhandari et al., 2020, §5): the data-parallel replicas of a stage (and shard)
+// split the optimizer state between them (stage 1), and the reduced gradients too
+// (stage 2). Each replica keeps the state of its slice of every gradient bucket
+// (runtime/gradient_sync.h), so that the traffic stays in the buckets' large messages:
 //
 //   bucket [begin, end) of L elements, D replicas, block = floor(L / D):
 //     [begin + r·block, begin + (r+1)·block)   replica r's slice: reduce-scattered
 //     [begin + D·block, end)                  the tail (< D elements): all-reduced, every
 //                                             replica updates it alike
 //
-// A step then reduce-scatters each bucket's gradients (summed into the replica's slice,
-// in a buffer of its own), updates the slice (the optimizer's Spans), and all-gathers the
-// updated weights back into every replica's parameter buffer. The sum each replica's slice
-// receives is the one all-reduce gives, so every layout stays one process's training, to
-// float rounding.
+// A step then reduce-scatters each bucket's gradients, updates the slice (the optimizer's
+// Spans), and all-gathers the updated weights back into every replica's parameter buffer.
+// The sum each replica's slice receives is the one all-reduce gives, so every layout stays
+// one process's training, to float rounding.
 //
 // This class is the bookkeeping: which elements each replica owns, where their reduced
-// gradients lie, and the mapping between the optimizer's state (owned elements, in span
-// order) and whole-buffer state (checkpoints hold whole tensors), with the all-gather that
-// puts every replica's slices together.
+// gradients lie (in place in the whole gradient buffer, or packed into a buffer of the
+// owned elements alone), and the mapping between the optimizer's state (owned elements, in
+// span order) and whole-buffer state (checkpoints hold whole tensors), with the all-gather
+// that puts every replica's slices together.
 #ifndef PIPESHARD_RUNTIME_ZERO_SHARDS_H_
 #define PIPESHARD_RUNTIME_ZERO_SHARDS_H_
 
@@ -35,7 +35,8 @@ class ZeroShards {
     int64_t begin = 0, end = 0;  // the bucket, in the parameter and gradient buffers
     int64_t block = 0;           // each replica's slice: floor((end - begin) / replicas)
     int64_t tail = 0;            // begin + replicas · block: the tail is [tail, end)
-    int64_t owned_at = 0;        // where this replica's reduced slice lies in the owned-gradient buffer
+    int64_t slice_at = 0;        // in the packed buffer: this replica's slice ...
+    int64_t tail_at = 0;         // ... and the tail
   };
 
   // Over `buckets` ([begin, end) of the gradient buffer, in launch order) for replica
@@ -45,19 +46,18 @@ class ZeroShards {
   int replica() const { return replica_; }
   int replicas() const { return replicas_; }
   const std::vector<Piece>& pieces() const { return pieces_; }  // one per bucket, in launch order
-  // Elements this replica updates: its slices and every tail.
+  // Elements this replica updates: its slices and every tail (the packed buffer's size).
   int64_t owned_elements() const { return owned_elements_; }
-  // Floats of the owned-gradient buffer: the slices (tails are reduced in place).
-  int64_t slice_elements() const { return slice_elements_; }
 
-  // What the optimizer updates on this replica: each slice (its reduced gradients in
-  // `owned_grads`), then each tail (in `grads`), in piece order.
-  std::vector<Optimizer::Span> spans(float* params, float* grads, float* owned_grads) const;
-  // Whole-buffer positions of those spans, in the same order: [at, at + n).
+  // What this replica updates, as whole-buffer positions [at, at + n): each slice, then
+  // each tail, in piece order. The packed buffer holds them one after another, so.
   struct Range {
     int64_t at = 0, n = 0;
   };
-  std::vector<Range> ranges() const;
+  const std::vector<Range>& ranges() const { return ranges_; }
+  // The optimizer's spans over ranges(): parameters in `params`; the reduced gradients in
+  // place in `grads` (the whole buffer) or, with `packed` given, there in range order.
+  std::vector<Optimizer::Span> spans(float* params, float* grads, float* packed = nullptr) const;
 
   // Optimizer state: `owned` (owned_elements(), span order) into a whole buffer of
   // `elements` (zeros where other replicas own), and back.
@@ -70,7 +70,8 @@ class ZeroShards {
  private:
   int replica_, replicas_;
   std::vector<Piece> pieces_;
-  int64_t owned_elements_ = 0, slice_elements_ = 0;
+  std::vector<Range> ranges_;
+  int64_t owned_elements_ = 0;
 };
 
 }  // namespace pipeshard

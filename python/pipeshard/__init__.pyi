@@ -52,6 +52,9 @@ class Model:
         virtual_stages: int = 0,
         optimizer: str = "adam",
         keep_activations: bool = False,
+        replicas: int = 1,
+        zero: int = 0,
+        bucket_mb: float = 25.0,
     ) -> Plan: ...
     def to_torch(self, module: Any) -> Any: ...
 

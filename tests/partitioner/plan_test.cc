@@ -230,6 +230,41 @@ TEST(Plan, MemoryEstimateLeavesOutRecomputedActivations) {
   EXPECT_EQ(kept - recomputed, (7 - 2) * 4096 * 64 * 4);
 }
 
+// Eight equal layers of 64 x 64 + 64 (4,160 parameters), a bucket each: under ZeRO over D
+// replicas the estimate holds 1/D of the optimizer state (stage 1), and of the gradients
+// beside two windows of a layer (stage 2); each bucket's tail of under D elements counts on
+// every replica. Stage 2 under a split backward (zb-h1) counts the whole gradients, as
+// training then runs stage 1; so does a plan whose windows would hold the whole buffer.
+TEST(Plan, MemoryEstimateKnowsTheZeroStage) {
+  ImportedModel m = relu_chain();
+  const int64_t layer = 64 * 64 + 64, params = 8 * layer;
+  PartitionOptions o;
+  o.bucket_bytes = layer * 4;
+  const int64_t plain = plan_or_die(m.graph, o).stages[0].memory_bytes;
+  for (int64_t d : {2, 4}) {
+    o.zero_replicas = static_cast<int>(d);
+    o.zero_stage = 1;
+    const int64_t owned = params / d + 8 * (d - 1);  // a tail of 4,160 mod D = 0 still counts D - 1
+    EXPECT_EQ(plain - plan_or_die(m.graph, o).stages[0].memory_bytes, 4 * 2 * (params - owned)) << d;
+    o.zero_stage = 2;
+    EXPECT_EQ(plain - plan_or_die(m.graph, o).stages[0].memory_bytes,
+              4 * 2 * (params - owned) + 4 * (params - owned - 2 * layer))
+        << d;
+    o.schedule = "zb-h1";
+    o.stages = 2;
+    PartitionOptions one = o;
+    one.zero_stage = 1;
+    EXPECT_EQ(plan_or_die(m.graph, o).stages[0].memory_bytes, plan_or_die(m.graph, one).stages[0].memory_bytes) << d;
+    o.schedule = "1f1b";
+    o.stages = 1;
+  }
+  o.zero_replicas = 2;
+  o.bucket_bytes = 4 * layer * 4;  // two buckets of four layers: windows as big as the buffer
+  PartitionOptions one = o;
+  one.zero_stage = 1;
+  EXPECT_EQ(plan_or_die(m.graph, o).stages[0].memory_bytes, plan_or_die(m.graph, one).stages[0].memory_bytes);
+}
+
 TEST(Plan, JsonHasTheDocumentedFields) {
   ImportedModel m = load_model("residual");
   PartitionOptions o;

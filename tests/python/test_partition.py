@@ -42,6 +42,23 @@ def test_table_and_files_equal_partition(tmp_path, monkeypatch):
     assert all(s["memory_bytes"] > 0 and s["nodes"] for s in plan.stages)
 
 
+def test_zero_memory_estimate_equals_partition(tmp_path, monkeypatch):
+    monkeypatch.chdir(SOURCE)
+    args = ["--replicas", "4", "--zero", "2", "--bucket-mb", "0.01", "--optimizer", "adamw"]
+    cli = run_tool("partition", "models/simple_digits.onnx", *args, "--out", tmp_path, cwd=SOURCE)
+    assert cli.returncode == 0, cli.stderr
+    m = pipeshard.load("models/simple_digits.onnx")
+    plan = m.partition(replicas=4, zero=2, bucket_mb=0.01, optimizer="adamw")
+    assert plan.table(str(tmp_path)) == cli.stdout
+    assert "under ZeRO stage 2 over 4 replicas" in cli.stdout
+    plain = m.partition(optimizer="adamw").stages[0]["memory_bytes"]
+    assert plan.stages[0]["memory_bytes"] < plain
+    with pytest.raises(ValueError, match="zero"):
+        m.partition(replicas=2, zero=3)
+    with pytest.raises(ValueError, match="replicas"):
+        m.partition(replicas=0, zero=1)
+
+
 def test_model_facts():
     m = pipeshard.load(SOURCE / "models" / "simple_digits.onnx")
     assert m.layers >= 2

@@ -31,7 +31,7 @@ TEST(ZeroShards, SlicesAndTailsCoverEveryElement) {
         owned += ranges[i].n;
       }
       EXPECT_EQ(owned, z.owned_elements());
-      slices += z.slice_elements();
+      for (size_t i = 0; i < kBuckets.size(); ++i) slices += ranges[i].n;
     }
     for (int64_t e = 0; e < kElements; ++e) {
       // Each element is in exactly one replica's slice, or in a tail that every replica holds.
@@ -47,22 +47,26 @@ TEST(ZeroShards, SlicesAndTailsCoverEveryElement) {
 
 TEST(ZeroShards, SpansPointAtTheReducedGradients) {
   const ZeroShards z(kBuckets, 1, 4);
-  std::vector<float> params(kElements), grads(kElements), owned(static_cast<size_t>(z.slice_elements()));
-  const std::vector<Optimizer::Span> spans = z.spans(params.data(), grads.data(), owned.data());
-  const std::vector<ZeroShards::Range> ranges = z.ranges();
+  std::vector<float> params(kElements), grads(kElements), packed(static_cast<size_t>(z.owned_elements()));
+  const std::vector<ZeroShards::Range>& ranges = z.ranges();
+  // Stage 1: in place, where the reduce-scatter leaves this replica's block of each bucket.
+  const std::vector<Optimizer::Span> in_place = z.spans(params.data(), grads.data());
+  // Stage 2: one after another in the packed buffer, slices then tails, as the pieces say.
+  const std::vector<Optimizer::Span> spans = z.spans(params.data(), grads.data(), packed.data());
+  ASSERT_EQ(in_place.size(), ranges.size());
   ASSERT_EQ(spans.size(), ranges.size());
-  int64_t slice_at = 0;
+  int64_t at = 0;
   for (size_t i = 0; i < spans.size(); ++i) {
+    EXPECT_EQ(in_place[i].params, params.data() + ranges[i].at);
+    EXPECT_EQ(in_place[i].grads, grads.data() + ranges[i].at);
     EXPECT_EQ(spans[i].params, params.data() + ranges[i].at);
+    EXPECT_EQ(spans[i].grads, packed.data() + at);
     EXPECT_EQ(spans[i].n, ranges[i].n);
-    if (i < kBuckets.size()) {  // a slice: its reduced gradients in the owned buffer, one after another
-      EXPECT_EQ(spans[i].grads, owned.data() + slice_at);
-      slice_at += spans[i].n;
-    } else {  // a tail: all-reduced in place
-      EXPECT_EQ(spans[i].grads, grads.data() + ranges[i].at);
-    }
+    const ZeroShards::Piece& p = z.pieces()[i % kBuckets.size()];
+    EXPECT_EQ(at, i < kBuckets.size() ? p.slice_at : p.tail_at);
+    at += spans[i].n;
   }
-  EXPECT_EQ(slice_at, z.slice_elements());
+  EXPECT_EQ(at, z.owned_elements());
   // Bucket {10, 70}: 60 elements, 15 each; replica 1's slice starts 15 in.
   EXPECT_EQ(ranges[1].at, 25);
   EXPECT_EQ(ranges[1].n, 15);

@@ -289,29 +289,38 @@ TEST(TrainCli, DataParallelBatchNormSaysStatisticsArePerReplica) {
   EXPECT_EQ(r.err.find("note: BatchNorm"), std::string::npos) << r.err;
 }
 
-// "optimizer state 397.1 KiB" in the peak memory line: the bytes, as bytes_text wrote them.
-double optimizer_state_bytes(const std::string& err) {
-  const std::string key = "optimizer state ";
+// "optimizer state 397.1 KiB" (`key` "optimizer state") in the peak memory line: the
+// bytes, as bytes_text wrote them.
+double peak_line_bytes(const std::string& err, const std::string& key) {
   const size_t line = err.find("held by the backend");  // the peak line, not the ZeRO note before it
-  const size_t at = line == std::string::npos ? line : err.find(key, line);
+  const size_t at = line == std::string::npos ? line : err.find(key + " ", line);
   if (at == std::string::npos) return -1;
   size_t used = 0;
-  const double value = std::stod(err.substr(at + key.size()), &used);
-  const std::string unit = err.substr(at + key.size() + used + 1, 3);
+  const double value = std::stod(err.substr(at + key.size() + 1), &used);
+  const std::string unit = err.substr(at + key.size() + 1 + used + 1, 3);
   return value * (unit == "KiB" ? 1024.0 : unit == "MiB" ? 1048576.0 : 1.0);
 }
 
+// The backend's peak of the run's first step, from its --metrics file.
+double first_step_peak(const std::filesystem::path& metrics) {
+  std::ifstream in(metrics);
+  std::string line;
+  std::getline(in, line);
+  return nlohmann::json::parse(line)["backend_peak_bytes"].get<double>();
+}
+
 // --zero 1: each of the data-parallel replicas holds the optimizer state of its 1/D of the
-// parameters, which the peak memory line shows; rank 0 says so once. Over many small
+// parameters, which the peak memory line shows; rank 0 says so once. Over several small
 // buckets, with clipping, the trained model is plain data parallelism's bit for bit (a sum
 // of two replicas' gradients is the same sum either way). With one replica it says that
-// --zero has nothing to shard; stage 2 is refused before any work.
+// --zero has nothing to shard; a stage past 2 is refused before any work.
 TEST(TrainCli, ZeroShardsTheOptimizerStateAcrossReplicas) {
   ScratchDir dir("zero");
   const std::string mpiexec = "OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 TMPDIR=" + quote(dir.path()) +
                               " timeout 120 " + quote(PIPESHARD_MPIEXEC) + " -n 2 --oversubscribe ";
   const std::string run = train_command("simple_digits.onnx", "--optimizer adam --batch-size 64 --steps 3");
-  const std::string buckets = " --bucket-mb 0.01 --clip-grad-norm 0.05";  // 6 buckets; clipping in every step
+  const std::string buckets =
+      " --bucket-mb 0.01 --clip-grad-norm 0.05";  // a bucket per layer or two; clipping in every step
   const auto plain = run_command(mpiexec + run + buckets + " --metrics " + quote(dir / "plain.jsonl") + " --save " +
                                  quote(dir / "plain.onnx"));
   ASSERT_EQ(plain.exit_code, 0) << plain.err;
@@ -325,26 +334,95 @@ TEST(TrainCli, ZeroShardsTheOptimizerStateAcrossReplicas) {
   EXPECT_EQ(zero.err.find(note), zero.err.rfind(note)) << "said once, by rank 0: " << zero.err;
   // Adam's two slots of 50,826 parameters: 397.1 KiB on each replica, half of it under ZeRO
   // (the tails of the buckets, under D elements each, are on both).
-  const double whole = optimizer_state_bytes(plain.err), half = optimizer_state_bytes(zero.err);
+  const double whole = peak_line_bytes(plain.err, "optimizer state"),
+               half = peak_line_bytes(zero.err, "optimizer state");
   EXPECT_NEAR(whole, 50826 * 8, 0.001 * whole) << plain.err;
   EXPECT_NEAR(half, whole / 2, 0.001 * whole) << zero.err;
-  // The backend's peak: 16 bytes a parameter (weights, gradients, two slots) become 4 + 4 +
-  // (8 + 4) / 2 (the slots and the reduced gradient slice): 2 bytes a parameter less.
-  const auto peak = [&](const std::string& file) {
-    std::ifstream in(dir / file);
-    std::string line;
-    std::getline(in, line);
-    return nlohmann::json::parse(line)["backend_peak_bytes"].get<double>();
-  };
-  EXPECT_NEAR(peak("plain.jsonl") - peak("zero.jsonl"), 50826 * 2, 1024) << plain.err << zero.err;
+  // The backend's peak: 16 bytes a parameter (weights, gradients, two slots) become
+  // 4 + 4 + 8 / 2: the gradients are reduce-scattered in place.
+  EXPECT_NEAR(first_step_peak(dir / "plain.jsonl") - first_step_peak(dir / "zero.jsonl"), 50826 * 4, 1024)
+      << plain.err << zero.err;
   const auto alone = run_command(run + " --zero 1");
   EXPECT_EQ(alone.exit_code, 0) << alone.err;
   EXPECT_NE(alone.err.find("note: --zero 1 has nothing to shard with one data-parallel replica"), std::string::npos)
       << alone.err;
-  const auto stage2 = run_command(run + " --zero 2 --save " + quote(dir / "never.onnx"));
-  EXPECT_EQ(stage2.exit_code, 2);
-  EXPECT_NE(stage2.err.find("--zero: the ZeRO stage must be 0 or 1, not 2"), std::string::npos) << stage2.err;
+  const auto stage3 = run_command(run + " --zero 3 --save " + quote(dir / "never.onnx"));
+  EXPECT_EQ(stage3.exit_code, 2);
+  EXPECT_NE(stage3.err.find("--zero: the ZeRO stage must be 0, 1 or 2, not 3"), std::string::npos) << stage3.err;
   EXPECT_FALSE(std::filesystem::exists(dir / "never.onnx"));
+}
+
+// --zero 2 on an MLP of seven Linears in buckets of one 128 x 128 layer (16,512 floats;
+// the first bucket also holds the last layer): the gradients live in two windows, the
+// size of the buckets in them, and this replica's 1/D of them, so gradient and optimizer
+// bytes per rank go as 1/D (measured by the backend, against the formula), and the model
+// is plain data parallelism's bit for bit at D = 2. With accumulation every backward pass
+// is reduced, and the run is still the one-process training. Where it cannot save (a
+// schedule that splits backward; buckets too few), it runs as stage 1 and says why.
+TEST(TrainCli, ZeroTwoShardsTheGradientsToo) {
+  ScratchDir dir("zero2");
+  testing::ModelBuilder b(64);
+  std::string x = b.relu(b.linear("input", 64, 128));
+  for (int i = 0; i < 5; ++i) x = b.relu(b.linear(x, 128, 128));
+  b.output(b.linear(x, 128, 10), 10);
+  b.save(dir / "deep.onnx");
+  const int64_t params = 64 * 128 + 128 + 5 * (128 * 128 + 128) + 128 * 10 + 10, layer = 128 * 128 + 128;
+  const auto mpiexec = [&](int np) {
+    return "OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 TMPDIR=" + quote(dir.path()) + " timeout 120 " +
+           quote(PIPESHARD_MPIEXEC) + " -n " + std::to_string(np) + " --oversubscribe ";
+  };
+  const std::string run = quote(tool_path("train")) + " " + quote(dir / "deep.onnx") + " --data " +
+                          quote(source_path("data/digits_features.npy")) + " --labels " +
+                          quote(source_path("data/digits_labels.npy")) +
+                          " --optimizer adamw --batch-size 64 --steps 3 --clip-grad-norm 0.05";
+  const std::string layers = " --bucket-mb 0.06298828125";  // 16,512 floats
+  const auto train = [&](int np, const std::string& name, const std::string& flags) {
+    const auto r = run_command(mpiexec(np) + run + " " + flags + " --metrics " + quote(dir / (name + ".jsonl")) +
+                               " --save " + quote(dir / (name + ".onnx")));
+    EXPECT_EQ(r.exit_code, 0) << r.err;
+    return r;
+  };
+  const auto plain = train(2, "plain", layers);
+  const auto zero = train(2, "zero", "--zero 2" + layers);
+  EXPECT_TRUE(testing::read_text(dir / "zero.onnx") == testing::read_text(dir / "plain.onnx")) << "the same bits";
+  EXPECT_NE(zero.err.find("note: ZeRO stage 2: each of the 2 data-parallel replicas holds the optimizer state and "
+                          "reduced gradients of 1/2 of the parameters"),
+            std::string::npos)
+      << zero.err;
+  train(4, "plain4", layers);
+  const auto zero4 = train(4, "zero4", "--zero 2" + layers);
+  const double grads = peak_line_bytes(plain.err, "gradients"), state = peak_line_bytes(plain.err, "optimizer state");
+  EXPECT_NEAR(grads, params * 4, 0.001 * grads) << plain.err;
+  EXPECT_NEAR(state, params * 8, 0.001 * state) << plain.err;
+  for (const auto& [d, r, name] : {std::tuple{2, zero, ""}, std::tuple{4, zero4, "4"}}) {
+    // 1/D of the gradients and of AdamW's two slots (tails under D elements a bucket are on
+    // every replica), and the two windows: buckets 0, 2, 4 and 1, 3, 5.
+    const double windows = (128 * 10 + 10 + 2.0 * layer) * 4;
+    EXPECT_NEAR(peak_line_bytes(r.err, "optimizer state"), state / d, 0.001 * state) << r.err;
+    EXPECT_NEAR(peak_line_bytes(r.err, "gradients"), grads / d + windows, 0.001 * grads) << r.err;
+    // The backend's peak falls by what the line says, the rest staying the same.
+    EXPECT_NEAR(first_step_peak(dir / ("plain" + std::string(name) + ".jsonl")) -
+                    first_step_peak(dir / ("zero" + std::string(name) + ".jsonl")),
+                grads + state - (grads / d + windows) - state / d, 0.002 * (grads + state))
+        << r.err;
+  }
+  // Accumulation: each of the 2 backward passes is reduced; the same training as one process.
+  const auto accum = run_command(mpiexec(2) + run + layers + " --zero 2 --grad-accum 2 --check-equivalence 3");
+  EXPECT_EQ(accum.exit_code, 0) << accum.err;
+  EXPECT_NE(accum.out.find("equivalent: the layout computes the one-process training"), std::string::npos)
+      << accum.out << accum.err;
+  EXPECT_NE(accum.err.find("note: ZeRO stage 2 reduces each of the 2 backward passes of a step as it ends"),
+            std::string::npos)
+      << accum.err;
+  const auto split = train(4, "split", "--zero 2 --stages 2 --micro-batches 2 --schedule zb-h1" + layers);
+  EXPECT_NE(split.err.find("note: --zero 2 runs as stage 1 here: schedule 'zb-h1' splits backward into I and W passes"),
+            std::string::npos)
+      << split.err;
+  const auto few = train(2, "few", "--zero 2 --bucket-mb 25");
+  EXPECT_NE(few.err.find("note: --zero 2 runs as stage 1 here: the gradient buckets are so few and large"),
+            std::string::npos)
+      << few.err;
+  EXPECT_TRUE(testing::read_text(dir / "few.onnx") == testing::read_text(dir / "plain.onnx")) << "the same bits";
 }
 
 // A regression model (one output) with integer labels under the default cross-entropy:

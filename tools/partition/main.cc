@@ -30,14 +30,18 @@ using namespace pipeshard;
 int fail(const std::string& message) { return report_bad_input("partition", message); }
 
 // The flags of the PartitionOptions settings (Status::invalid names them).
-const FlagNames kFlags = {{"stages", "--stages"},         {"tensor_parallel", "--tensor-parallel"},
-                          {"batch_size", "--batch-size"}, {"micro_batches", "--micro-batches"},
-                          {"schedule", "--schedule"},     {"virtual_stages", "--virtual-stages"}};
+const FlagNames kFlags = {{"stages", "--stages"},          {"tensor_parallel", "--tensor-parallel"},
+                          {"batch_size", "--batch-size"},  {"micro_batches", "--micro-batches"},
+                          {"schedule", "--schedule"},      {"virtual_stages", "--virtual-stages"},
+                          {"zero_replicas", "--replicas"}, {"zero_stage", "--zero"},
+                          {"bucket_bytes", "--bucket-mb"}};
 
 // What the command line said beyond PartitionOptions.
 struct Args {
   std::string model, out_dir, balance = "params", schedule = "1f1b", optimizer = "adam", chart;
   bool json = false, show_schedule = false, keep_activations = false;
+  int replicas = 1, zero = 0;
+  double bucket_mb = 25;
   PartitionOptions o;
 };
 
@@ -69,6 +73,20 @@ void define(CLI::App& app, Args& a) {
                  "is cut into stages x v chunks, chunk c on stage c mod stages");
   app.add_option("--optimizer", a.optimizer, "sgd (momentum: 1 slot) or adam/adamw (2 slots; default)")
       ->check(CLI::IsMember({"sgd", "adam", "adamw"}))
+      ->group(est);
+  app.add_option("--replicas", a.replicas,
+                 "data-parallel replicas of each stage (memory estimate under --zero; default 1)")
+      ->check(CLI::Range(1, 1 << 20))
+      ->group(est);
+  app.add_option("--zero", a.zero,
+                 "ZeRO stage, as train --zero: 0 (default), 1 (1/replicas of the optimizer state per rank) or 2 "
+                 "(and of the gradients, beside two bucket windows; memory estimate)")
+      ->check(CLI::Range(0, 2))
+      ->group(est);
+  app.add_option("--bucket-mb", a.bucket_mb,
+                 "gradient bucket size, as train --bucket-mb (default 25; memory estimate "
+                 "under --zero 2)")
+      ->check(CLI::PositiveNumber)
       ->group(est);
   app.add_flag("--keep-activations", a.keep_activations,
                "as train --keep-activations: count the activation functions' outputs, which training otherwise "
@@ -186,6 +204,9 @@ int main(int argc, char** argv) {
   o.schedule = a.schedule;
   o.optimizer_slots = a.optimizer == "sgd" ? 1 : 2;
   o.recompute_activations = !a.keep_activations;
+  o.zero_replicas = a.zero >= 1 ? a.replicas : 1;
+  o.zero_stage = a.zero;
+  o.bucket_bytes = static_cast<int64_t>(a.bucket_mb * (1 << 20));
   if (a.out_dir.empty()) a.out_dir = std::filesystem::path(a.model).stem().string() + "_stages";
   // Before any work: the folder must take the files (it is created if missing).
   if (Status s = check_creatable_folder(a.out_dir); !s) {

@@ -153,9 +153,10 @@ void define_layout_and_the_rest(CLI::App& app, Args& a) {
                "BatchNorm statistics over the global batch of all replicas, which makes data parallelism equal to "
                "one process (default: each replica's slice, as PyTorch DDP)");
   app.add_option("--zero", a.zero,
-                 "ZeRO stage: 0 (default: every data-parallel replica holds the whole optimizer state) or 1 (each "
+                 "ZeRO stage: 0 (default: every data-parallel replica holds the whole optimizer state), 1 (each "
                  "replica holds the state of 1/D of the parameters: gradients are reduce-scattered, each replica "
-                 "updates its slice and the weights are all-gathered; the same training, to float rounding)");
+                 "updates its slice and the weights are all-gathered) or 2 (also 1/D of the gradients, reduced "
+                 "after every backward pass, each micro-batch's too); the same training, to float rounding");
 }
 
 }  // namespace

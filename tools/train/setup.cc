@@ -14,6 +14,7 @@
 #include "comm/watchdog.h"
 #include "common/atomic_file.h"
 #include "common/host_memory.h"
+#include "schedule/action.h"
 #include "tools/plot/plot.h"
 #include "tools/train/memory_check.h"
 
@@ -286,7 +287,26 @@ void say_how_zero_shards(const Run& run) {
     fmt::print(stderr, "note: --zero {} has nothing to shard with one data-parallel replica\n", run.config.zero);
     return;
   }
-  if (run.trainer->memory().optimizer == 0) {
+  const int stage = run.trainer->zero_stage();
+  if (run.config.zero == 2 && stage == 1) {
+    const bool chunks = run.trainer->schedule().chunks() > run.layout.stages;
+    const bool split = splits_backward(run.trainer->schedule().actions[run.layout.stage]);
+    if (chunks || split) {
+      fmt::print(stderr,
+                 "note: --zero 2 runs as stage 1 here: schedule '{}' {}, so each stage keeps its whole gradient "
+                 "buffer until the step's last pass; stage 2 needs every backward pass whole, in one chunk\n",
+                 run.config.pipeline_schedule,
+                 chunks ? "places several model chunks on a stage" : "splits backward into I and W passes");
+    } else {
+      fmt::print(stderr,
+                 "note: --zero 2 runs as stage 1 here: the gradient buckets are so few and large that their windows "
+                 "and the reduced slices would hold as much as the whole gradient buffer; a smaller --bucket-mb "
+                 "(now {:g}) lets stage 2 save\n",
+                 static_cast<double>(run.config.bucket_bytes) / (1 << 20));
+    }
+  }
+  const Trainer::Memory m = run.trainer->memory();
+  if (m.optimizer == 0 && stage < 2) {
     fmt::print(stderr,
                "note: --zero {} saves nothing here: {} without momentum keeps no optimizer state, and the gradients "
                "are reduce-scattered and the weights all-gathered all the same\n",
@@ -294,9 +314,17 @@ void say_how_zero_shards(const Run& run) {
     return;
   }
   fmt::print(stderr,
-             "note: ZeRO stage {}: each of the {} data-parallel replicas holds the optimizer state of 1/{} of the "
-             "parameters ({} on rank 0)\n",
-             run.config.zero, replicas, replicas, bytes_text(run.trainer->memory().optimizer));
+             "note: ZeRO stage {}: each of the {} data-parallel replicas holds the optimizer state{} of 1/{} of the "
+             "parameters (rank 0: optimizer state {}, gradients {})\n",
+             stage, replicas, stage == 2 ? " and reduced gradients" : "", replicas, bytes_text(m.optimizer),
+             bytes_text(m.program.gradients));
+  const int64_t passes = run.config.micro_batches * run.config.grad_accum;
+  if (stage == 2 && passes > 1) {
+    fmt::print(stderr,
+               "note: ZeRO stage 2 reduces each of the {} backward passes of a step as it ends (the gradients never "
+               "exist whole), so it sends {} times the gradient traffic of --zero 1\n",
+               passes, passes);
+  }
 }
 
 void say_how_batchnorm_normalises(const Run& run) {
