@@ -210,22 +210,21 @@ int64_t recomputed_bytes(const Graph& g, const StageProgram& p, const StagePlan&
 // (runtime/gradient_sync.h: laid out in the order the nodes use them, bucketed from the
 // end, each closing once it holds `bucket_bytes`, never splitting a parameter): how many,
 // and the two windows ZeRO stage 2 puts them in (bucket i in window i mod 2, each as big as
-// its largest bucket). Sizes scale to a shard's when the stage is tensor-parallel
-// (`param_elements` of the whole).
+// its largest bucket; where a parameter is shared, the whole buffer). Sizes scale to a
+// shard's when the stage is tensor-parallel (`param_elements` of the whole).
 struct ZeroBuckets {
   int64_t count = 0, window_elements = 0;
 };
 
 ZeroBuckets zero_buckets(const Graph& g, const PartitionOptions& o, const StagePlan& s, int64_t param_elements) {
   std::vector<int64_t> sizes;
-  std::set<int> seen;
-  int64_t whole = 0;
+  std::map<int, int> users;
+  int64_t whole = 0;  // every parameter the stage's nodes use, as param_elements counts them
   for (int i : s.nodes) {
     for (int q : g.node_params(g.nodes[i])) {
-      if (seen.insert(q).second) {
-        sizes.push_back(g.params[q].elements());
-        whole += sizes.back();
-      }
+      if (users[q]++ > 0) continue;
+      whole += g.params[q].elements();
+      if (g.params[q].trainable) sizes.push_back(g.params[q].elements());
     }
   }
   const double scale = whole > 0 ? static_cast<double>(param_elements) / static_cast<double>(whole) : 1.0;
@@ -241,6 +240,11 @@ ZeroBuckets zero_buckets(const Graph& g, const PartitionOptions& o, const StageP
     }
   }
   b.window_elements = windows[0] + windows[1];
+  // A parameter several nodes share can hold its bucket's window across other buckets,
+  // which then need more windows (GradientSync's assign_windows()): count the whole buffer.
+  for (const auto& [q, n] : users) {
+    if (n > 1) b.window_elements = param_elements;
+  }
   return b;
 }
 
@@ -364,7 +368,7 @@ Status check_options(const PartitionOptions& o) {
   if (o.zero_stage < 0 || o.zero_stage > 2) {
     return Status::invalid("zero_stage", "the ZeRO stage must be 0, 1 or 2, not " + std::to_string(o.zero_stage));
   }
-  if (o.bucket_bytes < 1) return Status::invalid("bucket_bytes", "the gradient bucket size must be positive");
+  if (o.bucket_bytes < 0) return Status::invalid("bucket_bytes", "the gradient bucket size must be positive");
   return Status::ok();
 }
 

@@ -102,6 +102,7 @@ PlanHandle partition(const std::shared_ptr<Model>& model, int stages, int tensor
     raise_value_error("replicas: a stage needs at least 1 data-parallel replica, not " + std::to_string(replicas));
   o.zero_replicas = zero >= 1 ? replicas : 1;
   o.zero_stage = zero;
+  if (!(bucket_mb > 0) || bucket_mb > 1e6) raise_value_error("bucket_mb must be a positive size in MB, at most 1e6");
   o.bucket_bytes = static_cast<int64_t>(bucket_mb * (1 << 20));
   Result<Plan> plan = make_plan(model->graph, model->imported.path, o);
   if (!plan && !plan.status().setting().empty()) raise_value_error(flag_message(plan.status(), kPartitionKeywords));

@@ -26,7 +26,8 @@ GradientSync::GradientSync(const Graph& graph, Program& program, Communicator& r
   std::sort(order.begin(), order.end(),
             [&](int a, int b) { return program.parameter_offset(a) > program.parameter_offset(b); });
   const int64_t per_bucket = std::max<int64_t>(1, bucket_bytes / static_cast<int64_t>(sizeof(float)));
-  // An unused parameter is never written: its bucket's window is made ready at the pass's end.
+  // An unused parameter is never written: a bucket of nothing else gets its window (zeros)
+  // at the pass's end; in a bucket with used ones it is zeroed when the window is claimed.
   const auto written_first = [&](int p, size_t so_far) {
     return last_user[p] == none ? so_far : so_far == none ? last_user[p] : std::max(so_far, last_user[p]);
   };
@@ -62,27 +63,42 @@ bool launched_early(const std::vector<GradientSync::Bucket>& buckets, size_t i) 
   return buckets[i].ready_after != buckets.back().ready_after;
 }
 
-// Whether `windows` windows, bucket i in window i % windows, serve a backward pass: each
-// bucket's window must be free (its last occupant launched) when the bucket is first
-// written. Simulates a pass, nodes last to first, as node_starts() and node_done() see it.
-bool windows_suffice(const std::vector<GradientSync::Bucket>& buckets, size_t nodes, size_t windows) {
+// The window of each bucket: a backward pass played through, nodes last to first, as
+// node_starts() and node_done() see it. A bucket first written takes an empty window, else
+// the one whose bucket was launched longest ago (its reduction has had the most time), else
+// a new one; buckets no node writes take window 0 at the pass's end, when every bucket is
+// launched. Chains of layers need two windows; a parameter shared by distant nodes holds
+// its bucket's window from its last user to its first, and the others rotate around it.
+std::vector<int> assign_windows(const std::vector<GradientSync::Bucket>& buckets, size_t nodes, size_t& windows) {
+  std::vector<int> window_of(buckets.size(), 0);
   std::vector<int> occupant(windows, -1);
-  std::vector<bool> launched(buckets.size(), false);
-  const auto claim = [&](size_t j) {
-    int& o = occupant[j % windows];
-    if (o >= 0 && o != static_cast<int>(j) && !launched[o]) return false;
-    o = static_cast<int>(j);
-    return true;
-  };
+  std::vector<int64_t> launched_at(buckets.size(), -1);  // the launch's place in the pass
+  int64_t launches = 0;
   for (size_t n = nodes; n-- > 0;) {
     for (size_t j = 0; j < buckets.size(); ++j) {
-      if (buckets[j].first_write == n && !claim(j)) return false;
+      if (buckets[j].first_write != n) continue;
+      int chosen = -1;
+      for (size_t w = 0; w < occupant.size() && chosen < 0; ++w)
+        if (occupant[w] < 0) chosen = static_cast<int>(w);
+      if (chosen < 0) {
+        for (size_t w = 0; w < occupant.size(); ++w) {
+          const int64_t at = launched_at[occupant[w]];
+          if (at >= 0 && (chosen < 0 || at < launched_at[occupant[chosen]])) chosen = static_cast<int>(w);
+        }
+      }
+      if (chosen < 0) {
+        chosen = static_cast<int>(occupant.size());
+        occupant.push_back(-1);
+      }
+      occupant[chosen] = static_cast<int>(j);
+      window_of[j] = chosen;
     }
     for (size_t j = 0; j < buckets.size(); ++j) {
-      if (buckets[j].ready_after == n && launched_early(buckets, j)) launched[j] = true;
+      if (buckets[j].ready_after == n && launched_early(buckets, j)) launched_at[j] = launches++;
     }
   }
-  return true;  // at the pass's end everything is reduced, window by window
+  windows = occupant.size();
+  return window_of;
 }
 
 }  // namespace
@@ -100,10 +116,10 @@ void GradientSync::shard(Backend& backend, bool windows, bool windows_always) {
   for (const Bucket& b : buckets_) nodes = std::max({nodes, b.ready_after + 1, b.first_write + 1});
   // Two windows at least, so that one bucket's reduction overlaps the next one's backward.
   size_t count = std::min<size_t>(2, buckets_.size());
-  while (!windows_suffice(buckets_, nodes, count)) ++count;  // count == buckets always does
+  window_of_ = assign_windows(buckets_, nodes, count);
   std::vector<int64_t> sizes(count, 1);
   for (size_t j = 0; j < buckets_.size(); ++j) {
-    sizes[j % count] = std::max(sizes[j % count], buckets_[j].end - buckets_[j].begin);
+    sizes[window_of_[j]] = std::max(sizes[window_of_[j]], buckets_[j].end - buckets_[j].begin);
   }
   // Windows as big as the buffer they replace save nothing (few buckets, or one parameter
   // holding most of the model): then stage 1, in place, in the program's own buffer.
@@ -133,16 +149,16 @@ int64_t GradientSync::gradient_bytes() const {
 
 float* GradientSync::bucket_data(size_t bucket) {
   if (windows_.empty()) return program_.gradients() + buckets_[bucket].begin;
-  return windows_[bucket % windows_.size()].data();
+  return windows_[window_of_[bucket]].data();
 }
 
 float* GradientSync::where(int64_t offset) {
   const size_t k = static_cast<size_t>(std::upper_bound(begins_.begin(), begins_.end(), offset) - begins_.begin());
   PIPESHARD_CHECK(k > 0, "a gradient offset before every bucket");
   const size_t j = by_begin_[k - 1];
-  PIPESHARD_CHECK(occupant_[j % windows_.size()] == static_cast<int>(j) && offset < buckets_[j].end,
+  PIPESHARD_CHECK(occupant_[window_of_[j]] == static_cast<int>(j) && offset < buckets_[j].end,
                   "a gradient written outside its bucket's window");
-  return windows_[j % windows_.size()].data() + (offset - buckets_[j].begin);
+  return windows_[window_of_[j]].data() + (offset - buckets_[j].begin);
 }
 
 std::vector<std::unique_ptr<Request>> GradientSync::launch(size_t bucket) {
@@ -190,7 +206,7 @@ void GradientSync::node_done(size_t node) {
 
 // Bucket `bucket`'s window, free and zeroed where the program adds.
 void GradientSync::claim(size_t bucket) {
-  int& occupant = occupant_[bucket % windows_.size()];
+  int& occupant = occupant_[window_of_[bucket]];
   if (occupant == static_cast<int>(bucket)) return;
   if (occupant >= 0) {
     PIPESHARD_CHECK(launched_[occupant], "a gradient window taken before its bucket was reduced");
@@ -200,7 +216,7 @@ void GradientSync::claim(size_t bucket) {
   const Bucket& b = buckets_[bucket];
   for (const auto& [begin, end] : program_.zeroed_gradient_ranges()) {
     const int64_t from = std::max(begin, b.begin), to = std::min(end, b.end);
-    if (from < to) backend_->fill(windows_[bucket % windows_.size()].data() + (from - b.begin), 0.0f, to - from);
+    if (from < to) backend_->fill(windows_[window_of_[bucket]].data() + (from - b.begin), 0.0f, to - from);
   }
 }
 
@@ -216,7 +232,7 @@ void GradientSync::retire(size_t bucket) {
   for (auto& request : pending_[bucket]) request->wait();
   pending_[bucket].clear();
   const ZeroShards::Piece& p = zero_->pieces()[bucket];
-  const float* data = windows_[bucket % windows_.size()].data();
+  const float* data = windows_[window_of_[bucket]].data();
   const auto add = [&](float* to, const float* from, int64_t n) {
     if (n == 0) return;
     if (summed_[bucket]) {
@@ -228,11 +244,11 @@ void GradientSync::retire(size_t bucket) {
   add(packed_.data() + p.slice_at, data + zero_->replica() * p.block, p.block);
   add(packed_.data() + p.tail_at, data + (p.tail - p.begin), p.end - p.tail);
   summed_[bucket] = true;
-  occupant_[bucket % windows_.size()] = -1;
+  occupant_[window_of_[bucket]] = -1;
 }
 
 void GradientSync::pass_done() {
-  const auto holds = [&](size_t j) { return occupant_[j % windows_.size()] == static_cast<int>(j); };
+  const auto holds = [&](size_t j) { return occupant_[window_of_[j]] == static_cast<int>(j); };
   for (size_t j = 0; j < buckets_.size(); ++j) {  // the buckets node_done() leaves
     if (!launched_[j] && holds(j)) {
       reduce(j);

@@ -6,7 +6,8 @@
 //
 // The stage runner (runtime/stage_runner.h) drives it from the schedule: during the
 // chunk's last gradient pass of the step (its last B, or W after I) it reports each node
-// done, and at R (REDUCE_GRAD) the rest is reduced and every reduction waited for. Every
+// done, and at R (REDUCE_GRAD) the rest is reduced and every reduction waited for (under
+// ZeRO stage 2 every B pass does both, the rest after the pass: pass_done()). Every
 // replica runs the same schedule over the same program, so all launch the same buckets in
 // the same order.
 #ifndef PIPESHARD_RUNTIME_GRADIENT_SYNC_H_
@@ -43,8 +44,9 @@ class GradientSync {
   // shares the updated slices. Call before the first step.
   // - Stage 1 (`windows` false): in place, in the program's whole gradient buffer.
   // - Stage 2 (`windows` true; the program built with ProgramOptions::gradients_elsewhere,
-  //   whole backwards only): the program's gradients live in a few bucket-sized windows,
-  //   reused bucket after bucket within a backward pass, and each pass's reduced slices
+  //   whole backwards only): the program's gradients live in a few bucket-sized windows
+  //   (two for a chain of layers; assign_windows() in the .cc), reused bucket after bucket
+  //   within a backward pass, and each pass's reduced slices
   //   and tails are added up in a packed buffer of the owned elements (ZeroShards::spans):
   //   gradients take 1/D of the memory and a few buckets. Every backward pass is reduced,
   //   each micro-batch's of an accumulated step too (pass_done()). Where the windows and
@@ -53,8 +55,8 @@ class GradientSync {
   void shard(Backend& backend, bool windows, bool windows_always = false);
 
   // Node `node`'s backward is done in the pass that completes the step's gradients (with
-  // windows: in any pass): launches every bucket it completes, but the last (reduce_rest()
-  // or pass_done() does that one).
+  // windows: in any pass): launches every bucket it completes, but those the last bucket's
+  // node completes (reduce_rest() or pass_done() reduces those, blocking).
   void node_done(size_t node);
   // With windows, before node `node`'s backward: the windows of the buckets it writes first
   // are made ready (their last occupants' reductions finished and added up, their
@@ -90,8 +92,9 @@ class GradientSync {
   std::vector<bool> launched_;   // [buckets]: in this step (with windows: this pass)
   std::unique_ptr<ZeroShards> zero_;
   std::vector<Optimizer::Span> spans_;
-  // ZeRO stage 2. Bucket i lives in window i % windows_.size(), the packed sums in packed_.
+  // ZeRO stage 2. Bucket i lives in window window_of_[i], the packed sums in packed_.
   std::vector<DeviceBuffer> windows_;
+  std::vector<int> window_of_;
   std::vector<int64_t> begins_;                                 // [buckets], ascending, for where()
   std::vector<size_t> by_begin_;                                // [buckets]: the bucket of each begin
   std::vector<int> occupant_;                                   // [windows]: the bucket in it, -1: none

@@ -209,7 +209,8 @@ void StageRunner::run_action(size_t index, const Action& a, const MicroStep& ms,
     watchdog_activity(ms.step, "gradient all-reduce");
     fault_point(FaultWhere::kAllReduce, ms.step);
     sync_->reduce_rest();
-    // The buckets not launched during backward (the last), and the wait for all.
+    // The buckets not launched during backward (the last), and the wait for all (under ZeRO
+    // stage 2 each pass did that already, in pass_done()).
     tracer_.add("reduce gradients (buckets left, and wait)", category(info.role), begin, ms.step, -1);
     reduce_us_ += tracer_.now_us() - begin;
     return;
@@ -272,6 +273,15 @@ void StageRunner::run_action(size_t index, const Action& a, const MicroStep& ms,
   }
   tracer_.add(info.trace_name, category(info.role), begin, ms.step, k,
               chunks_.size() > 1 ? schedule_.chunk_of(stage_, j) : -1);
+  if (a.kind == ActionKind::kBackward && sync_ && sync_->windows() && !ms.replay) {
+    // ZeRO stage 2: the pass's gradients reduced, as at R, not the pass's own time.
+    const double reduce_begin = tracer_.now_us();
+    sync_->pass_done();
+    const ActionKindInfo& reduce = action_kind_info(ActionKind::kReduceGradients);
+    tracer_.add("reduce gradients (the pass's buckets left, and wait)", category(reduce.role), reduce_begin, ms.step,
+                k);
+    reduce_us_ += tracer_.now_us() - reduce_begin;
+  }
 }
 
 // Chunk j − 1's output that chunk j receives as input `in` (the same value by name).
@@ -344,8 +354,7 @@ void StageRunner::backward(size_t index, const Action& a, const MicroStep& ms) {
         replay_or_record(ActionKind::kBackward, ms, k, [&] { program_.backward(micro_); });
         program_.backward_replayed();
       } else {
-        program_.backward(micro_, node_done, node_starts);
-        if (windows) sync_->pass_done();
+        program_.backward(micro_, node_done, node_starts);  // run_action() then calls pass_done()
       }
       add_carried_gradients(a.chunk);
       return;

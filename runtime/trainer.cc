@@ -134,7 +134,6 @@ Status Trainer::build(const TrainConfig& config, Communicator* device_replicas, 
   options.model_node_ids = rank_.model_node_ids();
   options.recompute_activations = !config.keep_activations;
   options.split_backward = splits_backward(schedule_.actions[layout.stage]);
-  // ZeRO stage 2 keeps the gradients in windows where every backward pass is whole.
   // ZeRO stage 2 keeps the gradients in windows, where every backward pass writes them
   // whole (runtime/gradient_sync.h); with I and W passes or model chunks it runs as stage 1.
   options.gradients_elsewhere = config.zero >= 2 && device_replicas && !options.split_backward && rank_.chunks() == 1;
@@ -152,10 +151,12 @@ Status Trainer::build(const TrainConfig& config, Communicator* device_replicas, 
   targets_ = DeviceBuffer(backend_, std::max(local_batch_, config.batch_size) * data_.targets_per_sample);
   if (device_replicas) {
     sync_ = std::make_unique<GradientSync>(g, *program_, *device_replicas, config.bucket_bytes);
-    // PIPESHARD_ZERO_WINDOWS=always: stage 2's windows even where they save nothing (tests).
-    const char* always = std::getenv("PIPESHARD_ZERO_WINDOWS");
     if (config.zero >= 1) {
-      sync_->shard(backend_, options.gradients_elsewhere, always && std::string(always) == "always");
+      // PIPESHARD_ZERO_WINDOWS=always: stage 2's windows even where they save nothing (the
+      // tests'). The replicas agree on it, so that all run the same collectives.
+      const char* env = std::getenv("PIPESHARD_ZERO_WINDOWS");
+      const double always = env && std::string(env) == "always" ? 1.0 : 0.0;
+      sync_->shard(backend_, options.gradients_elsewhere, replicas_->all_reduce_sum(always) > 0);
     }
   }
   if (sync_ && sync_->zero()) {
@@ -350,7 +351,7 @@ std::string Trainer::first_non_finite_gradient() {
 }
 
 std::vector<double> Trainer::gradient_magnitudes() const {
-  PIPESHARD_CHECK(rank_.is_whole(), "gradient magnitudes of a trainer of part of a model");
+  PIPESHARD_CHECK(rank_.is_whole() && !zero(), "gradient magnitudes of a trainer of part of a model, or under ZeRO");
   const Graph& g = rank_.graph();
   std::vector<float> grads(static_cast<size_t>(program_->trainable_elements()));
   backend_.download(grads.data(), program_->gradients(), program_->trainable_elements());

@@ -131,7 +131,8 @@ class Trainer {
   };
   Memory memory() const;
   // The ZeRO stage this rank runs: 0 (none, or one replica), 1, or 2 (--zero 2 runs as 1
-  // where a stage's backward is split into I and W passes or it holds several chunks).
+  // where a stage's backward is split into I and W passes or it holds several chunks, and
+  // where the windows would be no smaller than the whole gradient buffer). Stages may differ.
   int zero_stage() const { return !zero() ? 0 : sync_->windows() ? 2 : 1; }
   // The loss scale the next step will use (1 when scaling is off).
   double loss_scale() const { return scaler_.scale(); }

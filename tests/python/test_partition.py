@@ -57,6 +57,8 @@ def test_zero_memory_estimate_equals_partition(tmp_path, monkeypatch):
         m.partition(replicas=2, zero=3)
     with pytest.raises(ValueError, match="replicas"):
         m.partition(replicas=0, zero=1)
+    with pytest.raises(ValueError, match="bucket_mb"):
+        m.partition(replicas=2, zero=2, bucket_mb=float("nan"))
 
 
 def test_model_facts():

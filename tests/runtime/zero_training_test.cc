@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 
 #include <cstdio>
+#include <cstdlib>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -14,6 +15,7 @@
 #include "runtime/trainer.h"
 #include "tests/layout_training.h"
 #include "tests/model_builder.h"
+#include "tests/model_util.h"
 
 namespace pipeshard {
 namespace {
@@ -73,6 +75,24 @@ TEST_F(ZeroTraining, EveryLayoutIsTheOneProcessTraining) {
   const testing::Trained stage1 = testing::train_layout(model_, data_, one_pass, 2, 1, 1);
   one_pass.zero = 2;
   testing::expect_bitwise(testing::train_layout(model_, data_, one_pass, 2, 1, 1), stage1);
+}
+
+// A weight two distant Linears share (shared_weight.onnx: fc1's weight in fc1 and fc2),
+// in a bucket of its own: its window is held from fc2's backward to fc1's, while the other
+// buckets pass through the other window. One process's training.
+TEST(ZeroTrainingShared, ASharedWeightHoldsItsWindowAcrossOthers) {
+  const ImportedModel m = testing::load_model("shared_weight");
+  const Dataset data = testing::random_classes(32, 96);
+  TrainConfig c = testing::adamw_config("1f1b", 1, 32);
+  const testing::Trained alone = testing::train_alone(m, data, c);
+  c.bucket_bytes = 4;  // a bucket a parameter
+  c.zero = 2;
+  setenv("PIPESHARD_ZERO_WINDOWS", "always", 1);  // windows on a model this small
+  const testing::Trained zero = testing::train_layout(m, data, c, 2, 1, 1);
+  unsetenv("PIPESHARD_ZERO_WINDOWS");
+  const testing::Difference d = testing::difference(zero, alone);
+  EXPECT_LE(d.loss, 1e-5);
+  EXPECT_LE(d.weight, 1e-5);
 }
 
 // What a rank's program and optimizer hold, against the estimate, under --zero 0, 1 and 2

@@ -699,7 +699,7 @@ TEST_F(MalformedArguments, BadZeroStageOrReplicas) {
   EXPECT_TRUE(refused(partition_simple("--zero 3 --replicas 2"), out_dir(), {"--zero", "3"}));
   EXPECT_TRUE(refused(partition_simple("--zero 1 --replicas 0"), out_dir(), {"--replicas", "0"}));
   EXPECT_TRUE(refused(partition_simple("--zero 2 --replicas 2 --bucket-mb 0"), out_dir(), {"--bucket-mb"}));
-  EXPECT_TRUE(refused(partition_simple("--zero 2 --replicas 2 --bucket-mb 1e-9"), out_dir(), {"--bucket-mb"}));
+  EXPECT_TRUE(refused(partition_simple("--zero 2 --replicas 2 --bucket-mb 1e9"), out_dir(), {"--bucket-mb"}));
 }
 
 TEST_F(MalformedArguments, ZeroBatchSize) {

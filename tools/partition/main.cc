@@ -206,6 +206,7 @@ int main(int argc, char** argv) {
   o.recompute_activations = !a.keep_activations;
   o.zero_replicas = a.zero >= 1 ? a.replicas : 1;
   o.zero_stage = a.zero;
+  if (!(a.bucket_mb > 0) || a.bucket_mb > 1e6) return fail("--bucket-mb must be a positive size in MB, at most 1e6");
   o.bucket_bytes = static_cast<int64_t>(a.bucket_mb * (1 << 20));
   if (a.out_dir.empty()) a.out_dir = std::filesystem::path(a.model).stem().string() + "_stages";
   // Before any work: the folder must take the files (it is created if missing).
