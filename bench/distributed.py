@@ -3,7 +3,7 @@
 
 How to run, from the repository root after building (cmake --build build --target train):
     /usr/bin/python3 bench/distributed.py [--rounds 3] [--steps 60] [--build-dir build]
-                                          [--sections dp,buckets,ddp,pipeline] [--model B|B8]
+                                          [--sections dp,buckets,ddp,pipeline] [--model B|B8|L]
 
 Model B of cpu_vs_pytorch.py (4 x (Linear(1024, 1024) + ReLU), batch 256, SGD lr 0.01 momentum
 0.9), or with --model B8 eight such layers, exported by its own export(), the same weights and
@@ -22,8 +22,9 @@ batches everywhere. Sections:
             theory; and zb-h1's throughput over 1f1b's at the same M
   tp        (not in the default) mpirun -np 2 train --tensor-parallel 2 against one process with
             1 thread and with 2 threads
-  zero      (not in the default) mpirun -np 2 and -np 4 train --zero 1 against --zero 0: step time,
-            peak memory per process and the optimizer state rank 0 holds
+  zero      (not in the default) mpirun -np 2 and -np 4 train --zero 1 and --zero 2 against --zero 0 with
+            the same buckets: step time, peak memory per process, and the optimizer state and
+            gradients rank 0 holds
 Every configuration the chosen sections need runs once per round, in one order on even rounds
 and the reverse on odd ones, so that ours and the peer alternate. Step times are medians over
 all rounds of every step after the first --warmup of each run: ours from train's --metrics
@@ -54,7 +55,11 @@ import cpu_vs_pytorch as cvp  # noqa: E402  (model B, its export, the BLAS probe
 # same batch, for pipelines with more layers per stage.
 MODEL_SPECS = {"B": cvp.MODELS["B"],
                "B8": {"layers": [(1024, 1024)] * 8, "relu_last": True, "batch": 256,
-                      "title": "8 x (Linear(1024,1024) + ReLU), batch 256"}}
+                      "title": "8 x (Linear(1024, 1024) + ReLU), batch 256"},
+               # The GPU benchmark's large MLP (8 x 8192 wide) cut to what two cores train in seconds a
+               # step: 134M parameters, 1.5 GiB of weights, gradients and momentum per process.
+               "L": {"layers": [(4096, 4096)] * 8, "relu_last": True, "batch": 256,
+                     "title": "8 x (Linear(4096, 4096) + ReLU), batch 256"}}
 MODEL = "B"
 SPEC = MODEL_SPECS[MODEL]
 P = 2  # ranks in every multi-process run: data-parallel replicas or pipeline stages
@@ -86,8 +91,19 @@ DP_ONE_SHOT = Config("dp-one-shot", f"2 ranks x 1 thread, --bucket-mb {ONE_SHOT_
 DDP = Config("ddp", "PyTorch DDP gloo, 2 ranks x 1 thread", P, 1, peer=True)
 TP = Config("tp", "2 tensor-parallel shards x 1 thread", P, 1, ("--tensor-parallel", str(P)))
 ZERO1 = Config("zero1", "2 ranks x 1 thread, --zero 1", P, 1, ("--zero", "1"))
+ZERO1_SMALL = Config("zero1-small", f"2 ranks x 1 thread, --zero 1, --bucket-mb {SMALL_BUCKET_MB}", P, 1,
+                     ("--zero", "1", "--bucket-mb", str(SMALL_BUCKET_MB)))
+ZERO2_SMALL = Config("zero2-small", f"2 ranks x 1 thread, --zero 2, --bucket-mb {SMALL_BUCKET_MB}", P, 1,
+                     ("--zero", "2", "--bucket-mb", str(SMALL_BUCKET_MB)))
 DP4 = Config("dp4", "4 ranks x 1 thread (oversubscribed)", 4, 1)
 ZERO1_D4 = Config("zero1-d4", "4 ranks x 1 thread (oversubscribed), --zero 1", 4, 1, ("--zero", "1"))
+DP4_SMALL = Config("dp4-small", f"4 ranks x 1 thread (oversubscribed), --bucket-mb {SMALL_BUCKET_MB}", 4, 1,
+                   ("--bucket-mb", str(SMALL_BUCKET_MB)))
+ZERO2_D4_SMALL = Config("zero2-d4-small", f"4 ranks x 1 thread (oversubscribed), --zero 2, --bucket-mb "
+                        f"{SMALL_BUCKET_MB}", 4, 1, ("--zero", "2", "--bucket-mb", str(SMALL_BUCKET_MB)))
+# Each --zero run beside the plain data parallelism it is measured against (same ranks, same buckets).
+ZERO_PAIRS = ((DP, ZERO1), (DP_SMALL, ZERO1_SMALL), (DP_SMALL, ZERO2_SMALL), (DP4, ZERO1_D4),
+              (DP4_SMALL, ZERO2_D4_SMALL))
 TARGET_ZERO1_RATIO = 1.05  # T(--zero 1) / T(--zero 0), D = 2, model B
 SECTIONS = ("dp", "buckets", "ddp", "pipeline", "tp", "zero")
 DEFAULT_SECTIONS = "dp,buckets,ddp,pipeline"
@@ -117,7 +133,7 @@ def configs_for(sections, micro_batches, gpipe_micro_batches, zb_h1_micro_batche
     if "tp" in sections:
         wanted += [ONE_1T, ONE_2T, TP]
     if "zero" in sections:
-        wanted += [ONE_1T, DP, ZERO1, DP4, ZERO1_D4]
+        wanted += [ONE_1T, DP, ZERO1, DP_SMALL, ZERO1_SMALL, ZERO2_SMALL, DP4, ZERO1_D4, DP4_SMALL, ZERO2_D4_SMALL]
     return list(dict.fromkeys(wanted))
 
 
@@ -181,6 +197,8 @@ class RunResult:
     bubble: tuple = None  # a pipelined run's (measured, predicted, theory) in %, from train's last lines
     peak_mib: float = None  # the most the backend held in any process, from train's memory line
     optimizer_mib: float = None  # the optimizer state rank 0 held, from the same line
+    gradients_mib: float = None  # the gradients rank 0 held (under --zero 2: windows and slices), the same
+    zero_note: str = None  # train's "note: ZeRO ..." or "note: --zero ..." lines
 
 
 def descendants(pid):
@@ -220,7 +238,9 @@ def run_ours(config, args, paths, env, folder, tag):
             "--momentum", str(cvp.MOMENTUM), "--no-shuffle", "--metrics", metrics, *config.flags]
     child_env = dict(env, OMP_NUM_THREADS=str(config.threads), OPENBLAS_NUM_THREADS=str(config.threads))
     if config.ranks > 1:
-        argv = [args.mpirun, "--oversubscribe", "--bind-to", args.bind_to, "-np", str(config.ranks),
+        # More ranks than cores cannot each have a core of their own: unbound, the OS shares them.
+        bind = args.bind_to if config.ranks <= (os.cpu_count() or 1) else "none"
+        argv = [args.mpirun, "--oversubscribe", "--bind-to", bind, "-np", str(config.ranks),
                 "-x", "OMP_NUM_THREADS", "-x", "OPENBLAS_NUM_THREADS", "-x", "OMP_WAIT_POLICY"] + argv
     log = os.path.join(folder, f"{tag}.log")
     proc = start(argv, child_env, log)
@@ -235,7 +255,8 @@ def run_ours(config, args, paths, env, folder, tag):
     rows = [json.loads(line) for line in open(metrics)]
     times = [SPEC["batch"] / row["samples_per_s"] for row in rows]
     return RunResult(times[args.warmup:], rows[0]["loss"], rows[-1]["loss"], libs, bubble=read_bubble(log),
-                     peak_mib=read_peak_mib(log), optimizer_mib=read_optimizer_mib(log))
+                     peak_mib=read_peak_mib(log), optimizer_mib=read_part_mib(log, "optimizer state"),
+                     gradients_mib=read_part_mib(log, "gradients"), zero_note=read_zero_note(log))
 
 
 BUBBLE_LINE = re.compile(r"pipeline bubble: stages idle ([0-9.]+)% .*?, ([0-9.]+)% predicted .*? = ([0-9.]+)% for P=")
@@ -264,16 +285,19 @@ def read_peak_mib(log_path):
     return None
 
 
-OPTIMIZER_PART = re.compile(r"optimizer state ([0-9.]+) (B|KiB|MiB|GiB)")
-
-
-def read_optimizer_mib(log_path):
-    """The optimizer state rank 0 holds, from the peak memory line's parts, as MiB."""
+def read_part_mib(log_path, part):
+    """What rank 0 holds of `part` ("optimizer state", "gradients"), from the peak memory line's
+    parts, as MiB."""
     for line in open(log_path):
         if PEAK_LINE.search(line):
-            m = OPTIMIZER_PART.search(line)
+            m = re.search(r"\b" + part + r" ([0-9.]+) (B|KiB|MiB|GiB)", line)
             return float(m.group(1)) * UNIT_MIB[m.group(2)] if m else None
     return None
+
+
+def read_zero_note(log_path):
+    notes = [line.strip() for line in open(log_path) if line.startswith(("note: ZeRO", "note: --zero"))]
+    return " / ".join(notes) or None
 
 
 def run_ddp(config, args, paths, env, folder, tag):
@@ -321,6 +345,8 @@ def measure(configs, args, paths, folder):
             if res.peak_mib is not None:
                 entry["peak_mib"] = res.peak_mib
             entry["optimizer_mib"] = res.optimizer_mib
+            entry["gradients_mib"] = res.gradients_mib
+            entry["zero_note"] = res.zero_note
         print(f"  round {r + 1}/{args.rounds} done, load average {os.getloadavg()[0]:.2f}", flush=True)
     for entry in results.values():
         entry["median"] = statistics.median(entry["step_s"])
@@ -491,7 +517,8 @@ def parse_args():
     ap.add_argument("--bind-to", default="core", choices=("core", "none"),
                     help="mpirun --bind-to for our ranks; DDP ranks pin themselves alike (default core)")
     ap.add_argument("--model", default="B", choices=sorted(MODEL_SPECS),
-                    help="B: 4 x (Linear(1024) + ReLU) (default); B8: 8 of them; batch 256 both")
+                    help="B: 4 x (Linear(1024) + ReLU) (default); B8: 8 of them; L: 8 x (Linear(4096) + ReLU); "
+                         "batch 256 all")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--keep", action="store_true", help="keep the temporary folder (model, data, logs, metrics)")
     ap.add_argument("--ddp-worker", help=argparse.SUPPRESS)
@@ -504,17 +531,21 @@ def cannot_run(message):
 
 
 def report_zero(res):
-    print("\n### ZeRO stage 1, model B (--zero 1 against plain data parallelism, the same ranks)\n")
+    print(f"\n### ZeRO, model {MODEL} (--zero 1 and 2 against plain data parallelism, the same ranks and buckets)\n")
     rows = []
-    for plain, zero in ((DP, ZERO1), (DP4, ZERO1_D4)):
+    mib = lambda e, key: f"{e[key]:.2f}" if e.get(key) is not None else "-"
+    for plain, zero in ZERO_PAIRS:
         t0, t1 = res[plain.key]["median"], res[zero.key]["median"]
-        target = (f"<= {TARGET_ZERO1_RATIO}: {verdict(t1 / t0 <= TARGET_ZERO1_RATIO)}" if plain is DP else "")
+        target = (f"<= {TARGET_ZERO1_RATIO}: {verdict(t1 / t0 <= TARGET_ZERO1_RATIO)}" if zero is ZERO1 else "")
         for c, t in ((plain, t0), (zero, t1)):
             e = res[c.key]
-            rows.append([c.label, ms(t), f"{t / t0:.3f}", f"{e['peak_mib']:.1f}" if e.get("peak_mib") else "-",
-                         f"{e['optimizer_mib']:.2f}" if e.get("optimizer_mib") else "-", target if c is zero else ""])
+            rows.append([c.label, ms(t), f"{t / t0:.3f}", mib(e, "peak_mib"), mib(e, "optimizer_mib"),
+                         mib(e, "gradients_mib"), target if c is zero else ""])
     table(["configuration", "ms/step", "ratio to --zero 0", "peak MiB per process (largest)",
-           "optimizer state MiB (rank 0)", "target"], rows)
+           "optimizer state MiB (rank 0)", "gradients MiB (rank 0)", "target"], rows)
+    notes = {res[z.key]["zero_note"] for _, z in ZERO_PAIRS if res[z.key].get("zero_note")}
+    for note in sorted(notes):
+        print(f"- train said: {note}")
 
 
 def main():
