@@ -38,6 +38,8 @@ layouts=(
   "P=2 × T=2, M=2|4|simple_digits|digits|--momentum 0.9 --stages 2 --tensor-parallel 2 --micro-batches 2"
   "D=2, synchronized BatchNorm|2|batchnorm_train|small|--momentum 0.9 --sync-batchnorm"
   "D=2, LayerNorm+GELU, AdamW|2|layernorm_opset18|small|--optimizer adamw --lr 0.001"
+  "D=2, ZeRO stage 1, AdamW|2|simple_digits|digits|--optimizer adamw --lr 0.001 --zero 1"
+  "D=2, ZeRO stage 2 (gradient windows), AdamW|2|deep_residual|digits|--optimizer adamw --lr 0.001 --zero 2 --bucket-mb 0.004"
   "one process, bf16|1|simple_digits|digits|--momentum 0.9 --precision bf16|2e-2"
   "D=2, fp16, dynamic loss scale|2|simple_digits|digits|--momentum 0.9 --precision fp16|5e-3"
 )
