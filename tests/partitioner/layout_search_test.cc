@@ -229,6 +229,34 @@ TEST(LayoutSearch, ReasonsNameTheCause) {
             "5 micro-batches do not divide the 12 samples each replica gets per step");
 }
 
+// train refuses a weight that two stages use (runtime/rank_model.cc); make_plan() cuts it.
+TEST(LayoutSearch, RefusesAWeightSharedAcrossStages) {
+  ModelBuilder b(64);
+  std::string x = "input";
+  for (int l = 0; l < 4; ++l) x = b.relu(b.linear(x, 64, 64));
+  b.output(x, 64);
+  onnx::NodeProto* last = b.model().mutable_graph()->mutable_node(6);  // fc3
+  ASSERT_EQ(last->name(), "fc3");
+  last->set_input(1, "fc0.weight");
+  auto proto = std::make_shared<onnx::ModelProto>(b.model());
+  Result<ImportedModel> m = import_onnx_model(proto, ".", "built");
+  ASSERT_TRUE(m.is_ok()) << m.status().message();
+  LayoutSearchOptions o;
+  o.ranks = 2;
+  o.batch_size = 4;
+  const LayoutSearch r = search_layouts(m->graph, o);
+  int shared = 0, one_stage = 0;
+  for (const RejectedLayout& x : r.rejected) {
+    if (x.reason.find("parameter 'fc0.weight' is used by stages 0 and 1") != std::string::npos) ++shared;
+  }
+  for (const LayoutFit& f : r.accepted) {
+    EXPECT_EQ(f.layout.stages, 1) << f.layout.text();
+    one_stage += f.layout.stages == 1;
+  }
+  EXPECT_GT(shared, 0);
+  EXPECT_GT(one_stage, 0);
+}
+
 TEST(LayoutSearch, DataParallelOnFourRanksWithEveryZeroStage) {
   ImportedModel m = mlp(8, 64);
   LayoutSearchOptions o;
