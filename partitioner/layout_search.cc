@@ -106,7 +106,6 @@ bool operator<(const Layout& a, const Layout& b) {
 }
 
 PartitionOptions layout_partition_options(const Layout& layout, const LayoutSearchOptions& options) {
-  // As runtime/trainer.cc's partition_options() and Trainer::memory_per_stage() set them.
   PartitionOptions o;
   o.kept_when_fused = options.kept_when_fused;
   o.balance = options.balance;

@@ -4,8 +4,9 @@
 // replicas × P pipeline stages × T tensor-parallel shards == N, the micro-batches M, every
 // registered pipeline schedule (schedule/registry.h) with its chunks per stage, activations
 // recomputed or kept (train --keep-activations) and the ZeRO stage (train --zero). Each is
-// cut by make_plan() with the PartitionOptions train would use (runtime/trainer.cc's
-// partition_options()), so its memory estimate is the one train checks before it starts.
+// cut by make_plan() with the PartitionOptions train uses (layout_partition_options(),
+// which runtime/trainer.cc calls too), so its memory estimate is the one train checks
+// before it starts.
 // A layout is accepted when the plan is made and its largest stage fits the memory per
 // rank; otherwise it is rejected with the reason. Nothing here predicts time: ranking the
 // accepted layouts is the caller's (partition --plan).
@@ -94,9 +95,8 @@ struct LayoutSearch {
 // Every layout of it is accepted or rejected once: its size is accepted + rejected.
 LayoutSearch search_layouts(const Graph& graph, const LayoutSearchOptions& options);
 
-// The PartitionOptions train would cut `layout` with (runtime/trainer.cc's
-// partition_options() and Trainer::memory_per_stage()), under `options`' batch, optimizer
-// slots, buckets, balance and fused activations.
+// The PartitionOptions `layout` is cut with, by train (runtime/trainer.cc) as by the
+// search, under `options`' batch, optimizer slots, buckets, balance and fused activations.
 PartitionOptions layout_partition_options(const Layout& layout, const LayoutSearchOptions& options);
 
 }  // namespace pipeshard

@@ -7,6 +7,7 @@
 
 #include "comm/watchdog.h"
 #include "common/fault_injection.h"
+#include "partitioner/layout_search.h"
 #include "schedule/registry.h"
 
 namespace pipeshard {
@@ -29,21 +30,28 @@ std::string fmt_key(int stage, size_t node) {
   return key;
 }
 
-// How the stages are cut, and what the memory estimate assumes: the replica's batch, its
-// micro-batches, the schedule, the optimizer's state per parameter and the activations
-// `backend` keeps.
-PartitionOptions partition_options(const TrainConfig& config, int64_t local_batch, const Backend& backend) {
-  PartitionOptions o;
-  o.kept_when_fused = kept_when_fused(backend);
-  o.balance = config.balance;
-  o.batch_size = local_batch;
-  o.micro_batches = config.micro_batches;
-  o.schedule = config.pipeline_schedule;
-  o.virtual_stages = config.virtual_stages;
-  o.recompute_activations = !config.keep_activations;
+// How the stages are cut, and what the memory estimate assumes: `config` on `layout` as
+// the layout search (partitioner/layout_search.h) sees a layout, so that what it estimates
+// is what train checks: the replica's batch, its micro-batches, the schedule, the
+// optimizer's state per parameter, the ZeRO stage and the activations `backend` keeps.
+PartitionOptions partition_options(const TrainConfig& config, const ProcessLayout& layout, const Backend& backend) {
+  Layout l;
+  l.replicas = layout.replicas;
+  l.stages = layout.stages;
+  l.shards = layout.shards;
+  l.micro_batches = config.micro_batches;
+  l.schedule = config.pipeline_schedule;
+  l.virtual_stages = config.virtual_stages;
+  l.keep_activations = config.keep_activations;
+  l.zero = config.zero;
+  LayoutSearchOptions o;
+  o.batch_size = config.batch_size;
   const OptimizerConfig& opt = config.optimizer;
   o.optimizer_slots = opt.kind != OptimizerKind::kSgd ? 2 : opt.momentum != 0.0f ? 1 : 0;
-  return o;
+  o.bucket_bytes = config.bucket_bytes;
+  o.balance = config.balance;
+  o.kept_when_fused = kept_when_fused(backend);
+  return layout_partition_options(l, o);
 }
 
 }  // namespace
@@ -54,13 +62,7 @@ std::vector<int64_t> Trainer::memory_per_stage(const Graph& graph, const TrainCo
   // A batch that does not divide is create()'s to refuse, with its own message.
   if (config.batch_size % d != 0 || m < 1 || (config.batch_size / d) % m != 0) return {};
   if (find_schedule(config.pipeline_schedule) == nullptr) return {};
-  PartitionOptions o = partition_options(config, config.batch_size / d, backend);
-  o.stages = layout.stages;
-  o.tensor_parallel = layout.shards;
-  if (config.zero >= 1) o.zero_replicas = layout.replicas;
-  o.zero_stage = config.zero;
-  o.bucket_bytes = config.bucket_bytes;
-  Result<Plan> plan = make_plan(graph, "", o);
+  Result<Plan> plan = make_plan(graph, "", partition_options(config, layout, backend));
   if (!plan) return {};
   return pipeshard::memory_per_stage(*plan);
 }
@@ -86,7 +88,7 @@ Result<std::unique_ptr<Trainer>> Trainer::create(const Graph& graph, const Datas
   if (layout.stages > 1 || layout.shards > 1) {
     PIPESHARD_CHECK(parallel.model != nullptr && &parallel.model->graph == &graph,
                     "cutting stages needs the ImportedModel the graph belongs to");
-    Result<RankModel> cut = RankModel::create(*parallel.model, layout, partition_options(config, local_batch, backend));
+    Result<RankModel> cut = RankModel::create(*parallel.model, layout, partition_options(config, layout, backend));
     if (!cut) return cut.status();
     rank = std::move(*cut);
   }
