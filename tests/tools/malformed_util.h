@@ -193,9 +193,10 @@ inline onnx::TensorShapeProto* graph_input_shape(onnx::ModelProto& m) {
 inline CommandResult run_partition(const std::string& model, const std::string& out_dir,
                                    const std::string& args = "--stages 2") {
   std::string command = "timeout " + std::to_string(kTimeoutSeconds) + " " + quote(tool_path("partition"));
-  if (!model.empty()) command += " " + quote(model);
-  if (!args.empty()) command += " " + args;
-  if (!out_dir.empty()) command += " --out " + quote(out_dir);
+  // Appends, not `" " + quote(...)`: GCC 12 warns falsely (-Wrestrict, bug 105329) on the latter.
+  if (!model.empty()) command.append(" ").append(quote(model));
+  if (!args.empty()) command.append(" ").append(args);
+  if (!out_dir.empty()) command.append(" --out ").append(quote(out_dir));
   return run_command(command);
 }
 
