@@ -4,7 +4,9 @@
 #include <cstdio>
 #include <fstream>
 #include <sstream>
+#include <stdexcept>
 #include <string>
+#include <utility>
 
 namespace pipeshard {
 namespace {
@@ -91,6 +93,30 @@ std::string bytes_text(int64_t bytes) {
     std::snprintf(text, sizeof text, "%.1f %s", v, kUnits[u]);
   }
   return text;
+}
+
+bool parse_bytes(const std::string& text, int64_t* bytes) {
+  static const std::pair<const char*, double> kUnits[] = {
+      {"", 1},     {"B", 1},      {"K", 0x1p10},   {"KiB", 0x1p10}, {"KB", 1e3},   {"M", 0x1p20},   {"MiB", 0x1p20},
+      {"MB", 1e6}, {"G", 0x1p30}, {"GiB", 0x1p30}, {"GB", 1e9},     {"T", 0x1p40}, {"TiB", 0x1p40}, {"TB", 1e12}};
+  if (text.empty() || ((text[0] < '0' || text[0] > '9') && text[0] != '.')) return false;  // no sign, no space
+  size_t used = 0;
+  double value = 0;
+  try {
+    value = std::stod(text, &used);
+  } catch (const std::exception&) {
+    return false;
+  }
+  std::string unit = text.substr(used);
+  if (!unit.empty() && unit[0] == ' ') unit.erase(0, 1);
+  for (const auto& [name, scale] : kUnits) {
+    if (unit != name) continue;
+    const double b = value * scale;
+    if (!(b >= 1) || b > 0x1p62) return false;
+    *bytes = static_cast<int64_t>(b);
+    return true;
+  }
+  return false;
 }
 
 }  // namespace pipeshard

@@ -24,6 +24,11 @@ HostMemory read_host_memory(const std::string& root = "/");
 // "1.5 GiB", "300.0 MiB", "12.0 KiB", "7 B".
 std::string bytes_text(int64_t bytes);
 
+// A size as a user writes it: "1073741824", "1.5GiB", "512 MiB", "8G" (K, M, G, T and
+// KiB … TiB: powers of 1024), "80GB" (KB … TB: powers of 1000). False on anything else,
+// on 0 or less, or past 2^62 bytes.
+bool parse_bytes(const std::string& text, int64_t* bytes);
+
 }  // namespace pipeshard
 
 #endif  // PIPESHARD_COMMON_HOST_MEMORY_H_

@@ -76,7 +76,7 @@ void judge(const Graph& g, const Layout& layout, const LayoutSearchOptions& opti
     ++out.rejected_for_memory;
     return;
   }
-  out.accepted.push_back({layout, std::move(bytes), peak_bytes});
+  out.accepted.push_back({layout, std::move(*plan), std::move(bytes), peak_bytes});
 }
 
 }  // namespace

@@ -63,6 +63,7 @@ struct LayoutSearchOptions {
 // An accepted layout and its memory estimate per rank.
 struct LayoutFit {
   Layout layout;
+  Plan plan;                             // the cut it trains with
   std::vector<int64_t> bytes_per_stage;  // [P] memory_per_stage() of its plan: bytes on each rank of stage p
   int64_t peak_bytes = 0;                // the largest of them
 };

@@ -17,6 +17,8 @@
 #include "partitioner/plan.h"
 #include "partitioner/plan_table.h"
 #include "partitioner/stage_writer.h"
+#include "planner/planner.h"
+#include "planner/profile.h"
 #include "schedule/predict.h"
 #include "schedule/registry.h"
 #include "schedule/schedule.h"
@@ -43,6 +45,11 @@ struct Args {
   int replicas = 1, zero = 0;
   double bucket_mb = 25;
   PartitionOptions o;
+  // --plan
+  bool plan = false;
+  int ranks = 0, max_micro_batches = 16;
+  size_t top = 10;
+  std::string memory_per_rank, profile;
 };
 
 // Declares every flag on `app`, writing into `a`, in the order --help lists them.
@@ -92,6 +99,75 @@ void define(CLI::App& app, Args& a) {
                "as train --keep-activations: count the activation functions' outputs, which training otherwise "
                "recomputes in backward (memory estimate)")
       ->group(est);
+  auto* planner = "layout planner";
+  app.add_flag("--plan", a.plan,
+               "instead of cutting one layout: rank every layout train can run on --ranks processes (replicas x "
+               "stages x shards, micro-batches, schedule, recompute, ZeRO) by predicted step time, with its memory "
+               "per rank; --batch-size is then the global batch per step; no files are written")
+      ->group(planner);
+  app.add_option("--ranks,-n", a.ranks, "with --plan: the processes (mpirun -np N) to plan for")
+      ->check(CLI::Range(1, 1 << 16))
+      ->group(planner);
+  app.add_option("--memory-per-rank", a.memory_per_rank,
+                 "with --plan: memory of one rank, such as 16GiB or 80GB (default: unlimited); layouts that need more "
+                 "are rejected")
+      ->group(planner);
+  app.add_option("--profile", a.profile,
+                 "with --plan: the machine profile (profile.json, from the profile tool or written by hand; default: a "
+                 "nominal machine)")
+      ->group(planner);
+  app.add_option("--top", a.top, "with --plan: layouts to list (default 10; --json lists all)")
+      ->check(CLI::Range(1, 1 << 20))
+      ->group(planner);
+  app.add_option("--max-micro-batches", a.max_micro_batches,
+                 "with --plan: largest micro-batch count to try (default 16; --micro-batches tries that one only)")
+      ->check(CLI::Range(1, 1 << 16))
+      ->group(planner);
+}
+
+// --plan: every layout on --ranks processes, fastest predicted first. Bad flags are
+// refused before the model is read.
+int run_plan(CLI::App& app, const Args& a) {
+  for (const char* flag : {"--stages", "--tensor-parallel", "--replicas", "--zero", "--schedule", "--virtual-stages",
+                           "--keep-activations", "--out", "--chart", "--show-schedule"}) {
+    if (app.count(flag) > 0) {
+      return fail(std::string("--plan chooses the layout itself: leave out ") + flag + " (see partition --help)");
+    }
+  }
+  if (a.ranks < 1) return fail("--plan needs --ranks N, the processes to plan for (mpirun -np N)");
+  LayoutSearchOptions o;
+  o.ranks = a.ranks;
+  o.batch_size = a.o.batch_size;
+  if (o.batch_size < 1 || o.batch_size > kMaxBatchSize) {
+    return fail("--batch-size must be between 1 and " + std::to_string(kMaxBatchSize));
+  }
+  o.optimizer_slots = a.o.optimizer_slots;
+  o.bucket_bytes = a.o.bucket_bytes;
+  o.balance = a.o.balance;
+  o.max_micro_batches = a.max_micro_batches;
+  if (app.count("--micro-batches") > 0) {
+    if (a.o.micro_batches < 1) return fail("--micro-batches must be at least 1");
+    o.micro_batches = {a.o.micro_batches};
+  }
+  if (!a.memory_per_rank.empty() && !parse_bytes(a.memory_per_rank, &o.memory_per_rank)) {
+    return fail("--memory-per-rank: '" + a.memory_per_rank + "' is not a size such as 16GiB, 80GB or 1073741824");
+  }
+  MachineProfile profile;
+  profile.machine = "nominal (no --profile; run the profile tool to measure this machine)";
+  if (!a.profile.empty()) {
+    Result<MachineProfile> read = read_profile_file(a.profile);
+    if (!read) return fail("--profile: " + read.status().message());
+    profile = std::move(*read);
+  }
+  Result<ImportedModel> m = import_onnx_file(a.model);
+  if (!m) return fail(m.status().message());
+  const LayoutPlan plan = plan_layouts(m->graph, o, profile);
+  if (a.json) {
+    fmt::print("{}\n", layout_plan_json(plan, a.model).dump(2, ' ', false, nlohmann::json::error_handler_t::replace));
+  } else {
+    fmt::print("{}", layout_plan_text(plan, a.model, a.top));
+  }
+  return 0;
 }
 
 // Each piece's (stage's or chunk's) passes for one micro-batch, from the flops estimate: F its forward
@@ -186,7 +262,9 @@ int main(int argc, char** argv) {
       "Cut an ONNX multilayer perceptron into pipeline stages (and tensor-parallel shards) balanced by\n"
       "parameter count. Prints one row per stage and writes DIR/stage_<i>.onnx (stage_<i>_tp<j>.onnx when\n"
       "sharded; chunk_<c>.onnx when a schedule puts several chunks on each stage) and DIR/plan.json.\n"
-      "Example: partition models/simple.onnx --stages 2",
+      "Example: partition models/simple.onnx --stages 2\n"
+      "With --plan, ranks every layout for N processes by predicted step time instead:\n"
+      "  partition models/simple_digits.onnx --plan --ranks 4 --batch-size 64 --profile profile.json",
       "partition"};
   Args a;
   define(app, a);
@@ -198,6 +276,11 @@ int main(int argc, char** argv) {
     return fail(what + " (see partition --help)");
   }
   PartitionOptions& o = a.o;
+  if (!a.plan) {
+    for (const char* flag : {"--ranks", "--memory-per-rank", "--profile", "--top", "--max-micro-batches"}) {
+      if (app.count(flag) > 0) return fail(std::string(flag) + " is for --plan (see partition --help)");
+    }
+  }
   o.balance = a.balance == "flops"    ? BalanceBy::kFlops
               : a.balance == "memory" ? BalanceBy::kMemory
                                       : BalanceBy::kParams;
@@ -208,6 +291,7 @@ int main(int argc, char** argv) {
   o.zero_stage = a.zero;
   if (!(a.bucket_mb > 0) || a.bucket_mb > 1e6) return fail("--bucket-mb must be a positive size in MB, at most 1e6");
   o.bucket_bytes = static_cast<int64_t>(a.bucket_mb * (1 << 20));
+  if (a.plan) return run_plan(app, a);
   if (a.out_dir.empty()) a.out_dir = std::filesystem::path(a.model).stem().string() + "_stages";
   // Before any work: the folder must take the files (it is created if missing).
   if (Status s = check_creatable_folder(a.out_dir); !s) {

@@ -1,0 +1,194 @@
+#include "planner/profile.h"
+
+#include <algorithm>
+#include <cmath>
+#include <fstream>
+#include <limits>
+#include <sstream>
+
+#include <nlohmann/json.hpp>
+
+namespace pipeshard {
+namespace {
+
+constexpr const char* kFormat = "pipeshard-profile";
+constexpr int kVersion = 1;
+
+double flops(int64_t rows, int64_t in, int64_t out) {
+  return 2.0 * static_cast<double>(rows) * static_cast<double>(in) * static_cast<double>(out);
+}
+
+// The measured time of pass `us` (a member of LinearTiming) at the shape, or scaled from
+// the listed shape nearest in log flops, or from the GEMM rate.
+double linear_us(const MachineProfile& p, int64_t rows, int64_t in, int64_t out, double LinearTiming::*us) {
+  const double f = flops(rows, in, out);
+  if (f <= 0) return 0;
+  const LinearTiming* nearest = nullptr;
+  double distance = std::numeric_limits<double>::infinity();
+  for (const LinearTiming& t : p.linear) {
+    if (t.rows == rows && t.in == in && t.out == out) return t.*us;
+    const double d = std::abs(std::log(flops(t.rows, t.in, t.out) / f));
+    if (d < distance) distance = d, nearest = &t;
+  }
+  if (nearest != nullptr && nearest->*us > 0) return nearest->*us * f / flops(nearest->rows, nearest->in, nearest->out);
+  return f / p.gemm_flops_per_s * 1e6;
+}
+
+nlohmann::json link_json(const LinkCost& c) { return {{"latency_us", c.latency_us}, {"bytes_per_s", c.bytes_per_s}}; }
+
+// Reads the fields of profile.json into a MachineProfile, naming the first one at fault.
+class Reader {
+ public:
+  explicit Reader(const std::string& label) : label_(label) {}
+
+  Status number(const nlohmann::json& j, const char* key, const std::string& path, double& out, bool positive) {
+    if (!j.contains(key)) return Status::ok();  // the default stays
+    const nlohmann::json& v = j.at(key);
+    const bool ok = v.is_number() && std::isfinite(v.get<double>()) && (positive ? v.get<double>() > 0 : v >= 0);
+    if (!ok) return bad(path + key, positive ? "a positive number" : "a number, 0 or more");
+    out = v.get<double>();
+    return Status::ok();
+  }
+
+  Status link(const nlohmann::json& j, const char* key, LinkCost& out) {
+    if (!j.contains(key)) return Status::ok();
+    const nlohmann::json& v = j.at(key);
+    if (!v.is_object()) return bad(key, "an object with latency_us and bytes_per_s");
+    const std::string path = std::string(key) + ".";
+    if (Status s = number(v, "latency_us", path, out.latency_us, false); !s) return s;
+    return number(v, "bytes_per_s", path, out.bytes_per_s, true);
+  }
+
+  Status linear(const nlohmann::json& j, std::vector<LinearTiming>& out) {
+    if (!j.contains("linear")) return Status::ok();
+    const nlohmann::json& list = j.at("linear");
+    if (!list.is_array()) return bad("linear", "a list of timed shapes");
+    for (size_t i = 0; i < list.size(); ++i) {
+      const nlohmann::json& e = list[i];
+      const std::string path = "linear[" + std::to_string(i) + "].";
+      if (!e.is_object()) return bad(path.substr(0, path.size() - 1), "an object");
+      LinearTiming t;
+      double rows = 0, in = 0, outf = 0;
+      for (auto [key, field] : {std::pair{"rows", &rows}, {"in", &in}, {"out", &outf}}) {
+        if (!e.contains(key)) return bad(path + key, "present");
+        if (Status s = number(e, key, path, *field, true); !s) return s;
+        if (*field != std::floor(*field) || *field > 1e12) return bad(path + key, "a whole number");
+      }
+      t.rows = static_cast<int64_t>(rows), t.in = static_cast<int64_t>(in), t.out = static_cast<int64_t>(outf);
+      for (auto [key, field] : {std::pair{"forward_us", &t.forward_us},
+                                {"input_grad_us", &t.input_grad_us},
+                                {"weight_grad_us", &t.weight_grad_us}}) {
+        if (!e.contains(key)) return bad(path + key, "present");
+        if (Status s = number(e, key, path, *field, false); !s) return s;
+      }
+      out.push_back(t);
+    }
+    return Status::ok();
+  }
+
+  Status bad(const std::string& field, const std::string& what) const {
+    return Status::error(label_ + ": '" + field + "' must be " + what);
+  }
+
+ private:
+  std::string label_;
+};
+
+}  // namespace
+
+double LinkCost::time_us(double bytes) const { return bytes <= 0 ? 0 : latency_us + bytes / bytes_per_s * 1e6; }
+
+double MachineProfile::linear_forward_us(int64_t rows, int64_t in, int64_t out) const {
+  return linear_us(*this, rows, in, out, &LinearTiming::forward_us);
+}
+double MachineProfile::linear_input_grad_us(int64_t rows, int64_t in, int64_t out) const {
+  return linear_us(*this, rows, in, out, &LinearTiming::input_grad_us);
+}
+double MachineProfile::linear_weight_grad_us(int64_t rows, int64_t in, int64_t out) const {
+  return linear_us(*this, rows, in, out, &LinearTiming::weight_grad_us);
+}
+
+double MachineProfile::all_reduce_us(double bytes, int group) const {
+  if (group <= 1) return 0;
+  return all_reduce.time_us(2.0 * (group - 1) / group * bytes);
+}
+
+double MachineProfile::reduce_scatter_us(double bytes, int group) const {
+  if (group <= 1) return 0;
+  return all_reduce.time_us(1.0 * (group - 1) / group * bytes);
+}
+
+std::string profile_json_text(const MachineProfile& p) {
+  nlohmann::json j;
+  j["format"] = kFormat;
+  j["version"] = kVersion;
+  j["machine"] = p.machine;
+  j["backend"] = p.backend;
+  j["ranks"] = p.ranks;
+  nlohmann::json linear = nlohmann::json::array();
+  for (const LinearTiming& t : p.linear) {
+    linear.push_back({{"rows", t.rows},
+                      {"in", t.in},
+                      {"out", t.out},
+                      {"forward_us", t.forward_us},
+                      {"input_grad_us", t.input_grad_us},
+                      {"weight_grad_us", t.weight_grad_us}});
+  }
+  j["linear"] = linear;
+  j["gemm_flops_per_s"] = p.gemm_flops_per_s;
+  j["elementwise_bytes_per_s"] = p.elementwise_bytes_per_s;
+  j["optimizer_params_per_s"] = p.optimizer_params_per_s;
+  j["op_overhead_us"] = p.op_overhead_us;
+  j["step_overhead_us"] = p.step_overhead_us;
+  j["p2p"] = link_json(p.p2p);
+  j["all_reduce"] = link_json(p.all_reduce);
+  return j.dump(2, ' ', false, nlohmann::json::error_handler_t::replace) + "\n";
+}
+
+Result<MachineProfile> parse_profile_json(const std::string& text, const std::string& label) {
+  const nlohmann::json j = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
+  if (j.is_discarded() || !j.is_object()) return Status::error(label + ": not a JSON object");
+  if (!j.contains("format") || j["format"] != kFormat) {
+    return Status::error(label + ": not a pipeshard profile (\"format\" is not \"" + kFormat + "\")");
+  }
+  if (!j.contains("version") || j["version"] != kVersion) {
+    return Status::error(label + ": profile version " + (j.contains("version") ? j["version"].dump() : "missing") +
+                         ", this build reads version " + std::to_string(kVersion));
+  }
+  MachineProfile p;
+  Reader r(label);
+  if (j.contains("machine")) {
+    if (!j["machine"].is_string()) return r.bad("machine", "a string");
+    p.machine = j["machine"].get<std::string>();
+  }
+  if (j.contains("backend")) {
+    if (!j["backend"].is_string()) return r.bad("backend", "a string");
+    p.backend = j["backend"].get<std::string>();
+  }
+  double ranks = p.ranks;
+  if (Status s = r.number(j, "ranks", "", ranks, true); !s) return s;
+  if (ranks != std::floor(ranks) || ranks > 1 << 20) return r.bad("ranks", "a whole number of processes");
+  p.ranks = static_cast<int>(ranks);
+  if (Status s = r.linear(j, p.linear); !s) return s;
+  for (auto [key, field, positive] : {std::tuple{"gemm_flops_per_s", &p.gemm_flops_per_s, true},
+                                      {"elementwise_bytes_per_s", &p.elementwise_bytes_per_s, true},
+                                      {"optimizer_params_per_s", &p.optimizer_params_per_s, true},
+                                      {"op_overhead_us", &p.op_overhead_us, false},
+                                      {"step_overhead_us", &p.step_overhead_us, false}}) {
+    if (Status s = r.number(j, key, "", *field, positive); !s) return s;
+  }
+  if (Status s = r.link(j, "p2p", p.p2p); !s) return s;
+  if (Status s = r.link(j, "all_reduce", p.all_reduce); !s) return s;
+  return p;
+}
+
+Result<MachineProfile> read_profile_file(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return Status::error(path + ": cannot be read");
+  std::ostringstream text;
+  text << in.rdbuf();
+  if (in.bad()) return Status::error(path + ": cannot be read");
+  return parse_profile_json(text.str(), path);
+}
+
+}  // namespace pipeshard

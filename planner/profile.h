@@ -1,0 +1,85 @@
+// A machine profile: what the planner (planner/planner.h) needs to know of the machine a
+// layout would run on, as measured by `profile` (planner/measure.h) or written by hand to
+// describe a machine that is not here. It is profile.json:
+//
+//   {
+//     "format": "pipeshard-profile", "version": 1,
+//     "machine": "free text",  "backend": "cpu",
+//     "ranks": 4,                          // processes that ran at once while it was measured
+//     "linear": [                          // optional: Linear passes timed by shape
+//       {"rows": 16, "in": 512, "out": 512,
+//        "forward_us": 41.0, "input_grad_us": 38.5, "weight_grad_us": 40.2}
+//     ],
+//     "gemm_flops_per_s": 1.0e11,          // 2·rows·in·out per pass over its time, for shapes not listed
+//     "elementwise_bytes_per_s": 5.0e9,    // bytes read + written per second by elementwise ops
+//     "optimizer_params_per_s": 4.0e8,     // parameters one rank's optimizer (Adam) steps per second
+//     "op_overhead_us": 2.0,               // fixed cost of every op the runner calls
+//     "step_overhead_us": 100.0,           // fixed cost of a step beyond its ops (loss, bookkeeping)
+//     "p2p":        {"latency_us": 5.0,  "bytes_per_s": 2.0e9},
+//     "all_reduce": {"latency_us": 10.0, "bytes_per_s": 1.0e9}   // bus bandwidth, as below
+//   }
+//
+// Communication follows the alpha-beta model: a point-to-point message of n bytes takes
+// latency + n / bytes_per_s; a collective over g ranks moves bus bytes (nccl-tests'
+// busbw): all-reduce 2·(g−1)/g·n, reduce-scatter and all-gather (g−1)/g·n of the whole
+// n-byte buffer, and takes latency + bus bytes / bytes_per_s. A group of one takes nothing.
+#ifndef PIPESHARD_PLANNER_PROFILE_H_
+#define PIPESHARD_PLANNER_PROFILE_H_
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "common/status.h"
+
+namespace pipeshard {
+
+// One Linear's three passes at one shape, measured: forward y = x·Wᵀ + b, the input
+// gradient dx = dy·W and the weight gradient dW = dyᵀ·x (with db), in µs.
+struct LinearTiming {
+  int64_t rows = 0, in = 0, out = 0;
+  double forward_us = 0, input_grad_us = 0, weight_grad_us = 0;
+};
+
+// latency + bytes / bytes_per_s.
+struct LinkCost {
+  double latency_us = 0;
+  double bytes_per_s = 0;  // > 0
+  double time_us(double bytes) const;
+};
+
+struct MachineProfile {
+  std::string machine;     // free text: host, cores, GPU
+  std::string backend = "cpu";
+  int ranks = 1;           // processes running at once while it was measured
+  std::vector<LinearTiming> linear;
+  double gemm_flops_per_s = 1e10;
+  double elementwise_bytes_per_s = 5e9;
+  double optimizer_params_per_s = 2e8;
+  double op_overhead_us = 0;
+  double step_overhead_us = 0;
+  LinkCost p2p{5, 1e9};
+  LinkCost all_reduce{10, 1e9};
+
+  // A Linear pass of `rows` × `in` → `out` in µs: the measured time at that shape, or
+  // 2·rows·in·out flops at the rate of the measured shape nearest in flops (log scale),
+  // or at gemm_flops_per_s when none is listed.
+  double linear_forward_us(int64_t rows, int64_t in, int64_t out) const;
+  double linear_input_grad_us(int64_t rows, int64_t in, int64_t out) const;
+  double linear_weight_grad_us(int64_t rows, int64_t in, int64_t out) const;
+  // Collectives over `group` ranks of a buffer of `bytes` (see the file comment).
+  double all_reduce_us(double bytes, int group) const;
+  double reduce_scatter_us(double bytes, int group) const;  // all-gather alike
+  double send_us(double bytes) const { return p2p.time_us(bytes); }
+};
+
+// profile.json's text, and a profile read back from it. The reader refuses what is not a
+// profile, names the field at fault ("profile.json: 'p2p.bytes_per_s' must be a positive
+// number"), and fills the fields a hand-written profile leaves out with the defaults above.
+std::string profile_json_text(const MachineProfile& profile);
+Result<MachineProfile> parse_profile_json(const std::string& text, const std::string& label);
+Result<MachineProfile> read_profile_file(const std::string& path);
+
+}  // namespace pipeshard
+
+#endif  // PIPESHARD_PLANNER_PROFILE_H_
