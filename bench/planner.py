@@ -1,0 +1,638 @@
+#!/usr/bin/python3
+"""Validate the layout planner (partition --plan, issue 18): run every layout it accepts and compare.
+
+How to run, from the repository root after building
+(cmake --build build --target partition train profile):
+    /usr/bin/python3 bench/planner.py [--models A,B,D] [--ranks 1,2,4] [--batch-size 64] [--steps 30]
+                                      [--warmup 5] [--max-micro-batches K] [--rounds 1] [--out DIR]
+    /usr/bin/python3 bench/planner.py --quick      # model A on 1 and 2 ranks, 15 steps, M <= 4
+
+For each model and each rank count N:
+  1. the model is exported with torch.onnx.export (cpu_vs_pytorch.py's build_module and export), with
+     batch_size x steps samples of standard-normal float32 features and uniform int64 labels;
+  2. the machine is profiled the way the runs are made: mpirun -np N --oversubscribe --bind-to none
+     build/bin/profile MODEL --batch-size B --out profile.json, every rank with
+     OMP_NUM_THREADS = OPENBLAS_NUM_THREADS = max(1, cores // N) and OMP_WAIT_POLICY=PASSIVE
+     (--nominal, or no build/bin/profile: partition's nominal profile instead, and the report says so);
+  3. partition MODEL --plan --ranks N --batch-size B --optimizer OPT --profile profile.json --json lists
+     every accepted layout with its predicted step time and peak memory per rank;
+  4. every accepted layout runs: mpirun -np N (same flags, same environment) train MODEL --data X
+     --labels Y --batch-size B --steps S --no-shuffle --optimizer OPT --metrics m.jsonl <its train_flags>.
+     Its step time is the median, over the steps after the first --warmup, of B / samples_per_s of
+     rank 0's --metrics rows (the wall time between consecutive steps); its peak memory is train's
+     "peak memory held by the backend per process: X at most" (the largest rank).
+     Runs go one at a time (the machine has few cores). A run that fails is recorded with the last
+     line of its error output and the benchmark goes on: a layout the planner accepts and train
+     refuses is a planner bug.
+
+The models (the optimizer is --optimizer, default adam, passed to both partition and train):
+  A  784-512-512-10, ReLU between                      (cpu_vs_pytorch.py's model A)
+  B  4 x (Linear(1024, 1024) + ReLU), 1024 classes     (cpu_vs_pytorch.py's model B, as exported there)
+  D  16 x Linear: 512 -> 512 fifteen times, then 512 -> 10, ReLU between (deep and narrow: many cut points)
+all at --batch-size (default 64), whatever cpu_vs_pytorch.py's own batch is.
+
+Figures per (model, N), with the issue's targets (PASS/FAIL):
+  error      = |predicted - measured| / measured per layout; its median over the layouts    <= 15 %
+  first      = measured ms of the planner's first choice / the fastest measured ms           <= 1.05
+  Spearman   = rank correlation of predicted and measured ms over the layouts (ties averaged) >= 0.8
+  memory     = the largest |predicted - measured| / measured peak bytes per rank              <= 10 %
+and the signed error (predicted - measured) / measured grouped by layout shape, schedule, ZeRO and
+recomputation, which shows where the cost model leans one way.
+
+It writes, into --out (default bench/reports/planner/): planner.json (every measurement, the plans and
+profiles), planner.md (the tables) and planner_scatter.png (predicted against measured ms, log-log, one
+colour per model, a marker per N, the line y = x).
+
+It is a benchmark: it exits 0 whatever the figures, and 2 only when it cannot run (no build, no mpirun,
+no torch, a plan that cannot be made).
+"""
+import argparse
+import json
+import math
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import cpu_vs_pytorch as cvp  # noqa: E402  (build_module, export)
+import distributed  # noqa: E402  (read_peak_mib: train's memory line)
+
+MODEL_SPECS = {
+    "A": dict(cvp.MODELS["A"], title="784-512-512-10, ReLU between"),
+    "B": dict(cvp.MODELS["B"], title="4 x (Linear(1024, 1024) + ReLU), 1024 classes"),
+    "D": {"layers": [(512, 512)] * 15 + [(512, 10)], "relu_last": False,
+          "title": "16 x Linear: 512-512 x15, then 512-10, ReLU between"},
+}
+TARGET_MEDIAN_ERROR = 0.15
+TARGET_FIRST_CHOICE = 1.05
+TARGET_SPEARMAN = 0.8
+TARGET_MEMORY_ERROR = 0.10
+LAUNCH_S = 1.5  # the first guess at one mpirun + train start-up and shut-down, for the estimate
+QUICK = {"models": "A", "ranks": "1,2", "steps": 15, "warmup": 3, "max_micro_batches": 4}
+DEFAULTS = {"models": "A,B,D", "ranks": "1,2,4", "steps": 30, "warmup": 5, "max_micro_batches": None}
+MIB = 1 << 20
+
+
+# --------------------------------------------------------------------------- statistics
+def average_ranks(values):
+    """1-based ranks of values, ties given the mean of the ranks they span."""
+    order = sorted(range(len(values)), key=lambda i: values[i])
+    ranks = [0.0] * len(values)
+    i = 0
+    while i < len(order):
+        j = i
+        while j + 1 < len(order) and values[order[j + 1]] == values[order[i]]:
+            j += 1
+        for k in range(i, j + 1):
+            ranks[order[k]] = (i + j) / 2 + 1
+        i = j + 1
+    return ranks
+
+
+def spearman(xs, ys):
+    """Spearman's rank correlation: Pearson's correlation of the average ranks (nan when undefined)."""
+    if len(xs) < 2:
+        return float("nan")
+    rx, ry = average_ranks(xs), average_ranks(ys)
+    mx, my = statistics.fmean(rx), statistics.fmean(ry)
+    sxy = sum((a - mx) * (b - my) for a, b in zip(rx, ry))
+    sxx = sum((a - mx) ** 2 for a in rx)
+    syy = sum((b - my) ** 2 for b in ry)
+    return sxy / math.sqrt(sxx * syy) if sxx > 0 and syy > 0 else float("nan")
+
+
+def relative_error(predicted, measured):
+    return (predicted - measured) / measured
+
+
+# --------------------------------------------------------------------------- processes
+def child_env(threads):
+    return dict(os.environ, OMP_NUM_THREADS=str(threads), OPENBLAS_NUM_THREADS=str(threads),
+                OMP_WAIT_POLICY="PASSIVE", OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+
+
+def under_mpirun(args, ranks, argv):
+    """argv as every run of this benchmark starts it: N ranks, unbound, the thread variables passed."""
+    return [args.mpirun, "--oversubscribe", "--bind-to", "none", "-np", str(ranks), "-x", "OMP_NUM_THREADS",
+            "-x", "OPENBLAS_NUM_THREADS", "-x", "OMP_WAIT_POLICY"] + argv
+
+
+def launch(argv, env, log_base, timeout_s):
+    """Runs argv in its own session (a hung run is ended as a group); stdout and stderr go to
+    log_base.out and .err. Returns (exit status, wall seconds); a timeout returns status None."""
+    began = time.monotonic()
+    with open(log_base + ".out", "w") as out, open(log_base + ".err", "w") as err:
+        proc = subprocess.Popen(argv, env=env, stdout=out, stderr=err, start_new_session=True)
+        try:
+            status = proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            status = None
+    return status, time.monotonic() - began
+
+
+MPI_NOISE = ("---", "***", "Primary job", "mpirun", "Child job", "process rank", "Process name", "Exit code",
+             "prterun", "PRTE", "a non-zero", "the job to be terminated", "was:", "Host:", "PID:", "ended", "")
+
+
+def error_line(log_base):
+    """The line that says why a run failed: the last line of its stderr (or stdout) that is not
+    mpirun's own banner."""
+    for suffix in (".err", ".out"):
+        lines = [line.strip() for line in open(log_base + suffix, errors="replace")]
+        ours = [line for line in lines if line and not line.startswith(MPI_NOISE) and not set(line) <= set("-*=")]
+        if ours:
+            return ours[-1][:300]
+    return "(no output)"
+
+
+# --------------------------------------------------------------------------- model, profile, plan
+def export_model(name, args, folder):
+    """The ONNX model (cpu_vs_pytorch.py's export) and batch_size x steps samples of data."""
+    import numpy as np
+    spec = dict(MODEL_SPECS[name], batch=args.batch_size)
+    onnx_path = cvp.export(name, folder, args.seed, spec=spec)
+    samples, fan_in, classes = args.batch_size * args.steps, spec["layers"][0][0], spec["layers"][-1][1]
+    rng = np.random.default_rng(args.seed)
+    data, labels = os.path.join(folder, f"{name}_x.npy"), os.path.join(folder, f"{name}_y.npy")
+    np.save(data, rng.standard_normal((samples, fan_in), dtype=np.float32))
+    np.save(labels, rng.integers(0, classes, samples).astype(np.int64))
+    return {"onnx": onnx_path, "data": data, "labels": labels}
+
+
+def threads_per_rank(ranks):
+    return max(1, (os.cpu_count() or 1) // ranks)
+
+
+def take_profile(name, ranks, args, paths, folder):
+    """profile.json measured by N ranks at once, or None (the nominal profile) with the reason."""
+    if args.nominal:
+        return None, "nominal (--nominal)"
+    if not os.access(args.profile_tool, os.X_OK):
+        return None, f"nominal ({args.profile_tool} is not built)"
+    out = os.path.join(folder, f"profile_{name}_{ranks}.json")
+    argv = [args.profile_tool, paths["onnx"], "--batch-size", str(args.batch_size), "--out", out]
+    log = os.path.join(folder, f"profile_{name}_{ranks}")
+    status, wall = launch(under_mpirun(args, ranks, argv), child_env(threads_per_rank(ranks)), log, args.timeout)
+    if status != 0 or not os.path.exists(out):
+        raise RuntimeError(f"profile of model {name} on {ranks} ranks failed (status {status}): {error_line(log)}")
+    print(f"  profiled model {name} on {ranks} ranks in {wall:.1f} s", flush=True)
+    return out, f"measured: {os.path.relpath(args.profile_tool)} on {ranks} ranks, {wall:.1f} s"
+
+
+def make_plan(name, ranks, args, paths, profile):
+    argv = [args.partition, paths["onnx"], "--plan", "--ranks", str(ranks), "--batch-size", str(args.batch_size),
+            "--optimizer", args.optimizer, "--json"]
+    if profile:
+        argv += ["--profile", profile]
+    if args.max_micro_batches:
+        argv += ["--max-micro-batches", str(args.max_micro_batches)]
+    proc = subprocess.run(argv, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"partition --plan for model {name} on {ranks} ranks failed: {proc.stderr.strip()}")
+    return json.loads(proc.stdout)
+
+
+# --------------------------------------------------------------------------- measuring
+def train_argv(args, paths, metrics, train_flags):
+    flags = [] if train_flags.strip() in ("", "(none)") else train_flags.split()
+    return [args.train, paths["onnx"], "--data", paths["data"], "--labels", paths["labels"],
+            "--batch-size", str(args.batch_size), "--steps", str(args.steps), "--no-shuffle",
+            "--optimizer", args.optimizer, "--metrics", metrics, *flags]
+
+
+def measure_once(case, index, round_, args, folder):
+    """One train run of layout `index` of case; returns (step seconds after warm-up, peak MiB)
+    or raises RuntimeError with the reason it failed."""
+    layout = case["plan"]["layouts"][index]
+    tag = os.path.join(folder, f"run_{case['model']}_{case['ranks']}_{index}_{round_}")
+    metrics = tag + ".jsonl"
+    argv = under_mpirun(args, case["ranks"], train_argv(args, case["paths"], metrics, layout["train_flags"]))
+    status, _ = launch(argv, child_env(case["threads"]), tag, args.timeout)
+    if status != 0:
+        why = f"timed out after {args.timeout} s" if status is None else f"status {status}"
+        raise RuntimeError(f"{why}: {error_line(tag)}")
+    rows = [json.loads(line) for line in open(metrics)] if os.path.exists(metrics) else []
+    times = [args.batch_size / row["samples_per_s"] for row in rows[args.warmup:] if row.get("samples_per_s")]
+    if not times:
+        raise RuntimeError(f"no --metrics rows after the warm-up ({len(rows)} rows)")
+    return times, distributed.read_peak_mib(tag + ".err") or distributed.read_peak_mib(tag + ".out")
+
+
+def layout_record(case, index):
+    layout = case["plan"]["layouts"][index]
+    keys = ("text", "train_flags", "replicas", "stages", "tensor_parallel", "micro_batches", "schedule",
+            "virtual_stages", "keep_activations", "zero")
+    record = {k: layout[k] for k in keys}
+    record.update(model=case["model"], ranks=case["ranks"], threads=case["threads"], plan_rank=index,
+                  predicted_ms=layout["predicted"]["step_ms"], predicted=layout["predicted"],
+                  predicted_peak_mib=layout["peak_bytes"] / MIB, status="ok", error=None, step_ms=[],
+                  measured_peak_mib=None, wall_s=0.0)
+    return record
+
+
+def finish_record(record):
+    if record["status"] == "ok":
+        record["measured_ms"] = statistics.median(record["step_ms"])
+        record["error"] = None
+        record["time_error"] = relative_error(record["predicted_ms"], record["measured_ms"])
+        peak = record["measured_peak_mib"]
+        record["memory_error"] = relative_error(record["predicted_peak_mib"], peak) if peak else None
+    return record
+
+
+def estimate_s(case, args):
+    """Seconds to measure every layout of a case: launches plus steps at the predicted step times."""
+    return sum(args.rounds * (LAUNCH_S + args.steps * l["predicted"]["step_ms"] / 1e3)
+               for l in case["plan"]["layouts"])
+
+
+def measure_all(cases, args, folder):
+    """Every layout of every case, --rounds times (alternating the order), one run at a time."""
+    total_runs = sum(len(c["plan"]["layouts"]) for c in cases) * args.rounds
+    estimated_left = sum(estimate_s(c, args) for c in cases)
+    spent_wall, spent_estimate, done = 0.0, 0.0, 0
+    for case in cases:
+        case["records"] = [layout_record(case, i) for i in range(len(case["plan"]["layouts"]))]
+    for round_ in range(args.rounds):
+        for case in cases:
+            n = len(case["records"])
+            order = range(n) if round_ % 2 == 0 else reversed(range(n))
+            for index in order:
+                record = case["records"][index]
+                layout = case["plan"]["layouts"][index]
+                guess = LAUNCH_S + args.steps * layout["predicted"]["step_ms"] / 1e3
+                done += 1
+                if record["status"] != "ok":
+                    estimated_left -= guess
+                    continue  # failed in an earlier round: not again
+                began = time.monotonic()
+                try:
+                    times, peak = measure_once(case, index, round_, args, folder)
+                    record["step_ms"] += [t * 1e3 for t in times]
+                    record["measured_peak_mib"] = peak if peak is not None else record["measured_peak_mib"]
+                    note = (f"measured {statistics.median(t * 1e3 for t in times):.3f} ms, predicted "
+                            f"{record['predicted_ms']:.3f} ms, peak {peak or float('nan'):.2f} MiB vs "
+                            f"{record['predicted_peak_mib']:.2f} predicted")
+                except RuntimeError as failure:
+                    record.update(status="failed", error=str(failure))
+                    note = f"FAILED: {failure}"
+                wall = time.monotonic() - began
+                record["wall_s"] += wall
+                spent_wall, spent_estimate, estimated_left = spent_wall + wall, spent_estimate + guess, estimated_left - guess
+                pace = spent_wall / spent_estimate if spent_wall > 0 else 1.0
+                print(f"  [{done}/{total_runs}, ~{estimated_left * pace / 60:.1f} min left] model {case['model']} "
+                      f"N={case['ranks']} layout {index + 1} of {n} ({record['text']}): {note}", flush=True)
+    for case in cases:
+        for record in case["records"]:
+            finish_record(record)
+
+
+# --------------------------------------------------------------------------- figures
+def summarize(case):
+    """The per-(model, N) figures and their verdicts."""
+    ok = [r for r in case["records"] if r["status"] == "ok"]
+    s = {"model": case["model"], "ranks": case["ranks"], "threads": case["threads"], "layouts": len(case["records"]),
+         "measured": len(ok), "failed": len(case["records"]) - len(ok), "profile": case["profile_note"]}
+    first = case["records"][0]
+    s["best_predicted"] = {"text": first["text"], "predicted_ms": first["predicted_ms"]}
+    if not ok:
+        return s
+    fastest = min(ok, key=lambda r: r["measured_ms"])
+    s["best_measured"] = {"text": fastest["text"], "measured_ms": fastest["measured_ms"],
+                          "predicted_ms": fastest["predicted_ms"], "plan_rank": fastest["plan_rank"]}
+    s["first_choice_ms"] = first.get("measured_ms")
+    s["first_choice_ratio"] = first["measured_ms"] / fastest["measured_ms"] if first["status"] == "ok" else None
+    s["median_error"] = statistics.median(abs(r["time_error"]) for r in ok)
+    s["median_signed_error"] = statistics.median(r["time_error"] for r in ok)
+    s["spearman"] = spearman([r["predicted_ms"] for r in ok], [r["measured_ms"] for r in ok])
+    memory = [abs(r["memory_error"]) for r in ok if r["memory_error"] is not None]
+    s["worst_memory_error"] = max(memory) if memory else None
+    worst = max((r for r in ok if r["memory_error"] is not None), key=lambda r: abs(r["memory_error"]), default=None)
+    s["worst_memory_layout"] = worst["text"] if worst else None
+    s["verdicts"] = {
+        "median error <= 15%": s["median_error"] <= TARGET_MEDIAN_ERROR,
+        "first choice <= 1.05 x fastest": s["first_choice_ratio"] is not None
+        and s["first_choice_ratio"] <= TARGET_FIRST_CHOICE,
+        "Spearman >= 0.8": s["spearman"] >= TARGET_SPEARMAN,
+        "memory within 10%": s["worst_memory_error"] is not None and s["worst_memory_error"] <= TARGET_MEMORY_ERROR,
+    }
+    return s
+
+
+def verdict(ok):
+    return "PASS" if ok else "FAIL"
+
+
+def pct(x, signed=False):
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "-"
+    return f"{x:+.1%}" if signed else f"{x:.1%}"
+
+
+def summary_rows(summaries):
+    rows = []
+    for s in summaries:
+        v = s.get("verdicts", {})
+        bm = s.get("best_measured")
+        ratio = s.get("first_choice_ratio")
+        rho = s.get("spearman", float("nan"))
+        rows.append([
+            s["model"], f"{s['ranks']} x {s['threads']}t", f"{s['layouts']} ({s['failed']} failed)",
+            f"{s['best_predicted']['text']}: {s['best_predicted']['predicted_ms']:.2f}",
+            f"{bm['text']}: {bm['measured_ms']:.2f} (plan #{bm['plan_rank'] + 1})" if bm else "-",
+            f"{s['first_choice_ms']:.2f}" if s.get("first_choice_ms") else "failed",
+            f"{ratio:.3f} {verdict(v.get('first choice <= 1.05 x fastest'))}" if ratio else "FAIL",
+            f"{pct(s.get('median_error'))} {verdict(v.get('median error <= 15%'))}" if v else "-",
+            pct(s.get("median_signed_error"), signed=True),
+            f"{rho:.3f} {verdict(v.get('Spearman >= 0.8'))}" if v else "-",
+            f"{pct(s.get('worst_memory_error'))} {verdict(v.get('memory within 10%'))}" if v else "-",
+        ])
+    return rows
+
+
+SUMMARY_HEADER = ["model", "N x threads", "layouts", "best predicted (ms)", "best measured (ms)",
+                  "first choice measured ms", "first / fastest (<= 1.05)", "median |error| (<= 15%)",
+                  "median signed error", "Spearman (>= 0.8)", "worst memory error (<= 10%)"]
+
+
+def bias_rows(records, key):
+    """Signed error (predicted - measured) / measured grouped by key(record): count, median, range."""
+    groups = {}
+    for r in records:
+        if r["status"] == "ok":
+            groups.setdefault(key(r), []).append(r["time_error"])
+    return [[g, len(e), pct(statistics.median(e), True), f"{pct(min(e), True)} .. {pct(max(e), True)}"]
+            for g, e in sorted(groups.items(), key=lambda kv: str(kv[0]))]
+
+
+BIAS_KEYS = {
+    "shape (D x P x T)": lambda r: f"D{r['replicas']} P{r['stages']} T{r['tensor_parallel']}",
+    "schedule": lambda r: r["schedule"] if r["stages"] > 1 else "(one stage)",
+    "micro-batches": lambda r: r["micro_batches"],
+    "ZeRO": lambda r: f"zero {r['zero']}",
+    "activations": lambda r: "keep" if r["keep_activations"] else "recompute",
+    "predicted bottleneck": lambda r: r["predicted"]["bottleneck"],
+}
+
+
+def md_table(header, rows):
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def layout_rows(case):
+    rows = []
+    for r in case["records"]:
+        if r["status"] == "ok":
+            mem = f"{r['measured_peak_mib']:.2f}" if r["measured_peak_mib"] else "-"
+            rows.append([r["plan_rank"] + 1, r["text"], f"{r['predicted_ms']:.3f}", f"{r['measured_ms']:.3f}",
+                         pct(r["time_error"], True), r["predicted"]["bottleneck"], f"{r['predicted_peak_mib']:.2f}",
+                         mem, pct(r["memory_error"], True)])
+        else:
+            rows.append([r["plan_rank"] + 1, r["text"], f"{r['predicted_ms']:.3f}", "FAILED", "-",
+                         r["predicted"]["bottleneck"], f"{r['predicted_peak_mib']:.2f}", "-", r["error"]])
+    return rows
+
+
+LAYOUT_HEADER = ["plan #", "layout", "predicted ms", "measured ms", "error", "predicted bottleneck",
+                 "predicted peak MiB", "measured peak MiB", "memory error"]
+
+
+def failures(cases):
+    return [(c["model"], c["ranks"], r) for c in cases for r in c["records"] if r["status"] != "ok"]
+
+
+def report_text(cases, summaries, args, started, scatter):
+    """planner.md: what ran, the summary with verdicts, the biases, the failures, every layout."""
+    out = [f"# Layout planner against measurement\n",
+           f"`{' '.join(sys.argv)}` on {os.uname().nodename}, {os.cpu_count()} CPUs, started {started} UTC; "
+           f"batch {args.batch_size}, {args.steps} steps ({args.warmup} warm-up), {args.rounds} round(s), "
+           f"--optimizer {args.optimizer}, max micro-batches {args.max_micro_batches or 'partition default'}; "
+           f"load average {args.load_start:.2f} at start, {os.getloadavg()[0]:.2f} at the end.\n",
+           "Models: " + "; ".join(f"{m}: {MODEL_SPECS[m]['title']}" for m in args.model_list) + ".\n",
+           "Profiles: " + "; ".join(f"{c['model']} N={c['ranks']}: {c['profile_note']}" for c in cases) + ".\n",
+           "## Summary (ms per step)\n", md_table(SUMMARY_HEADER, summary_rows(summaries)), "",
+           f"![predicted against measured]({os.path.basename(scatter)})\n" if scatter else "",
+           "## Where the cost model leans (signed error = (predicted - measured) / measured; negative: "
+           "predicted too fast)\n"]
+    for c in cases:
+        out += [f"### Model {c['model']}, N = {c['ranks']}, by shape\n",
+                md_table(["shape", "layouts", "median signed error", "range"],
+                         bias_rows(c["records"], BIAS_KEYS["shape (D x P x T)"])), ""]
+    every = [r for c in cases for r in c["records"]]
+    for name, key in BIAS_KEYS.items():
+        if name != "shape (D x P x T)":
+            out += [f"### All cases, by {name}\n", md_table([name, "layouts", "median signed error", "range"],
+                                                            bias_rows(every, key)), ""]
+    failed = failures(cases)
+    out += ["## Layouts the planner accepted that train did not run\n"]
+    out += [md_table(["model", "N", "layout", "train flags", "error"],
+                     [[m, n, r["text"], f"`{r['train_flags']}`", r["error"]] for m, n, r in failed]) if failed
+            else "None.", ""]
+    for c in cases:
+        out += [f"## Every layout: model {c['model']}, N = {c['ranks']}\n", md_table(LAYOUT_HEADER, layout_rows(c)), ""]
+    return "\n".join(out) + "\n"
+
+
+def scatter_plot(cases, path):
+    """Predicted against measured ms, log-log: a colour per model, a marker per N, y = x."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("planner: no matplotlib, no scatter plot", file=sys.stderr)
+        return None
+    colours = dict(zip(MODEL_SPECS, ("tab:blue", "tab:orange", "tab:green")))
+    markers = {1: "o", 2: "s", 4: "^"}
+    fig, ax = plt.subplots(figsize=(7, 6))
+    values = []
+    for c in cases:
+        ok = [r for r in c["records"] if r["status"] == "ok"]
+        if not ok:
+            continue
+        xs, ys = [r["measured_ms"] for r in ok], [r["predicted_ms"] for r in ok]
+        values += xs + ys
+        ax.scatter(xs, ys, s=18, alpha=0.7, color=colours.get(c["model"], "tab:gray"),
+                   marker=markers.get(c["ranks"], "D"), label=f"model {c['model']}, N={c['ranks']}")
+    if not values:
+        plt.close(fig)
+        return None
+    lo, hi = min(values) / 1.3, max(values) * 1.3
+    ax.plot([lo, hi], [lo, hi], color="black", linewidth=1, label="y = x")
+    ax.fill_between([lo, hi], [lo * (1 - TARGET_MEDIAN_ERROR), hi * (1 - TARGET_MEDIAN_ERROR)],
+                    [lo * (1 + TARGET_MEDIAN_ERROR), hi * (1 + TARGET_MEDIAN_ERROR)], color="gray", alpha=0.15,
+                    label="±15 %")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlim(lo, hi)
+    ax.set_ylim(lo, hi)
+    ax.set_xlabel("measured ms per step (median)")
+    ax.set_ylabel("predicted ms per step (partition --plan)")
+    ax.set_title("Layout planner: predicted against measured step time")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def print_report(cases, summaries):
+    print(f"\n### Summary (ms per step)\n")
+    print(md_table(SUMMARY_HEADER, summary_rows(summaries)))
+    print("\n### Signed error (predicted - measured) / measured by shape; negative: predicted too fast\n")
+    rows = []
+    for c in cases:
+        rows += [[c["model"], c["ranks"]] + row for row in bias_rows(c["records"], BIAS_KEYS["shape (D x P x T)"])]
+    print(md_table(["model", "N", "shape", "layouts", "median signed error", "range"], rows))
+    every = [r for c in cases for r in c["records"]]
+    for name in ("schedule", "ZeRO", "activations"):
+        print(f"\nall cases, by {name}:\n")
+        print(md_table([name, "layouts", "median signed error", "range"], bias_rows(every, BIAS_KEYS[name])))
+    failed = failures(cases)
+    print(f"\n{len(failed)} accepted layout(s) failed under train" + (":" if failed else "."))
+    for m, n, r in failed:
+        print(f"- model {m}, N={n}, {r['text']} ({r['train_flags']}): {r['error']}")
+
+
+def write_outputs(cases, summaries, args, started):
+    os.makedirs(args.out, exist_ok=True)
+    scatter = scatter_plot(cases, os.path.join(args.out, "planner_scatter.png"))
+    with open(os.path.join(args.out, "planner.md"), "w") as f:
+        f.write(report_text(cases, summaries, args, started, scatter))
+    dump = {"command": sys.argv, "started_utc": started, "host": os.uname().nodename, "cpus": os.cpu_count(),
+            "batch_size": args.batch_size, "steps": args.steps, "warmup": args.warmup, "rounds": args.rounds,
+            "optimizer": args.optimizer, "max_micro_batches": args.max_micro_batches, "summaries": summaries,
+            "cases": [{k: c[k] for k in ("model", "ranks", "threads", "profile_note", "profile", "plan", "records")}
+                      for c in cases]}
+    with open(os.path.join(args.out, "planner.json"), "w") as f:
+        json.dump(dump, f, indent=1)
+    print(f"\nwrote {args.out}/planner.md, planner.json" + (", planner_scatter.png" if scatter else ""))
+
+
+# --------------------------------------------------------------------------- main
+def parse_args():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 epilog="\n".join(__doc__.split("\n")[2:]))
+    ap.add_argument("--models", help=f"comma-separated, of {','.join(MODEL_SPECS)} (default {DEFAULTS['models']})")
+    ap.add_argument("--ranks", help=f"comma-separated N for mpirun -np N (default {DEFAULTS['ranks']})")
+    ap.add_argument("--batch-size", type=int, default=64, help="global batch per step (default 64)")
+    ap.add_argument("--steps", type=int, help=f"steps per run (default {DEFAULTS['steps']})")
+    ap.add_argument("--warmup", type=int, help=f"steps discarded at the start of each run (default {DEFAULTS['warmup']})")
+    ap.add_argument("--max-micro-batches", type=int, help="passed to partition --plan (default: its own, 16)")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="runs of every layout, in alternating order; steps are pooled (default 1)")
+    ap.add_argument("--optimizer", default="adam", choices=("sgd", "adam", "adamw"),
+                    help="for partition --plan and train alike (default adam, the planner's default)")
+    ap.add_argument("--quick", action="store_true",
+                    help="a smoke run: model A, N in {1,2}, 15 steps, 3 warm-up, M <= 4 (flags given win)")
+    ap.add_argument("--nominal", action="store_true", help="plan on partition's nominal profile, not a measured one")
+    ap.add_argument("--build-dir", default="build")
+    ap.add_argument("--timeout", type=float, default=300, help="seconds one run may take (default 300)")
+    ap.add_argument("--out", default=os.path.join("bench", "reports", "planner"),
+                    help="folder for planner.json, planner.md, planner_scatter.png (default bench/reports/planner)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--keep", action="store_true", help="keep the temporary folder (models, data, logs, metrics)")
+    args = ap.parse_args()
+    preset = QUICK if args.quick else DEFAULTS
+    for key, value in preset.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    args.model_list = [m for m in args.models.split(",") if m]
+    args.rank_list = [int(n) for n in args.ranks.split(",") if n]
+    return args
+
+
+def cannot_run(message):
+    print(f"planner: {message}", file=sys.stderr)
+    return 2
+
+
+def check_setup(args):
+    """The reason the benchmark cannot run, or None."""
+    unknown = set(args.model_list) - set(MODEL_SPECS)
+    if unknown or not args.model_list:
+        return f"unknown --models {','.join(sorted(unknown))} (choose from {','.join(MODEL_SPECS)})"
+    if not args.rank_list or min(args.rank_list) < 1:
+        return "--ranks must list positive numbers"
+    if not 0 <= args.warmup < args.steps:
+        return "--warmup must be below --steps"
+    for tool in (args.train, args.partition):
+        if not os.access(tool, os.X_OK):
+            return f"{tool} is missing; build it first (cmake --build {args.build_dir} --target partition train profile)"
+    if args.mpirun is None:
+        return "mpirun is missing (Debian openmpi-bin)"
+    if subprocess.run([sys.executable, "-c", "import torch, onnx, numpy"], capture_output=True).returncode != 0:
+        return "needs torch, onnx and numpy (Debian python3-torch, python3-onnx); run with /usr/bin/python3"
+    return None
+
+
+def prepare_cases(args, folder):
+    """Exports every model, profiles and plans every (model, N); prints the layout counts."""
+    cases = []
+    for name in args.model_list:
+        paths = export_model(name, args, folder)
+        for ranks in args.rank_list:
+            profile, note = take_profile(name, ranks, args, paths, folder)
+            plan = make_plan(name, ranks, args, paths, profile)
+            case = {"model": name, "ranks": ranks, "threads": threads_per_rank(ranks), "paths": paths,
+                    "profile_note": note, "profile": json.load(open(profile)) if profile else None, "plan": plan}
+            cases.append(case)
+            print(f"  model {name}, N={ranks} ({case['threads']} thread(s) per rank): {len(plan['layouts'])} layouts "
+                  f"accepted, {len(plan['rejected'])} rejected; first choice {plan['layouts'][0]['text']} "
+                  f"({plan['layouts'][0]['predicted']['step_ms']:.3f} ms predicted); profile {note}; "
+                  f"~{estimate_s(case, args) / 60:.1f} min to measure", flush=True)
+    return cases
+
+
+def main():
+    args = parse_args()
+    args.train = os.path.join(args.build_dir, "bin", "train")
+    args.partition = os.path.join(args.build_dir, "bin", "partition")
+    args.profile_tool = os.path.join(args.build_dir, "bin", "profile")
+    args.mpirun = shutil.which("mpirun")
+    problem = check_setup(args)
+    if problem:
+        return cannot_run(problem)
+    started = time.strftime("%Y-%m-%d %H:%M", time.gmtime())
+    args.load_start = os.getloadavg()[0]
+    print(f"planner: {os.uname().nodename}, {os.cpu_count()} CPUs, load average {args.load_start:.2f}; models "
+          f"{','.join(args.model_list)}, N in {{{','.join(map(str, args.rank_list))}}}, batch {args.batch_size}, "
+          f"{args.steps} steps ({args.warmup} warm-up) x {args.rounds} round(s), --optimizer {args.optimizer}; every "
+          f"run: mpirun -np N --oversubscribe --bind-to none, OMP_NUM_THREADS = OPENBLAS_NUM_THREADS = "
+          f"max(1, {os.cpu_count()} // N), OMP_WAIT_POLICY=PASSIVE", flush=True)
+    began = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="pipeshard-planner-") as folder:
+        try:
+            cases = prepare_cases(args, folder)
+        except (RuntimeError, subprocess.CalledProcessError, json.JSONDecodeError) as failure:
+            return cannot_run(str(failure))
+        runs = sum(len(c["plan"]["layouts"]) for c in cases) * args.rounds
+        print(f"  {runs} runs, estimated {sum(estimate_s(c, args) for c in cases) / 60:.1f} min "
+              f"({LAUNCH_S} s a launch + the predicted steps; the progress lines correct it as runs finish)", flush=True)
+        measure_all(cases, args, folder)
+        if args.keep:
+            kept = folder + ".kept"
+            shutil.copytree(folder, kept)
+            print(f"kept models, data, logs and metrics in {kept}")
+    summaries = [summarize(c) for c in cases]
+    print(f"\nmeasured in {(time.monotonic() - began) / 60:.1f} min; load average at the end {os.getloadavg()[0]:.2f}")
+    print_report(cases, summaries)
+    for c in cases:
+        c.pop("paths")
+    write_outputs(cases, summaries, args, started)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
