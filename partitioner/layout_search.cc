@@ -5,7 +5,9 @@
 #include <tuple>
 
 #include "common/host_memory.h"
+#include "schedule/action.h"
 #include "schedule/registry.h"
+#include "schedule/schedule.h"
 
 namespace pipeshard {
 namespace {
@@ -51,6 +53,26 @@ Status check_no_shared_parameters(const Graph& g, const Plan& plan) {
     }
   }
   return Status::ok();
+}
+
+// Whether train runs `--zero 2` as stage 1 under this schedule: it splits backward into I
+// and W passes, or places several model chunks on a stage (runtime/trainer.cc). Such a
+// layout is the ZeRO-1 one, listed once. False where the counts are refused: the plan
+// says why.
+bool zero2_runs_as_zero1(const std::string& name, int stages, int micro_batches, int virtual_stages) {
+  if (!check_schedule_counts(name, stages, micro_batches, virtual_stages)) return false;
+  const PipelineSchedule sc = make_pipeline_schedule(name, stages, micro_batches, {}, virtual_stages);
+  if (sc.chunks() > stages) return true;
+  for (const auto& list : sc.actions) {
+    if (splits_backward(list)) return true;
+  }
+  return false;
+}
+
+// Whether --keep-activations changes anything: some value would be recomputed otherwise.
+bool recomputes_anything(const Graph& g, const LayoutSearchOptions& options) {
+  const std::vector<bool> r = recomputable_values(g, options.kept_when_fused);
+  return std::find(r.begin(), r.end(), true) != r.end();
 }
 
 // Accepts or rejects one layout of the space into `out`.
@@ -126,6 +148,7 @@ PartitionOptions layout_partition_options(const Layout& layout, const LayoutSear
 LayoutSearch search_layouts(const Graph& graph, const LayoutSearchOptions& options) {
   LayoutSearch out;
   const int n = options.ranks;
+  const bool recomputes = recomputes_anything(graph, options);
   for (int d : divisors(n, n)) {
     for (int p : divisors(n / d, n / d)) {
       Layout layout;
@@ -154,9 +177,11 @@ LayoutSearch search_layouts(const Graph& graph, const LayoutSearchOptions& optio
           layout.virtual_stages = v;
           for (int m : counts) {
             layout.micro_batches = m;
+            const int most_zero = d == 1 ? 0 : zero2_runs_as_zero1(name, p, m, v) ? 1 : 2;
             for (bool keep : {false, true}) {
+              if (keep && !recomputes) continue;
               layout.keep_activations = keep;
-              for (int zero = 0; zero <= (d > 1 ? 2 : 0); ++zero) {
+              for (int zero = 0; zero <= most_zero; ++zero) {
                 layout.zero = zero;
                 judge(graph, layout, options, out);
               }

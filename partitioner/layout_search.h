@@ -9,7 +9,7 @@
 // before it starts.
 // A layout is accepted when the plan is made and its largest stage fits the memory per
 // rank; otherwise it is rejected with the reason. Nothing here predicts time: ranking the
-// accepted layouts is the caller's (partition --plan).
+// accepted layouts is the planner's (planner/planner.h).
 #ifndef PIPESHARD_PARTITIONER_LAYOUT_SEARCH_H_
 #define PIPESHARD_PARTITIONER_LAYOUT_SEARCH_H_
 
@@ -92,7 +92,9 @@ struct LayoutSearch {
 //   For a schedule whose chunks per stage the user chooses, each of options.virtual_stages;
 //   otherwise virtual_stages 0 (the schedule's own).
 // - M: options.micro_batches, or the divisors of B/D up to max_micro_batches.
-// - keep_activations false, then true; ZeRO 0, 1, 2 (only 0 when D == 1).
+// - keep_activations false, then true (false alone when the model recomputes nothing, so
+//   the flag changes nothing); ZeRO 0, 1, 2 (only 0 when D == 1, and not 2 where train
+//   runs it as stage 1: a schedule with I and W passes or several chunks per stage).
 // Every layout of it is accepted or rejected once: its size is accepted + rejected.
 LayoutSearch search_layouts(const Graph& graph, const LayoutSearchOptions& options);
 

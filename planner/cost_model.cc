@@ -40,10 +40,7 @@ struct PieceCost {
 class PieceCoster {
  public:
   PieceCoster(const Graph& g, const Plan& plan, const MachineProfile& profile)
-      : g_(g),
-        profile_(profile),
-        shards_(plan.options.tensor_parallel),
-        rows_(micro_batch_size(plan.options)),
+      : g_(g), profile_(profile), shards_(plan.options.tensor_parallel), rows_(micro_batch_size(plan.options)),
         fused_(fused_activations(g)),
         recomputed_(plan.options.recompute_activations ? recomputable_values(g, plan.options.kept_when_fused)
                                                        : std::vector<bool>(g.values.size(), false)),
@@ -142,7 +139,7 @@ std::vector<double> parameters_per_rank(const Graph& g, const Plan& plan) {
 
 std::string LayoutPrediction::bottleneck() const {
   const std::pair<double, const char*> parts[] = {
-      {compute_us, "compute"},         {bubble_us, "bubble"},       {tensor_parallel_us, "tensor-parallel"},
+      {compute_us, "compute"},          {bubble_us, "bubble"},       {tensor_parallel_us, "tensor-parallel"},
       {data_parallel_us, "all-reduce"}, {optimizer_us, "optimizer"}, {overhead_us, "overhead"}};
   return std::max_element(std::begin(parts), std::end(parts))->second;
 }
@@ -200,9 +197,9 @@ LayoutPrediction predict_layout(const Graph& g, const Plan& plan, const Layout& 
       } else {
         const double passes = windows ? m : 1;
         const double window = windows ? all_backward : last_backward;
-        exposed = std::max(profile.reduce_scatter_us(bucket, d),
-                           passes * profile.reduce_scatter_us(bytes, d) - window) +
-                  profile.reduce_scatter_us(bytes, d);  // the all-gather of the updated slices
+        exposed =
+            std::max(profile.reduce_scatter_us(bucket, d), passes * profile.reduce_scatter_us(bytes, d) - window) +
+            profile.reduce_scatter_us(bytes, d);  // the all-gather of the updated slices
       }
     }
     const double optimizer = (zero > 0 ? params[s] / d : params[s]) / profile.optimizer_params_per_s * 1e6;

@@ -45,9 +45,9 @@ struct LayoutPrediction {
   double tensor_parallel_us = 0;  // its tensor-parallel collectives inside the passes
   double data_parallel_us = 0;    // exposed gradient reduction, and ZeRO's all-gather
   double optimizer_us = 0;
-  double overhead_us = 0;         // the profile's fixed cost per step
-  int critical_stage = 0;         // the stage that finishes last
-  PassCosts costs;                // per micro-batch and model chunk, µs (TP collectives included)
+  double overhead_us = 0;  // the profile's fixed cost per step
+  int critical_stage = 0;  // the stage that finishes last
+  PassCosts costs;         // per micro-batch and model chunk, µs (TP collectives included)
   // The largest share of the step: "compute", "bubble", "tensor-parallel",
   // "all-reduce" (data-parallel), "optimizer" or "overhead".
   std::string bottleneck() const;

@@ -91,15 +91,16 @@ std::string layout_plan_text(const LayoutPlan& plan, const std::string& model, s
       names.push_back(plan.ranked[i].fit.layout.text());
       width = std::max(width, names.back().size());
     }
-    t += fmt::format("{:>3}  {:<{}}  {:>9}  {:>10}  {:>11}  {:<15}  {}\n", "#", "layout", width, "ms/step",
-                     "samples/s", "memory/rank", "bottleneck", "train flags");
+    t += fmt::format("{:>3}  {:<{}}  {:>9}  {:>10}  {:>11}  {:<15}  {}\n", "#", "layout", width, "ms/step", "samples/s",
+                     "memory/rank", "bottleneck", "train flags");
     for (size_t i = 0; i < shown; ++i) {
       const PlannedLayout& p = plan.ranked[i];
       t += fmt::format("{:>3}  {:<{}}  {:>9.3f}  {:>10}  {:>11}  {:<15}  {}\n", i + 1, names[i], width,
                        p.prediction.step_us / 1e3, with_commas(std::llround(samples_per_s(plan, p))),
                        bytes_text(p.fit.peak_bytes), p.prediction.bottleneck(), layout_train_flags(p.fit.layout));
     }
-    if (shown < plan.ranked.size()) t += fmt::format("  ... and {} more that fit (--top, --json)\n", plan.ranked.size() - shown);
+    if (shown < plan.ranked.size())
+      t += fmt::format("  ... and {} more that fit (--top, --json)\n", plan.ranked.size() - shown);
   }
   t += fmt::format("{} layout{} considered: {} fit", plan.ranked.size() + plan.rejected.size(),
                    plan.ranked.size() + plan.rejected.size() == 1 ? "" : "s", plan.ranked.size());

@@ -49,9 +49,9 @@ struct LinkCost {
 };
 
 struct MachineProfile {
-  std::string machine;     // free text: host, cores, GPU
+  std::string machine;  // free text: host, cores, GPU
   std::string backend = "cpu";
-  int ranks = 1;           // processes running at once while it was measured
+  int ranks = 1;  // processes running at once while it was measured
   std::vector<LinearTiming> linear;
   double gemm_flops_per_s = 1e10;
   double elementwise_bytes_per_s = 5e9;

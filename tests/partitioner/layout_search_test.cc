@@ -37,8 +37,9 @@ ImportedModel mlp(int layers, int64_t width) {
 // The space as the header describes it, written out plainly: every D·P·T == N, the whole
 // (D, P, T) once where the batch does not divide among D; otherwise every schedule (the
 // default alone on one stage) with 2, 3 or 4 chunks per stage where it lets them be
-// chosen, every M dividing B/D up to 16, both ways of activations and every ZeRO stage
-// (0 alone on one replica).
+// chosen, every M dividing B/D up to 16, both ways of activations (the models have ReLUs
+// to recompute) and every ZeRO stage (0 alone on one replica, 2 not where train runs it
+// as 1).
 std::vector<Layout> brute_force(int n, int64_t batch) {
   std::vector<Layout> out;
   for (int d = 1; d <= n; ++d) {
@@ -60,6 +61,10 @@ std::vector<Layout> brute_force(int n, int64_t batch) {
               for (bool keep : {false, true}) {
                 for (int zero = 0; zero <= 2; ++zero) {
                   if (d == 1 && zero > 0) continue;
+                  // ZeRO-2 runs as ZeRO-1 under a split backward (the zero-bubble
+                  // schedules) or several chunks per stage: listed once, as ZeRO-1.
+                  const bool as_zero1 = s == "zb-h1" || s == "zb-v" || find_schedule(s)->chunks_per_stage != 1;
+                  if (zero == 2 && as_zero1 && check_schedule_counts(s, p, m, v)) continue;
                   out.push_back(Layout{d, p, t, m, s, v, keep, zero});
                 }
               }

@@ -1,0 +1,206 @@
+#include "planner/measure.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <set>
+
+#include "common/check.h"
+
+namespace pipeshard {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double since_us(Clock::time_point start) {
+  return std::chrono::duration<double, std::micro>(Clock::now() - start).count();
+}
+
+std::vector<int> divisors(int64_t n, int64_t cap) {
+  std::vector<int> out;
+  for (int64_t d = 1; d <= std::min(n, cap); ++d) {
+    if (n % d == 0) out.push_back(static_cast<int>(d));
+  }
+  return out;
+}
+
+// Times `work` on every rank at once: rank 0 finds how many repeats fill
+// seconds_per_figure, every rank runs that many after a barrier, and the figure is the
+// median repeat, averaged over the ranks (µs). Collective.
+class Timer {
+ public:
+  Timer(Backend& backend, Communicator& world, double seconds) : backend_(backend), world_(world), seconds_(seconds) {}
+
+  template <typename Work>
+  double time_us(Work work) {
+    work();  // warm: first-touch pages, BLAS buffers
+    backend_.synchronize();
+    // Every rank runs the calibration (the work may communicate); rank 0's time counts.
+    const Clock::time_point calibration = Clock::now();
+    work();
+    backend_.synchronize();
+    const double once = std::max(since_us(calibration), 0.1);
+    const double repeats = world_.rank() == 0 ? std::clamp(std::ceil(seconds_ * 1e6 / once), 3.0, 1000.0) : 0;
+    const int n = static_cast<int>(world_.all_reduce_sum(repeats));
+    world_.barrier();
+    std::vector<double> times;
+    for (int i = 0; i < n; ++i) {
+      const Clock::time_point start = Clock::now();
+      work();
+      backend_.synchronize();
+      times.push_back(since_us(start));
+    }
+    std::nth_element(times.begin(), times.begin() + n / 2, times.end());
+    return world_.all_reduce_sum(times[n / 2]) / world_.size();
+  }
+
+ private:
+  Backend& backend_;
+  Communicator& world_;
+  double seconds_;
+};
+
+void time_linear(Backend& backend, Timer& timer, const LinearSize& s, LinearTiming& t) {
+  DeviceBuffer x(backend, s.rows * s.in), w(backend, s.out * s.in), b(backend, s.out), y(backend, s.rows * s.out);
+  DeviceBuffer dx(backend, s.rows * s.in), dw(backend, s.out * s.in), db(backend, s.out);
+  backend.fill(x.data(), 0.5f, s.rows * s.in);
+  backend.fill(w.data(), 0.01f, s.out * s.in);
+  backend.fill(y.data(), 0.25f, s.rows * s.out);  // stands in for dy
+  const LinearShape shape{s.rows, s.in, s.out};
+  t.rows = s.rows, t.in = s.in, t.out = s.out;
+  t.forward_us = timer.time_us([&] { backend.linear_forward(y.data(), x.data(), w.data(), b.data(), shape); });
+  t.input_grad_us = timer.time_us([&] {
+    backend.linear_backward(dx.data(), nullptr, nullptr, y.data(), x.data(), w.data(), shape, GradWrite::kOverwrite,
+                            GradWrite::kOverwrite);
+  });
+  t.weight_grad_us = timer.time_us([&] {
+    backend.linear_backward(nullptr, dw.data(), db.data(), y.data(), x.data(), w.data(), shape, GradWrite::kOverwrite,
+                            GradWrite::kOverwrite);
+  });
+}
+
+// Point-to-point: ranks 2i and 2i+1 exchange a message each way, all pairs at once; a
+// lone last rank waits. Half a round trip per message.
+double time_p2p(Communicator& world, Timer& timer, int64_t bytes) {
+  const int64_t n = std::max<int64_t>(1, bytes / 4);
+  std::vector<float> out(n, 1.0f), in(n);
+  const int r = world.rank(), peer = r ^ 1;
+  const bool paired = peer < world.size();
+  return timer.time_us([&] {
+           if (!paired) return;
+           if (r % 2 == 0) {
+             world.send(out.data(), n, peer, 7);
+             world.recv(in.data(), n, peer, 7);
+           } else {
+             world.recv(in.data(), n, peer, 7);
+             world.send(out.data(), n, peer, 7);
+           }
+         }) /
+         2;
+}
+
+}  // namespace
+
+std::vector<LinearSize> model_linear_sizes(const Graph& graph, int ranks, int64_t batch_size, int max_micro_batches) {
+  std::set<int64_t> rows;
+  for (int d : divisors(ranks, ranks)) {
+    if (batch_size % d != 0) continue;
+    for (int m : divisors(batch_size / d, max_micro_batches)) rows.insert(batch_size / d / m);
+  }
+  std::set<LinearSize> sizes;
+  for (const Node& n : graph.nodes) {
+    if (n.kind != OpKind::kLinear) continue;
+    for (int t : divisors(ranks, ranks)) {
+      for (int64_t r : rows) {
+        if (t == 1) sizes.insert({r, n.in_features, n.out_features});
+        if (t > 1 && n.out_features % t == 0) sizes.insert({r, n.in_features, n.out_features / t});
+        if (t > 1 && n.in_features % t == 0) sizes.insert({r, n.in_features / t, n.out_features});
+      }
+    }
+  }
+  return {sizes.begin(), sizes.end()};
+}
+
+LinkCost fit_link(const std::vector<std::pair<double, double>>& points) {
+  PIPESHARD_CHECK(!points.empty(), "fit_link: no points");
+  const double k = static_cast<double>(points.size());
+  double sx = 0, sy = 0, sxx = 0, sxy = 0;
+  for (auto [x, y] : points) sx += x, sy += y, sxx += x * x, sxy += x * y;
+  const double denominator = k * sxx - sx * sx;
+  double slope = denominator > 0 ? (k * sxy - sx * sy) / denominator : 0;  // µs per byte
+  double intercept = (sy - slope * sx) / k;
+  const auto largest = *std::max_element(points.begin(), points.end());
+  if (!(slope > 0)) {
+    slope = largest.second / std::max(largest.first, 1.0);
+    intercept = 0;
+  }
+  if (intercept < 0) {  // through the origin instead
+    intercept = 0;
+    slope = sxx > 0 ? sxy / sxx : slope;
+  }
+  return {intercept, 1e6 / slope};
+}
+
+MachineProfile measure_profile(Backend& backend, Communicator& world, const MeasureOptions& o) {
+  auto say = [&](const std::string& line) {
+    if (world.rank() == 0 && o.progress) o.progress(line);
+  };
+  Timer timer(backend, world, o.seconds_per_figure);
+  MachineProfile p;
+  p.machine = o.machine;
+  p.backend = backend.name();
+  p.ranks = world.size();
+
+  say("timing " + std::to_string(o.linear.size()) + " Linear shapes (forward, input and weight gradient)");
+  double best_rate = 0;
+  for (size_t i = 0; i < o.linear.size(); ++i) {
+    LinearTiming t;
+    time_linear(backend, timer, o.linear[i], t);
+    p.linear.push_back(t);
+    const double flops = 2.0 * static_cast<double>(t.rows * t.in * t.out);
+    if (t.forward_us > 0) best_rate = std::max(best_rate, flops / t.forward_us * 1e6);
+    if ((i + 1) % 20 == 0) say("  " + std::to_string(i + 1) + " of " + std::to_string(o.linear.size()));
+  }
+  {  // the rate for shapes not listed: a square GEMM as large as the listed ones, or 512³
+    LinearTiming square;
+    time_linear(backend, timer, {512, 512, 512}, square);
+    best_rate = std::max(best_rate, 2.0 * 512 * 512 * 512 / square.forward_us * 1e6);
+    p.gemm_flops_per_s = best_rate;
+  }
+
+  say("timing elementwise ops and the optimizer");
+  const int64_t n = o.elementwise_elements;
+  DeviceBuffer a(backend, n), b(backend, n), c(backend, n), d(backend, n);
+  backend.fill(a.data(), -0.5f, n);
+  const Activation relu{};
+  const double relu_us = timer.time_us([&] { backend.activation_forward(b.data(), a.data(), n, relu); });
+  const double add_us = timer.time_us([&] { backend.add_forward(c.data(), a.data(), b.data(), n); });
+  // relu: read 1, write 1; add: read 2, write 1 — bytes over time, the two together.
+  p.elementwise_bytes_per_s = 4.0 * n * (2 + 3) / (relu_us + add_us) * 1e6;
+  AdamStep step;
+  const double adam_us = timer.time_us([&] { backend.adam_step(a.data(), b.data(), c.data(), d.data(), n, step); });
+  p.optimizer_params_per_s = static_cast<double>(n) / adam_us * 1e6;
+  p.op_overhead_us = timer.time_us([&] { backend.activation_forward(b.data(), a.data(), 1, relu); });
+
+  if (world.size() > 1) {
+    say("timing messages between pairs of ranks and all-reduces over " + std::to_string(world.size()));
+    std::vector<std::pair<double, double>> p2p, all_reduce;
+    for (int64_t bytes : o.message_bytes) {
+      p2p.emplace_back(static_cast<double>(bytes), time_p2p(world, timer, bytes));
+      std::vector<float> buffer(static_cast<size_t>(std::max<int64_t>(1, bytes / 4)), 1.0f);
+      const double us = timer.time_us(
+          [&] { world.all_reduce(buffer.data(), static_cast<int64_t>(buffer.size()), ReduceOp::kSum); });
+      const int g = world.size();
+      all_reduce.emplace_back(2.0 * (g - 1) / g * static_cast<double>(bytes), us);  // bus bytes
+    }
+    for (size_t i = 0; i < p2p.size(); ++i) {
+      say("  " + std::to_string(static_cast<int64_t>(p2p[i].first)) + " bytes: send " +
+          std::to_string(p2p[i].second) + " us, all-reduce " + std::to_string(all_reduce[i].second) + " us");
+    }
+    p.p2p = fit_link(p2p);
+    p.all_reduce = fit_link(all_reduce);
+  }
+  return p;
+}
+
+}  // namespace pipeshard

@@ -1,0 +1,55 @@
+// Measuring a machine profile (planner/profile.h) on the machine this runs on, as the
+// `profile` tool does under mpirun: every rank times the same work at the same moment, so
+// ranks that share cores (or a memory bus) are measured as they will train.
+#ifndef PIPESHARD_PLANNER_MEASURE_H_
+#define PIPESHARD_PLANNER_MEASURE_H_
+
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "backend/backend.h"
+#include "comm/comm.h"
+#include "ir/graph.h"
+#include "planner/profile.h"
+
+namespace pipeshard {
+
+// A Linear's shape: rows × in → out.
+struct LinearSize {
+  int64_t rows = 0, in = 0, out = 0;
+  auto operator<=>(const LinearSize&) const = default;
+};
+
+// Every Linear shape a layout of `graph` on `ranks` processes with a global batch of
+// `batch_size` may run: rows B/D/M for each D dividing N and M dividing B/D up to
+// `max_micro_batches`, each Linear whole and with its in or out features split by each T
+// dividing N that divides them. Sorted, each once.
+std::vector<LinearSize> model_linear_sizes(const Graph& graph, int ranks, int64_t batch_size, int max_micro_batches);
+
+struct MeasureOptions {
+  std::vector<LinearSize> linear;  // shapes to time (none: only the GEMM rate at a square shape)
+  double seconds_per_figure = 0.02;  // at least this long repeating each figure's work
+  // Message sizes for point-to-point and all-reduce, in bytes.
+  std::vector<int64_t> message_bytes = {4 << 10, 64 << 10, 1 << 20, 8 << 20};
+  int64_t elementwise_elements = 1 << 20;  // size of the elementwise and optimizer figures
+  std::string machine;                     // profile.machine
+  std::function<void(const std::string&)> progress;  // a line now and then (rank 0), or null
+};
+
+// Times `options.linear` (forward, input and weight gradient), the elementwise and Adam
+// rates, a call's fixed cost, and with several ranks point-to-point messages between
+// pairs of ranks (all pairs at once) and all-reduces over all of them, each figure the
+// median of its repeats, averaged over the ranks. Collective over `world`; every rank
+// returns the same profile.
+MachineProfile measure_profile(Backend& backend, Communicator& world, const MeasureOptions& options);
+
+// latency + bytes / bytes_per_s fitted to (bytes, µs) points by least squares; the
+// latency is at least 0 and the rate positive (a flat or falling line gives the rate of the
+// largest message alone).
+LinkCost fit_link(const std::vector<std::pair<double, double>>& bytes_us);
+
+}  // namespace pipeshard
+
+#endif  // PIPESHARD_PLANNER_MEASURE_H_

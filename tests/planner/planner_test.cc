@@ -1,0 +1,337 @@
+// The layout planner: profile.json read and refused, the cost model against sums worked
+// out by hand, the ranking (every layout the search accepts, once, fastest first), and a
+// profile measured in one process and in two in-process ranks. No timing is asserted:
+// measured figures are only checked to be there and positive.
+#include <algorithm>
+#include <cmath>
+#include <set>
+#include <string>
+#include <vector>
+
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include "backend/backend.h"
+#include "common/host_memory.h"
+#include "importer/onnx_importer.h"
+#include "planner/cost_model.h"
+#include "planner/measure.h"
+#include "planner/planner.h"
+#include "planner/profile.h"
+#include "schedule/predict.h"
+#include "schedule/schedule.h"
+#include "testing/in_process_comm.h"
+#include "tests/model_builder.h"
+
+namespace pipeshard {
+namespace {
+
+using testing::ModelBuilder;
+
+// Linear layers of the given widths (widths[0] in, widths.back() out), a ReLU between
+// each two, or none with `relu` false.
+ImportedModel mlp(const std::vector<int64_t>& widths, bool relu = true) {
+  ModelBuilder b(widths[0]);
+  std::string x = "input";
+  for (size_t l = 1; l < widths.size(); ++l) {
+    x = b.linear(x, widths[l - 1], widths[l]);
+    if (relu && l + 1 < widths.size()) x = b.relu(x);
+  }
+  b.output(x, widths.back());
+  auto proto = std::make_shared<onnx::ModelProto>(b.model());
+  Result<ImportedModel> m = import_onnx_model(proto, ".", "built");
+  EXPECT_TRUE(m.is_ok()) << m.status().message();
+  return std::move(m).value();
+}
+
+std::string profile_text(const std::string& fields) {
+  return R"({"format": "pipeshard-profile", "version": 1)" + (fields.empty() ? "" : ", " + fields) + "}";
+}
+
+TEST(Profile, RoundTripsThroughItsJson) {
+  MachineProfile p;
+  p.machine = "test box";
+  p.ranks = 4;
+  p.linear = {{16, 512, 256, 10.5, 11.5, 12.5}, {8, 64, 64, 0.25, 0.5, 0.75}};
+  p.gemm_flops_per_s = 3e11;
+  p.elementwise_bytes_per_s = 7e9;
+  p.optimizer_params_per_s = 5e8;
+  p.op_overhead_us = 1.5;
+  p.step_overhead_us = 40;
+  p.p2p = {3, 2e9};
+  p.all_reduce = {9, 1.5e9};
+  Result<MachineProfile> back = parse_profile_json(profile_json_text(p), "p.json");
+  ASSERT_TRUE(back.is_ok()) << back.status().message();
+  EXPECT_EQ(profile_json_text(*back), profile_json_text(p));
+  EXPECT_EQ(back->ranks, 4);
+  ASSERT_EQ(back->linear.size(), 2u);
+  EXPECT_EQ(back->linear[0].out, 256);
+  EXPECT_EQ(back->linear[1].weight_grad_us, 0.75);
+}
+
+TEST(Profile, AHandWrittenOneNeedsOnlyWhatItChanges) {
+  Result<MachineProfile> p = parse_profile_json(
+      profile_text(R"("machine": "8 x H100", "gemm_flops_per_s": 4e14, "all_reduce": {"latency_us": 20, "bytes_per_s": 1.5e11})"),
+      "hand.json");
+  ASSERT_TRUE(p.is_ok()) << p.status().message();
+  EXPECT_EQ(p->machine, "8 x H100");
+  EXPECT_EQ(p->gemm_flops_per_s, 4e14);
+  EXPECT_EQ(p->all_reduce.bytes_per_s, 1.5e11);
+  EXPECT_EQ(p->p2p.bytes_per_s, MachineProfile{}.p2p.bytes_per_s);  // the default
+  // No shape listed: 2·rows·in·out at the GEMM rate.
+  EXPECT_DOUBLE_EQ(p->linear_forward_us(1000, 2000, 4000), 2.0 * 1000 * 2000 * 4000 / 4e14 * 1e6);
+}
+
+TEST(Profile, RefusalsNameTheFieldAtFault) {
+  const std::pair<std::string, std::string> cases[] = {
+      {"not json", "not a JSON object"},
+      {R"({"format": "other", "version": 1})", "not a pipeshard profile"},
+      {R"({"format": "pipeshard-profile", "version": 7})", "profile version 7"},
+      {profile_text(R"("p2p": {"latency_us": 1, "bytes_per_s": 0})"), "'p2p.bytes_per_s' must be a positive number"},
+      {profile_text(R"("p2p": 3)"), "'p2p' must be an object"},
+      {profile_text(R"("gemm_flops_per_s": "fast")"), "'gemm_flops_per_s' must be a positive number"},
+      {profile_text(R"("op_overhead_us": -1)"), "'op_overhead_us' must be a number, 0 or more"},
+      {profile_text(R"("ranks": 1.5)"), "'ranks' must be a whole number"},
+      {profile_text(R"("linear": [{"rows": 4, "in": 8, "forward_us": 1, "input_grad_us": 1, "weight_grad_us": 1}])"),
+       "'linear[0].out' must be present"},
+      {profile_text(R"("linear": [{"rows": 4, "in": 8, "out": 2, "forward_us": 1, "input_grad_us": -2, "weight_grad_us": 1}])"),
+       "'linear[0].input_grad_us' must be a number, 0 or more"},
+  };
+  for (const auto& [text, want] : cases) {
+    Result<MachineProfile> p = parse_profile_json(text, "p.json");
+    ASSERT_FALSE(p.is_ok()) << text;
+    EXPECT_NE(p.status().message().find(want), std::string::npos) << p.status().message();
+    EXPECT_EQ(p.status().message().rfind("p.json: ", 0), 0u) << p.status().message();
+  }
+}
+
+TEST(Profile, LinearTimesComeFromTheNearestMeasuredShape) {
+  MachineProfile p;
+  p.gemm_flops_per_s = 1e9;
+  p.linear = {{16, 64, 64, 10, 20, 30}, {64, 512, 512, 1000, 1100, 1200}};
+  EXPECT_EQ(p.linear_forward_us(16, 64, 64), 10);  // measured
+  EXPECT_EQ(p.linear_weight_grad_us(64, 512, 512), 1200);
+  // Twice the flops of the small one: its rate, twice the time.
+  EXPECT_DOUBLE_EQ(p.linear_input_grad_us(32, 64, 64), 40);
+  // Nearer the large one in log flops.
+  EXPECT_DOUBLE_EQ(p.linear_forward_us(32, 512, 512), 500);
+}
+
+TEST(Profile, CollectivesFollowTheBusBandwidth) {
+  MachineProfile p;
+  p.all_reduce = {10, 1e9};
+  EXPECT_EQ(p.all_reduce_us(1e6, 1), 0);
+  EXPECT_DOUBLE_EQ(p.all_reduce_us(1e6, 2), 10 + 1e6 / 1e9 * 1e6);  // 2·(2−1)/2 = 1
+  EXPECT_DOUBLE_EQ(p.all_reduce_us(1e6, 4), 10 + 1.5e6 / 1e9 * 1e6);
+  EXPECT_DOUBLE_EQ(p.reduce_scatter_us(1e6, 4), 10 + 0.75e6 / 1e9 * 1e6);
+}
+
+TEST(Profile, FitLinkRecoversALine) {
+  const LinkCost c = fit_link({{1e3, 5 + 1e3 / 2e9 * 1e6}, {1e6, 5 + 1e6 / 2e9 * 1e6}, {1e7, 5 + 1e7 / 2e9 * 1e6}});
+  EXPECT_NEAR(c.latency_us, 5, 1e-6);
+  EXPECT_NEAR(c.bytes_per_s / 2e9, 1, 1e-9);
+  // A line through below the origin is taken through it: latency 0.
+  const LinkCost d = fit_link({{1e6, 100}, {2e6, 300}});
+  EXPECT_EQ(d.latency_us, 0);
+  EXPECT_GT(d.bytes_per_s, 0);
+}
+
+int64_t parse_or_0(const std::string& text) {
+  int64_t b = 0;
+  return parse_bytes(text, &b) ? b : 0;
+}
+
+TEST(ParseBytes, ReadsSizesAsUsersWriteThem) {
+  int64_t b = 0;
+  EXPECT_EQ(parse_or_0("1073741824"), int64_t{1} << 30);
+  EXPECT_EQ(parse_or_0("1.5GiB"), int64_t{3} << 29);
+  EXPECT_EQ(parse_or_0("512 MiB"), int64_t{512} << 20);
+  EXPECT_EQ(parse_or_0("8G"), int64_t{8} << 30);
+  EXPECT_EQ(parse_or_0("80GB"), int64_t{80'000'000'000});
+  for (const char* bad : {"", "-1G", "0", "12 parsecs", "GiB", "1e30", " 5"}) EXPECT_FALSE(parse_bytes(bad, &b)) << bad;
+}
+
+// A profile whose every cost is simple to add up by hand.
+MachineProfile round_profile() {
+  MachineProfile p;
+  p.gemm_flops_per_s = 2e9;  // 2·r·i·o flops: r·i·o / 1000 µs
+  p.elementwise_bytes_per_s = 4e6;  // 4 bytes per µs: a float per µs
+  p.optimizer_params_per_s = 1e6;   // a parameter per µs
+  p.op_overhead_us = 0;
+  p.step_overhead_us = 7;
+  p.p2p = {1, 4e6};
+  p.all_reduce = {2, 4e6};
+  return p;
+}
+
+Layout layout_of(int d, int p, int t, int m, const std::string& schedule, int zero = 0) {
+  Layout l;
+  l.replicas = d, l.stages = p, l.shards = t, l.micro_batches = m, l.schedule = schedule, l.zero = zero;
+  return l;
+}
+
+LayoutPrediction predict(const ImportedModel& m, const Layout& l, const MachineProfile& profile, int64_t batch,
+                         int64_t bucket_bytes = 25 << 20) {
+  LayoutSearchOptions o;
+  o.batch_size = batch;
+  o.bucket_bytes = bucket_bytes;
+  o.ranks = l.ranks();
+  Result<Plan> plan = make_plan(m.graph, "", layout_partition_options(l, o));
+  EXPECT_TRUE(plan.is_ok()) << plan.status().message();
+  return predict_layout(m.graph, *plan, l, profile);
+}
+
+TEST(CostModel, OneLinearInOneProcessAddsUpByHand) {
+  const ImportedModel m = mlp({100, 10});
+  const MachineProfile p = round_profile();
+  const LayoutPrediction got = predict(m, layout_of(1, 1, 1, 1, "1f1b"), p, 20);
+  // Forward 20·100·10/1000 = 20 µs; no input gradient (the model's input); weight 20 µs.
+  // The loss: 6 passes over 20·10 floats = 1200 µs, half in forward, half in backward.
+  EXPECT_DOUBLE_EQ(got.costs.forward[0], 20 + 600);
+  EXPECT_DOUBLE_EQ(got.costs.backward_input[0], 600);
+  EXPECT_DOUBLE_EQ(got.costs.backward_weight[0], 20);
+  EXPECT_DOUBLE_EQ(got.optimizer_us, 1010);  // 1000 weights + 10 biases
+  EXPECT_DOUBLE_EQ(got.step_us, 620 + 620 + 1010 + 7);
+  EXPECT_DOUBLE_EQ(got.compute_us + got.bubble_us + got.tensor_parallel_us + got.data_parallel_us + got.optimizer_us +
+                       got.overhead_us,
+                   got.step_us);
+  EXPECT_EQ(got.bottleneck(), "compute");
+}
+
+TEST(CostModel, ReplicasReduceWhatOutlastsTheLastBackward) {
+  const ImportedModel m = mlp({100, 10});
+  const MachineProfile p = round_profile();
+  const LayoutPrediction one = predict(m, layout_of(1, 1, 1, 1, "1f1b"), p, 40);
+  const LayoutPrediction two = predict(m, layout_of(2, 1, 1, 1, "1f1b"), p, 40);
+  // Each replica computes half the batch: the same passes as one process on 20 samples.
+  EXPECT_DOUBLE_EQ(two.costs.forward[0], predict(m, layout_of(1, 1, 1, 1, "1f1b"), p, 20).costs.forward[0]);
+  EXPECT_LT(two.compute_us, one.compute_us);
+  // 1010 gradients (4040 bytes): all-reduce 2 + 4040/4 = 1012 µs over 2 ranks. In one
+  // bucket it starts when backward ends: all exposed.
+  EXPECT_DOUBLE_EQ(two.data_parallel_us, 1012);
+  // In buckets of 400 bytes (2 + 100 µs each) the backward (600 + 20 µs) hides 620 of it.
+  EXPECT_DOUBLE_EQ(predict(m, layout_of(2, 1, 1, 1, "1f1b"), p, 40, 400).data_parallel_us, 1012 - 620);
+  // ZeRO-1: reduce-scatter half the bytes (2 + 505 µs, hidden but for the bucket's own
+  // 507, as the bucket is the whole buffer), then an all-gather of the same size exposed;
+  // the optimizer over half the parameters.
+  const LayoutPrediction zero1 = predict(m, layout_of(2, 1, 1, 1, "1f1b", 1), p, 40);
+  EXPECT_DOUBLE_EQ(zero1.data_parallel_us, 507 + 507);
+  EXPECT_DOUBLE_EQ(zero1.optimizer_us, 505);
+}
+
+TEST(CostModel, PipelineStagesRunTheScheduleOnTheirPassCosts) {
+  const ImportedModel m = mlp({64, 64, 64, 64, 64});
+  const MachineProfile p = round_profile();
+  for (const std::string schedule : {"gpipe", "1f1b", "zb-h1"}) {
+    const Layout l = layout_of(1, 2, 1, 4, schedule);
+    const LayoutPrediction got = predict(m, l, p, 32);
+    ASSERT_EQ(got.costs.forward.size(), 2u);
+    // The schedule's own prediction on the same costs, plus optimizer and overhead.
+    const SchedulePrediction sp = predict_schedule(make_pipeline_schedule(schedule, 2, 4), got.costs);
+    EXPECT_DOUBLE_EQ(got.step_us - got.optimizer_us - got.overhead_us, sp.end[got.critical_stage]) << schedule;
+    EXPECT_GT(got.bubble_us, 0) << schedule;
+    // One message of the 64 floats per sample crossing the cut, 8 samples per micro-batch.
+    EXPECT_DOUBLE_EQ(got.costs.transfer, 1 + 64 * 8 * 4 / 4.0) << schedule;
+  }
+}
+
+TEST(CostModel, TensorParallelShardsTheGemmsAndPaysForItsCollectives) {
+  const ImportedModel m = mlp({512, 512, 512, 10});
+  MachineProfile p = round_profile();
+  const LayoutPrediction one = predict(m, layout_of(1, 1, 1, 1, "1f1b"), p, 16);
+  const LayoutPrediction two = predict(m, layout_of(1, 1, 2, 1, "1f1b"), p, 16);
+  EXPECT_GT(two.tensor_parallel_us, 0);
+  EXPECT_LT(two.compute_us, one.compute_us);
+  // With free collectives, sharding only removes work.
+  p.all_reduce = {0, 1e30};
+  const LayoutPrediction free = predict(m, layout_of(1, 1, 2, 1, "1f1b"), p, 16);
+  EXPECT_NEAR(free.tensor_parallel_us, 0, 1e-9);
+  EXPECT_LT(free.step_us, one.step_us);
+}
+
+TEST(Planner, RanksEveryAcceptedLayoutOnceFastestFirst) {
+  const ImportedModel m = mlp({64, 128, 128, 128, 10});
+  LayoutSearchOptions o;
+  o.ranks = 4;
+  o.batch_size = 16;
+  const LayoutSearch search = search_layouts(m.graph, o);
+  const LayoutPlan plan = plan_layouts(m.graph, o, round_profile());
+  ASSERT_EQ(plan.ranked.size(), search.accepted.size());
+  EXPECT_EQ(plan.rejected.size(), search.rejected.size());
+  std::set<std::string> seen;
+  for (const PlannedLayout& p : plan.ranked) {
+    EXPECT_TRUE(seen.insert(p.fit.layout.text()).second) << p.fit.layout.text();
+    EXPECT_GT(p.prediction.step_us, 0);
+  }
+  for (const LayoutFit& f : search.accepted) EXPECT_EQ(seen.count(f.layout.text()), 1u) << f.layout.text();
+  EXPECT_TRUE(std::is_sorted(plan.ranked.begin(), plan.ranked.end(), [](const auto& a, const auto& b) {
+    return a.prediction.step_us < b.prediction.step_us;
+  }));
+
+  const nlohmann::json j = layout_plan_json(plan, "m.onnx");
+  EXPECT_EQ(j["layouts"].size(), plan.ranked.size());
+  EXPECT_EQ(j["rejected"].size(), plan.rejected.size());
+  EXPECT_EQ(j["layouts"][0]["text"], plan.ranked[0].fit.layout.text());
+  EXPECT_EQ(j["layouts"][0]["predicted"]["step_ms"], plan.ranked[0].prediction.step_us / 1e3);
+
+  const std::string text = layout_plan_text(plan, "m.onnx", 3);
+  EXPECT_NE(text.find(plan.ranked[0].fit.layout.text()), std::string::npos) << text;
+  EXPECT_NE(text.find(std::to_string(search.size()) + " layouts considered"), std::string::npos) << text;
+}
+
+TEST(Planner, TrainFlagsSayTheLayoutAndLeaveOutDefaults) {
+  EXPECT_EQ(layout_train_flags(layout_of(4, 1, 1, 1, "1f1b")), "(none)");
+  Layout l = layout_of(1, 2, 2, 4, "zb-h1", 0);
+  EXPECT_EQ(layout_train_flags(l), "--stages 2 --tensor-parallel 2 --micro-batches 4 --schedule zb-h1");
+  l = layout_of(2, 2, 1, 2, "interleaved", 1);
+  l.virtual_stages = 3, l.keep_activations = true;
+  EXPECT_EQ(layout_train_flags(l),
+            "--stages 2 --micro-batches 2 --schedule interleaved --virtual-stages 3 --keep-activations --zero 1");
+}
+
+TEST(Measure, ModelShapesCoverEveryRowCountAndShard) {
+  const ImportedModel m = mlp({64, 32, 10});
+  const std::vector<LinearSize> sizes = model_linear_sizes(m.graph, 2, 8, 16);
+  const std::set<LinearSize> got(sizes.begin(), sizes.end());
+  EXPECT_EQ(got.size(), sizes.size());
+  // Rows 8/D/M: D ∈ {1, 2}, M | 8/D: 8, 4, 2, 1.
+  for (int64_t r : {8, 4, 2, 1}) {
+    EXPECT_EQ(got.count({r, 64, 32}), 1u) << r;
+    EXPECT_EQ(got.count({r, 64, 16}), 1u) << r;  // out split in 2
+    EXPECT_EQ(got.count({r, 32, 32}), 1u) << r;  // in split in 2
+    EXPECT_EQ(got.count({r, 32, 10}), 1u) << r;
+    EXPECT_EQ(got.count({r, 32, 5}), 1u) << r;
+    EXPECT_EQ(got.count({r, 16, 10}), 1u) << r;
+  }
+  EXPECT_EQ(sizes.size(), 4u * 6);
+}
+
+TEST(Measure, AProfileOfThisMachineHasEveryFigure) {
+  const ImportedModel m = mlp({64, 32, 10});
+  MeasureOptions o;
+  o.linear = model_linear_sizes(m.graph, 2, 8, 4);
+  o.seconds_per_figure = 0.001;
+  o.elementwise_elements = 1 << 12;
+  o.message_bytes = {1 << 10, 1 << 14};
+  std::vector<MachineProfile> got(2);
+  run_ranks(2, [&](Communicator& world) {
+    std::unique_ptr<Backend> backend = make_cpu_backend();
+    got[world.rank()] = measure_profile(*backend, world, o);
+  });
+  EXPECT_EQ(profile_json_text(got[0]), profile_json_text(got[1])) << "every rank returns the same profile";
+  const MachineProfile& p = got[0];
+  EXPECT_EQ(p.ranks, 2);
+  EXPECT_EQ(p.backend, "cpu");
+  ASSERT_EQ(p.linear.size(), o.linear.size());
+  for (const LinearTiming& t : p.linear) EXPECT_GT(t.forward_us + t.input_grad_us + t.weight_grad_us, 0);
+  for (double v : {p.gemm_flops_per_s, p.elementwise_bytes_per_s, p.optimizer_params_per_s, p.p2p.bytes_per_s,
+                   p.all_reduce.bytes_per_s}) {
+    EXPECT_GT(v, 0);
+    EXPECT_TRUE(std::isfinite(v));
+  }
+  Result<MachineProfile> back = parse_profile_json(profile_json_text(p), "measured");
+  EXPECT_TRUE(back.is_ok()) << back.status().message();
+}
+
+}  // namespace
+}  // namespace pipeshard
