@@ -11,7 +11,7 @@ For each model and each rank count N:
   1. the model is exported with torch.onnx.export (cpu_vs_pytorch.py's build_module and export), with
      batch_size x steps samples of standard-normal float32 features and uniform int64 labels;
   2. the machine is profiled the way the runs are made: mpirun -np N --oversubscribe --bind-to none
-     build/bin/profile MODEL --batch-size B --out profile.json, every rank with
+     build/bin/profile MODEL --batch-size B [--max-micro-batches K] --out profile.json, every rank with
      OMP_NUM_THREADS = OPENBLAS_NUM_THREADS = max(1, cores // N) and OMP_WAIT_POLICY=PASSIVE
      (--nominal, or no build/bin/profile: partition's nominal profile instead, and the report says so);
   3. partition MODEL --plan --ranks N --batch-size B --optimizer OPT --profile profile.json --json lists
@@ -24,6 +24,12 @@ For each model and each rank count N:
      Runs go one at a time (the machine has few cores). A run that fails is recorded with the last
      line of its error output and the benchmark goes on: a layout the planner accepts and train
      refuses is a planner bug.
+Other work on the machine distorts both the profile and the runs (with one core taken, ranks that
+poll for messages lose whole scheduler time slices: steps of 8, 16, 24 ms). So every run also
+measures the share of the machine's CPU time that processes other than its own used meanwhile
+(/proc/stat's busy time less this script's children's CPU time); above --busy (default 10 %) the
+run is BUSY: the script waits up to --quiet-wait seconds for a quiet half second and runs it again,
+up to --retries times, and keeps the quietest attempt. Layouts still BUSY are counted and marked.
 
 The models (the optimizer is --optimizer, default adam, passed to both partition and train):
   A  784-512-512-10, ReLU between                      (cpu_vs_pytorch.py's model A)
@@ -50,6 +56,7 @@ import argparse
 import json
 import math
 import os
+import resource
 import shutil
 import signal
 import statistics
@@ -76,6 +83,9 @@ LAUNCH_S = 1.5  # the first guess at one mpirun + train start-up and shut-down, 
 QUICK = {"models": "A", "ranks": "1,2", "steps": 15, "warmup": 3, "max_micro_batches": 4}
 DEFAULTS = {"models": "A,B,D", "ranks": "1,2,4", "steps": 30, "warmup": 5, "max_micro_batches": None}
 MIB = 1 << 20
+CPUS = os.cpu_count() or 1
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+QUIET_WINDOW_S = 0.5  # how long wait_for_quiet looks at the machine before deciding
 
 
 # --------------------------------------------------------------------------- statistics
@@ -122,10 +132,43 @@ def under_mpirun(args, ranks, argv):
             "-x", "OPENBLAS_NUM_THREADS", "-x", "OMP_WAIT_POLICY"] + argv
 
 
+def machine_busy_s():
+    """CPU seconds the whole machine has been busy since boot: /proc/stat's user, nice, system, irq,
+    softirq and steal (not idle, not iowait), over all CPUs."""
+    user, nice, system, _idle, _iowait, irq, softirq, steal = (int(x) for x in open("/proc/stat").readline().split()[1:9])
+    return (user + nice + system + irq + softirq + steal) / CLOCK_TICKS
+
+
+def children_cpu_s():
+    """CPU seconds of this script's finished descendants (mpirun passes its ranks' on)."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def others_share(busy_before, own_before, began):
+    """The share of the machine (0..1) that processes other than ours kept busy since `began`."""
+    wall = time.monotonic() - began
+    others = (machine_busy_s() - busy_before) - (children_cpu_s() - own_before)
+    return max(0.0, others) / (wall * CPUS) if wall > 0 else 0.0
+
+
+def wait_for_quiet(args):
+    """Waits until other processes keep under --busy of the machine busy over QUIET_WINDOW_S, for
+    at most --quiet-wait seconds; returns the last share seen."""
+    deadline = time.monotonic() + args.quiet_wait
+    while True:
+        busy, own, began = machine_busy_s(), children_cpu_s(), time.monotonic()
+        time.sleep(QUIET_WINDOW_S)
+        share = others_share(busy, own, began)
+        if share <= args.busy or time.monotonic() >= deadline:
+            return share
+
+
 def launch(argv, env, log_base, timeout_s):
     """Runs argv in its own session (a hung run is ended as a group); stdout and stderr go to
-    log_base.out and .err. Returns (exit status, wall seconds); a timeout returns status None."""
-    began = time.monotonic()
+    log_base.out and .err. Returns (exit status, wall seconds, the share of the machine other
+    processes used meanwhile); a timeout returns status None."""
+    busy, own, began = machine_busy_s(), children_cpu_s(), time.monotonic()
     with open(log_base + ".out", "w") as out, open(log_base + ".err", "w") as err:
         proc = subprocess.Popen(argv, env=env, stdout=out, stderr=err, start_new_session=True)
         try:
@@ -134,7 +177,7 @@ def launch(argv, env, log_base, timeout_s):
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
             status = None
-    return status, time.monotonic() - began
+    return status, time.monotonic() - began, others_share(busy, own, began)
 
 
 MPI_NOISE = ("---", "***", "Primary job", "mpirun", "Child job", "process rank", "Process name", "Exit code",
@@ -178,12 +221,20 @@ def take_profile(name, ranks, args, paths, folder):
         return None, f"nominal ({args.profile_tool} is not built)"
     out = os.path.join(folder, f"profile_{name}_{ranks}.json")
     argv = [args.profile_tool, paths["onnx"], "--batch-size", str(args.batch_size), "--out", out]
-    log = os.path.join(folder, f"profile_{name}_{ranks}")
-    status, wall = launch(under_mpirun(args, ranks, argv), child_env(threads_per_rank(ranks)), log, args.timeout)
-    if status != 0 or not os.path.exists(out):
-        raise RuntimeError(f"profile of model {name} on {ranks} ranks failed (status {status}): {error_line(log)}")
-    print(f"  profiled model {name} on {ranks} ranks in {wall:.1f} s", flush=True)
-    return out, f"measured: {os.path.relpath(args.profile_tool)} on {ranks} ranks, {wall:.1f} s"
+    if args.max_micro_batches:
+        argv += ["--max-micro-batches", str(args.max_micro_batches)]
+    for attempt in range(1 + args.retries):  # a profile taken while others load the machine misleads the plan
+        wait_for_quiet(args)
+        log = os.path.join(folder, f"profile_{name}_{ranks}_{attempt}")
+        status, wall, others = launch(under_mpirun(args, ranks, argv), child_env(threads_per_rank(ranks)), log,
+                                      args.timeout)
+        if status != 0 or not os.path.exists(out):
+            raise RuntimeError(f"profile of model {name} on {ranks} ranks failed (status {status}): {error_line(log)}")
+        if others <= args.busy:
+            break
+    busy = f"; BUSY: others used {others:.0%} of the machine" if others > args.busy else ""
+    print(f"  profiled model {name} on {ranks} ranks in {wall:.1f} s{busy}", flush=True)
+    return out, f"measured: {os.path.relpath(args.profile_tool)} on {ranks} ranks, {wall:.1f} s{busy}"
 
 
 def make_plan(name, ranks, args, paths, profile):
@@ -207,14 +258,13 @@ def train_argv(args, paths, metrics, train_flags):
             "--optimizer", args.optimizer, "--metrics", metrics, *flags]
 
 
-def measure_once(case, index, round_, args, folder):
-    """One train run of layout `index` of case; returns (step seconds after warm-up, peak MiB)
-    or raises RuntimeError with the reason it failed."""
+def measure_once(case, index, tag, args):
+    """One train run of layout `index` of case: (step seconds after warm-up, peak MiB, the share of
+    the machine others used meanwhile); raises RuntimeError with the reason it failed."""
     layout = case["plan"]["layouts"][index]
-    tag = os.path.join(folder, f"run_{case['model']}_{case['ranks']}_{index}_{round_}")
     metrics = tag + ".jsonl"
     argv = under_mpirun(args, case["ranks"], train_argv(args, case["paths"], metrics, layout["train_flags"]))
-    status, _ = launch(argv, child_env(case["threads"]), tag, args.timeout)
+    status, _, others = launch(argv, child_env(case["threads"]), tag, args.timeout)
     if status != 0:
         why = f"timed out after {args.timeout} s" if status is None else f"status {status}"
         raise RuntimeError(f"{why}: {error_line(tag)}")
@@ -222,7 +272,25 @@ def measure_once(case, index, round_, args, folder):
     times = [args.batch_size / row["samples_per_s"] for row in rows[args.warmup:] if row.get("samples_per_s")]
     if not times:
         raise RuntimeError(f"no --metrics rows after the warm-up ({len(rows)} rows)")
-    return times, distributed.read_peak_mib(tag + ".err") or distributed.read_peak_mib(tag + ".out")
+    return times, distributed.read_peak_mib(tag + ".err") or distributed.read_peak_mib(tag + ".out"), others
+
+
+def measure_quietly(case, index, round_, args, folder, state):
+    """measure_once on a quiet machine if it can: waits for quiet after a busy run, and runs again
+    (up to --retries times) while other processes used more than --busy of the machine during the
+    run; keeps the quietest attempt. state["busy"] carries the last run's verdict between calls."""
+    best = None
+    for attempt in range(1 + args.retries):
+        if state.get("busy"):
+            wait_for_quiet(args)
+        tag = os.path.join(folder, f"run_{case['model']}_{case['ranks']}_{index}_{round_}_{attempt}")
+        times, peak, others = measure_once(case, index, tag, args)
+        state["busy"] = others > args.busy
+        if best is None or others < best[2]:
+            best = (times, peak, others)
+        if not state["busy"]:
+            break
+    return best
 
 
 def layout_record(case, index):
@@ -233,7 +301,7 @@ def layout_record(case, index):
     record.update(model=case["model"], ranks=case["ranks"], threads=case["threads"], plan_rank=index,
                   predicted_ms=layout["predicted"]["step_ms"], predicted=layout["predicted"],
                   predicted_peak_mib=layout["peak_bytes"] / MIB, status="ok", error=None, step_ms=[],
-                  measured_peak_mib=None, wall_s=0.0)
+                  measured_peak_mib=None, wall_s=0.0, others_share=0.0)
     return record
 
 
@@ -257,38 +325,36 @@ def measure_all(cases, args, folder):
     """Every layout of every case, --rounds times (alternating the order), one run at a time."""
     total_runs = sum(len(c["plan"]["layouts"]) for c in cases) * args.rounds
     estimated_left = sum(estimate_s(c, args) for c in cases)
-    spent_wall, spent_estimate, done = 0.0, 0.0, 0
+    spent_wall, spent_estimate, done, state = 0.0, 0.0, 0, {}
     for case in cases:
         case["records"] = [layout_record(case, i) for i in range(len(case["plan"]["layouts"]))]
     for round_ in range(args.rounds):
         for case in cases:
             n = len(case["records"])
-            order = range(n) if round_ % 2 == 0 else reversed(range(n))
-            for index in order:
+            for index in range(n) if round_ % 2 == 0 else reversed(range(n)):
                 record = case["records"][index]
-                layout = case["plan"]["layouts"][index]
-                guess = LAUNCH_S + args.steps * layout["predicted"]["step_ms"] / 1e3
-                done += 1
+                guess = LAUNCH_S + args.steps * record["predicted_ms"] / 1e3
+                done, estimated_left = done + 1, estimated_left - guess
                 if record["status"] != "ok":
-                    estimated_left -= guess
                     continue  # failed in an earlier round: not again
                 began = time.monotonic()
                 try:
-                    times, peak = measure_once(case, index, round_, args, folder)
+                    times, peak, others = measure_quietly(case, index, round_, args, folder, state)
                     record["step_ms"] += [t * 1e3 for t in times]
                     record["measured_peak_mib"] = peak if peak is not None else record["measured_peak_mib"]
-                    note = (f"measured {statistics.median(t * 1e3 for t in times):.3f} ms, predicted "
-                            f"{record['predicted_ms']:.3f} ms, peak {peak or float('nan'):.2f} MiB vs "
-                            f"{record['predicted_peak_mib']:.2f} predicted")
+                    record["others_share"] = max(record["others_share"], others)
+                    note = (f"measured {statistics.median(times) * 1e3:.3f} ms, predicted {record['predicted_ms']:.3f} "
+                            f"ms, peak {peak or float('nan'):.2f} MiB vs {record['predicted_peak_mib']:.2f} predicted"
+                            + (f"; BUSY: others used {others:.0%} of the machine" if others > args.busy else ""))
                 except RuntimeError as failure:
                     record.update(status="failed", error=str(failure))
                     note = f"FAILED: {failure}"
                 wall = time.monotonic() - began
                 record["wall_s"] += wall
-                spent_wall, spent_estimate, estimated_left = spent_wall + wall, spent_estimate + guess, estimated_left - guess
-                pace = spent_wall / spent_estimate if spent_wall > 0 else 1.0
-                print(f"  [{done}/{total_runs}, ~{estimated_left * pace / 60:.1f} min left] model {case['model']} "
-                      f"N={case['ranks']} layout {index + 1} of {n} ({record['text']}): {note}", flush=True)
+                spent_wall, spent_estimate = spent_wall + wall, spent_estimate + guess
+                print(f"  [{done}/{total_runs}, ~{estimated_left * spent_wall / spent_estimate / 60:.1f} min left] "
+                      f"model {case['model']} N={case['ranks']} layout {index + 1} of {n} ({record['text']}): {note}",
+                      flush=True)
     for case in cases:
         for record in case["records"]:
             finish_record(record)
@@ -299,7 +365,8 @@ def summarize(case):
     """The per-(model, N) figures and their verdicts."""
     ok = [r for r in case["records"] if r["status"] == "ok"]
     s = {"model": case["model"], "ranks": case["ranks"], "threads": case["threads"], "layouts": len(case["records"]),
-         "measured": len(ok), "failed": len(case["records"]) - len(ok), "profile": case["profile_note"]}
+         "measured": len(ok), "failed": len(case["records"]) - len(ok), "profile": case["profile_note"],
+         "busy": sum(r["others_share"] > case["busy"] for r in ok)}
     first = case["records"][0]
     s["best_predicted"] = {"text": first["text"], "predicted_ms": first["predicted_ms"]}
     if not ok:
@@ -344,7 +411,7 @@ def summary_rows(summaries):
         ratio = s.get("first_choice_ratio")
         rho = s.get("spearman", float("nan"))
         rows.append([
-            s["model"], f"{s['ranks']} x {s['threads']}t", f"{s['layouts']} ({s['failed']} failed)",
+            s["model"], f"{s['ranks']} x {s['threads']}t", f"{s['layouts']} ({s['failed']} failed, {s['busy']} busy)",
             f"{s['best_predicted']['text']}: {s['best_predicted']['predicted_ms']:.2f}",
             f"{bm['text']}: {bm['measured_ms']:.2f} (plan #{bm['plan_rank'] + 1})" if bm else "-",
             f"{s['first_choice_ms']:.2f}" if s.get("first_choice_ms") else "failed",
@@ -357,7 +424,7 @@ def summary_rows(summaries):
     return rows
 
 
-SUMMARY_HEADER = ["model", "N x threads", "layouts", "best predicted (ms)", "best measured (ms)",
+SUMMARY_HEADER = ["model", "N x threads", "layouts (failed, BUSY)", "best predicted (ms)", "best measured (ms)",
                   "first choice measured ms", "first / fastest (<= 1.05)", "median |error| (<= 15%)",
                   "median signed error", "Spearman (>= 0.8)", "worst memory error (<= 10%)"]
 
@@ -393,7 +460,8 @@ def layout_rows(case):
     for r in case["records"]:
         if r["status"] == "ok":
             mem = f"{r['measured_peak_mib']:.2f}" if r["measured_peak_mib"] else "-"
-            rows.append([r["plan_rank"] + 1, r["text"], f"{r['predicted_ms']:.3f}", f"{r['measured_ms']:.3f}",
+            busy = f" BUSY {r['others_share']:.0%}" if r["others_share"] > case["busy"] else ""
+            rows.append([r["plan_rank"] + 1, r["text"], f"{r['predicted_ms']:.3f}", f"{r['measured_ms']:.3f}{busy}",
                          pct(r["time_error"], True), r["predicted"]["bottleneck"], f"{r['predicted_peak_mib']:.2f}",
                          mem, pct(r["memory_error"], True)])
         else:
@@ -412,7 +480,7 @@ def failures(cases):
 
 def report_text(cases, summaries, args, started, scatter):
     """planner.md: what ran, the summary with verdicts, the biases, the failures, every layout."""
-    out = [f"# Layout planner against measurement\n",
+    out = ["# Layout planner against measurement\n",
            f"`{' '.join(sys.argv)}` on {os.uname().nodename}, {os.cpu_count()} CPUs, started {started} UTC; "
            f"batch {args.batch_size}, {args.steps} steps ({args.warmup} warm-up), {args.rounds} round(s), "
            f"--optimizer {args.optimizer}, max micro-batches {args.max_micro_batches or 'partition default'}; "
@@ -487,7 +555,7 @@ def scatter_plot(cases, path):
 
 
 def print_report(cases, summaries):
-    print(f"\n### Summary (ms per step)\n")
+    print("\n### Summary (ms per step)\n")
     print(md_table(SUMMARY_HEADER, summary_rows(summaries)))
     print("\n### Signed error (predicted - measured) / measured by shape; negative: predicted too fast\n")
     rows = []
@@ -537,6 +605,12 @@ def parse_args():
     ap.add_argument("--quick", action="store_true",
                     help="a smoke run: model A, N in {1,2}, 15 steps, 3 warm-up, M <= 4 (flags given win)")
     ap.add_argument("--nominal", action="store_true", help="plan on partition's nominal profile, not a measured one")
+    ap.add_argument("--busy", type=float, default=0.10,
+                    help="a run during which other processes used more than this share of the machine's CPU time "
+                         "is BUSY: run again (--retries) after waiting for quiet (default 0.10)")
+    ap.add_argument("--retries", type=int, default=1, help="extra runs of a BUSY layout or profile (default 1)")
+    ap.add_argument("--quiet-wait", type=float, default=30,
+                    help="seconds to wait, at most, for the machine to be quiet before a run again (default 30)")
     ap.add_argument("--build-dir", default="build")
     ap.add_argument("--timeout", type=float, default=300, help="seconds one run may take (default 300)")
     ap.add_argument("--out", default=os.path.join("bench", "reports", "planner"),
@@ -585,7 +659,7 @@ def prepare_cases(args, folder):
         for ranks in args.rank_list:
             profile, note = take_profile(name, ranks, args, paths, folder)
             plan = make_plan(name, ranks, args, paths, profile)
-            case = {"model": name, "ranks": ranks, "threads": threads_per_rank(ranks), "paths": paths,
+            case = {"model": name, "ranks": ranks, "threads": threads_per_rank(ranks), "paths": paths, "busy": args.busy,
                     "profile_note": note, "profile": json.load(open(profile)) if profile else None, "plan": plan}
             cases.append(case)
             print(f"  model {name}, N={ranks} ({case['threads']} thread(s) per rank): {len(plan['layouts'])} layouts "
