@@ -26,10 +26,11 @@ For each model and each rank count N:
      refuses is a planner bug.
 Other work on the machine distorts both the profile and the runs (with one core taken, ranks that
 poll for messages lose whole scheduler time slices: steps of 8, 16, 24 ms). So every run also
-measures the share of the machine's CPU time that processes other than its own used meanwhile
-(/proc/stat's busy time less this script's children's CPU time); above --busy (default 10 %) the
-run is BUSY: the script waits up to --quiet-wait seconds for a quiet half second and runs it again,
-up to --retries times, and keeps the quietest attempt. Layouts still BUSY are counted and marked.
+measures the share of the CPUs that processes other than its own used meanwhile (python_overhead.py's
+OthersMeter: /proc/stat's busy time less this script's and its children's CPU time); above --busy
+(default 5 %) the run is BUSY: the script waits up to --quiet-wait seconds for a quiet second and
+runs it again, up to --retries times, and keeps the quietest attempt. Layouts still BUSY are counted
+and marked, with the processes that used the CPUs.
 
 The models (the optimizer is --optimizer, default adam, passed to both partition and train):
   A  784-512-512-10, ReLU between                      (cpu_vs_pytorch.py's model A)
@@ -56,7 +57,6 @@ import argparse
 import json
 import math
 import os
-import resource
 import shutil
 import signal
 import statistics
@@ -68,6 +68,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import cpu_vs_pytorch as cvp  # noqa: E402  (build_module, export)
 import distributed  # noqa: E402  (read_peak_mib: train's memory line)
+import python_overhead as po  # noqa: E402  (OthersMeter: what other processes use of the CPUs)
 
 MODEL_SPECS = {
     "A": dict(cvp.MODELS["A"], title="784-512-512-10, ReLU between"),
@@ -83,9 +84,7 @@ LAUNCH_S = 1.5  # the first guess at one mpirun + train start-up and shut-down, 
 QUICK = {"models": "A", "ranks": "1,2", "steps": 15, "warmup": 3, "max_micro_batches": 4}
 DEFAULTS = {"models": "A,B,D", "ranks": "1,2,4", "steps": 30, "warmup": 5, "max_micro_batches": None}
 MIB = 1 << 20
-CPUS = os.cpu_count() or 1
-CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
-QUIET_WINDOW_S = 0.5  # how long wait_for_quiet looks at the machine before deciding
+QUIET_WINDOW_S = 1.0  # how long wait_for_quiet looks at the machine before deciding
 
 
 # --------------------------------------------------------------------------- statistics
@@ -132,43 +131,23 @@ def under_mpirun(args, ranks, argv):
             "-x", "OPENBLAS_NUM_THREADS", "-x", "OMP_WAIT_POLICY"] + argv
 
 
-def machine_busy_s():
-    """CPU seconds the whole machine has been busy since boot: /proc/stat's user, nice, system, irq,
-    softirq and steal (not idle, not iowait), over all CPUs."""
-    user, nice, system, _idle, _iowait, irq, softirq, steal = (int(x) for x in open("/proc/stat").readline().split()[1:9])
-    return (user + nice + system + irq + softirq + steal) / CLOCK_TICKS
-
-
-def children_cpu_s():
-    """CPU seconds of this script's finished descendants (mpirun passes its ranks' on)."""
-    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return usage.ru_utime + usage.ru_stime
-
-
-def others_share(busy_before, own_before, began):
-    """The share of the machine (0..1) that processes other than ours kept busy since `began`."""
-    wall = time.monotonic() - began
-    others = (machine_busy_s() - busy_before) - (children_cpu_s() - own_before)
-    return max(0.0, others) / (wall * CPUS) if wall > 0 else 0.0
-
-
 def wait_for_quiet(args):
-    """Waits until other processes keep under --busy of the machine busy over QUIET_WINDOW_S, for
-    at most --quiet-wait seconds; returns the last share seen."""
+    """Waits until other processes use at most --busy of the CPUs over QUIET_WINDOW_S, for at most
+    --quiet-wait seconds; returns the last share seen."""
     deadline = time.monotonic() + args.quiet_wait
     while True:
-        busy, own, began = machine_busy_s(), children_cpu_s(), time.monotonic()
+        meter = po.OthersMeter()
         time.sleep(QUIET_WINDOW_S)
-        share = others_share(busy, own, began)
+        share = meter.share()
         if share <= args.busy or time.monotonic() >= deadline:
             return share
 
 
 def launch(argv, env, log_base, timeout_s):
     """Runs argv in its own session (a hung run is ended as a group); stdout and stderr go to
-    log_base.out and .err. Returns (exit status, wall seconds, the share of the machine other
-    processes used meanwhile); a timeout returns status None."""
-    busy, own, began = machine_busy_s(), children_cpu_s(), time.monotonic()
+    log_base.out and .err. Returns (exit status, wall seconds, the share of the CPUs other processes
+    used meanwhile, the 3 of them that used most); a timeout returns status None."""
+    meter, began = po.OthersMeter(), time.monotonic()
     with open(log_base + ".out", "w") as out, open(log_base + ".err", "w") as err:
         proc = subprocess.Popen(argv, env=env, stdout=out, stderr=err, start_new_session=True)
         try:
@@ -177,7 +156,7 @@ def launch(argv, env, log_base, timeout_s):
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
             status = None
-    return status, time.monotonic() - began, others_share(busy, own, began)
+    return status, time.monotonic() - began, meter.share(), meter.top()
 
 
 MPI_NOISE = ("---", "***", "Primary job", "mpirun", "Child job", "process rank", "Process name", "Exit code",
@@ -226,13 +205,13 @@ def take_profile(name, ranks, args, paths, folder):
     for attempt in range(1 + args.retries):  # a profile taken while others load the machine misleads the plan
         wait_for_quiet(args)
         log = os.path.join(folder, f"profile_{name}_{ranks}_{attempt}")
-        status, wall, others = launch(under_mpirun(args, ranks, argv), child_env(threads_per_rank(ranks)), log,
-                                      args.timeout)
+        status, wall, others, top = launch(under_mpirun(args, ranks, argv), child_env(threads_per_rank(ranks)), log,
+                                           args.timeout)
         if status != 0 or not os.path.exists(out):
             raise RuntimeError(f"profile of model {name} on {ranks} ranks failed (status {status}): {error_line(log)}")
         if others <= args.busy:
             break
-    busy = f"; BUSY: others used {others:.0%} of the machine" if others > args.busy else ""
+    busy = busy_note(others, top, args)
     print(f"  profiled model {name} on {ranks} ranks in {wall:.1f} s{busy}", flush=True)
     return out, f"measured: {os.path.relpath(args.profile_tool)} on {ranks} ranks, {wall:.1f} s{busy}"
 
@@ -260,11 +239,11 @@ def train_argv(args, paths, metrics, train_flags):
 
 def measure_once(case, index, tag, args):
     """One train run of layout `index` of case: (step seconds after warm-up, peak MiB, the share of
-    the machine others used meanwhile); raises RuntimeError with the reason it failed."""
+    the CPUs others used meanwhile, who); raises RuntimeError with the reason it failed."""
     layout = case["plan"]["layouts"][index]
     metrics = tag + ".jsonl"
     argv = under_mpirun(args, case["ranks"], train_argv(args, case["paths"], metrics, layout["train_flags"]))
-    status, _, others = launch(argv, child_env(case["threads"]), tag, args.timeout)
+    status, _, others, top = launch(argv, child_env(case["threads"]), tag, args.timeout)
     if status != 0:
         why = f"timed out after {args.timeout} s" if status is None else f"status {status}"
         raise RuntimeError(f"{why}: {error_line(tag)}")
@@ -272,7 +251,15 @@ def measure_once(case, index, tag, args):
     times = [args.batch_size / row["samples_per_s"] for row in rows[args.warmup:] if row.get("samples_per_s")]
     if not times:
         raise RuntimeError(f"no --metrics rows after the warm-up ({len(rows)} rows)")
-    return times, distributed.read_peak_mib(tag + ".err") or distributed.read_peak_mib(tag + ".out"), others
+    return times, distributed.read_peak_mib(tag + ".err") or distributed.read_peak_mib(tag + ".out"), others, top
+
+
+def busy_note(others, top, args):
+    """"; BUSY: others used 48% of the CPUs (cc1plus 1.9 s)" when others > --busy, else ""."""
+    if others <= args.busy:
+        return ""
+    who = ", ".join(f"{name} {cpu:.1f} s" for name, cpu in top)
+    return f"; BUSY: others used {others:.0%} of the CPUs" + (f" ({who})" if who else "")
 
 
 def measure_quietly(case, index, round_, args, folder, state):
@@ -284,10 +271,10 @@ def measure_quietly(case, index, round_, args, folder, state):
         if state.get("busy"):
             wait_for_quiet(args)
         tag = os.path.join(folder, f"run_{case['model']}_{case['ranks']}_{index}_{round_}_{attempt}")
-        times, peak, others = measure_once(case, index, tag, args)
-        state["busy"] = others > args.busy
-        if best is None or others < best[2]:
-            best = (times, peak, others)
+        attempt_result = measure_once(case, index, tag, args)
+        state["busy"] = attempt_result[2] > args.busy
+        if best is None or attempt_result[2] < best[2]:
+            best = attempt_result
         if not state["busy"]:
             break
     return best
@@ -301,7 +288,7 @@ def layout_record(case, index):
     record.update(model=case["model"], ranks=case["ranks"], threads=case["threads"], plan_rank=index,
                   predicted_ms=layout["predicted"]["step_ms"], predicted=layout["predicted"],
                   predicted_peak_mib=layout["peak_bytes"] / MIB, status="ok", error=None, step_ms=[],
-                  measured_peak_mib=None, wall_s=0.0, others_share=0.0)
+                  measured_peak_mib=None, wall_s=0.0, others_share=0.0, others_top=[])
     return record
 
 
@@ -339,13 +326,14 @@ def measure_all(cases, args, folder):
                     continue  # failed in an earlier round: not again
                 began = time.monotonic()
                 try:
-                    times, peak, others = measure_quietly(case, index, round_, args, folder, state)
+                    times, peak, others, top = measure_quietly(case, index, round_, args, folder, state)
                     record["step_ms"] += [t * 1e3 for t in times]
                     record["measured_peak_mib"] = peak if peak is not None else record["measured_peak_mib"]
-                    record["others_share"] = max(record["others_share"], others)
+                    if others >= record["others_share"]:
+                        record.update(others_share=others, others_top=top)
                     note = (f"measured {statistics.median(times) * 1e3:.3f} ms, predicted {record['predicted_ms']:.3f} "
                             f"ms, peak {peak or float('nan'):.2f} MiB vs {record['predicted_peak_mib']:.2f} predicted"
-                            + (f"; BUSY: others used {others:.0%} of the machine" if others > args.busy else ""))
+                            + busy_note(others, top, args))
                 except RuntimeError as failure:
                     record.update(status="failed", error=str(failure))
                     note = f"FAILED: {failure}"
@@ -605,9 +593,9 @@ def parse_args():
     ap.add_argument("--quick", action="store_true",
                     help="a smoke run: model A, N in {1,2}, 15 steps, 3 warm-up, M <= 4 (flags given win)")
     ap.add_argument("--nominal", action="store_true", help="plan on partition's nominal profile, not a measured one")
-    ap.add_argument("--busy", type=float, default=0.10,
-                    help="a run during which other processes used more than this share of the machine's CPU time "
-                         "is BUSY: run again (--retries) after waiting for quiet (default 0.10)")
+    ap.add_argument("--busy", type=float, default=po.QUIET,
+                    help="a run during which other processes used more than this share of the CPUs is BUSY: run "
+                         f"again (--retries) after waiting for quiet (default {po.QUIET}, as python_overhead.py)")
     ap.add_argument("--retries", type=int, default=1, help="extra runs of a BUSY layout or profile (default 1)")
     ap.add_argument("--quiet-wait", type=float, default=30,
                     help="seconds to wait, at most, for the machine to be quiet before a run again (default 30)")
