@@ -1,6 +1,7 @@
 #include "planner/measure.h"
 
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <cmath>
 #include <set>
@@ -121,6 +122,14 @@ std::vector<LinearSize> model_linear_sizes(const Graph& graph, int ranks, int64_
   return {sizes.begin(), sizes.end()};
 }
 
+std::vector<int64_t> model_parameter_elements(const Graph& graph) {
+  std::vector<int64_t> out;
+  for (const Parameter& p : graph.params) {
+    if (p.trainable) out.push_back(p.elements());
+  }
+  return out;
+}
+
 LinkCost fit_link(const std::vector<std::pair<double, double>>& points) {
   PIPESHARD_CHECK(!points.empty(), "fit_link: no points");
   const double k = static_cast<double>(points.size());
@@ -177,9 +186,23 @@ MachineProfile measure_profile(Backend& backend, Communicator& world, const Meas
   const double add_us = timer.time_us([&] { backend.add_forward(c.data(), a.data(), b.data(), n); });
   // relu: read 1, write 1; add: read 2, write 1 — bytes over time, the two together.
   p.elementwise_bytes_per_s = 4.0 * n * (2 + 3) / (relu_us + add_us) * 1e6;
+  const std::vector<int64_t> tensors =
+      o.parameter_elements.empty() ? std::vector<int64_t>{n} : o.parameter_elements;
+  std::vector<std::array<DeviceBuffer, 4>> state;  // [tensors] parameter, gradient, two moments
+  double elements = 0;
+  for (int64_t e : tensors) {
+    state.push_back({DeviceBuffer(backend, e), DeviceBuffer(backend, e), DeviceBuffer(backend, e),
+                     DeviceBuffer(backend, e)});
+    elements += static_cast<double>(e);
+  }
   AdamStep step;
-  const double adam_us = timer.time_us([&] { backend.adam_step(a.data(), b.data(), c.data(), d.data(), n, step); });
-  p.optimizer_params_per_s = static_cast<double>(n) / adam_us * 1e6;
+  const double adam_us = timer.time_us([&] {
+    for (size_t i = 0; i < tensors.size(); ++i) {
+      auto& [param, grad, m1, m2] = state[i];
+      backend.adam_step(param.data(), grad.data(), m1.data(), m2.data(), tensors[i], step);
+    }
+  });
+  p.optimizer_params_per_s = elements / adam_us * 1e6;
   p.op_overhead_us = timer.time_us([&] { backend.activation_forward(b.data(), a.data(), 1, relu); });
 
   if (world.size() > 1) {

@@ -86,6 +86,7 @@ int run(Communicator& world, int argc, char** argv) {
     Result<ImportedModel> m = import_onnx_file(a.model);
     if (m) {
       o.linear = model_linear_sizes(m->graph, world.size(), a.batch_size, a.max_micro_batches);
+      o.parameter_elements = model_parameter_elements(m->graph);
     } else {
       s = m.status();
     }
