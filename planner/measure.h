@@ -31,7 +31,7 @@ std::vector<LinearSize> model_linear_sizes(const Graph& graph, int ranks, int64_
 std::vector<int64_t> model_parameter_elements(const Graph& graph);
 
 struct MeasureOptions {
-  std::vector<LinearSize> linear;  // shapes to time (none: only the GEMM rate at a square shape)
+  std::vector<LinearSize> linear;    // shapes to time (none: only the GEMM rate at a square shape)
   double seconds_per_figure = 0.02;  // at least this long repeating each figure's work
   // Message sizes for point-to-point and all-reduce, in bytes.
   std::vector<int64_t> message_bytes = {4 << 10, 64 << 10, 1 << 20, 8 << 20};
@@ -40,7 +40,7 @@ struct MeasureOptions {
   // them, as a step makes it, gives the optimizer rate. Empty: one tensor of
   // elementwise_elements.
   std::vector<int64_t> parameter_elements;
-  std::string machine;                     // profile.machine
+  std::string machine;                               // profile.machine
   std::function<void(const std::string&)> progress;  // a line now and then (rank 0), or null
 };
 

@@ -69,7 +69,7 @@ Status check_args(int argc, char** argv, Args& a, std::optional<int>& answered, 
     return Status::error(std::string(e.what()) + " (see profile --help)");
   }
   const std::string folder = std::filesystem::path(a.out).parent_path().string();
-  if (Status s = check_creatable_folder(folder.empty() ? "." : folder); !s) {
+  if (Status s = check_writable_folder(folder.empty() ? "." : folder); !s) {
     return Status::error("--out: '" + a.out + "' cannot be written: " + s.message());
   }
   return Status::ok();
