@@ -38,8 +38,8 @@ TEST(PlanCli, AMeasuredProfilePlansLayoutsThatTrainRuns) {
   ScratchDir dir("plan");
   const std::string profile = (dir / "profile.json");
   auto r = run_command(mpiexec(dir, 2) + quote(tool_path("profile")) + " " +
-                       quote(source_path("models/simple_digits.onnx")) +
-                       " --batch-size 64 --seconds 0.002 --out " + quote(profile));
+                       quote(source_path("models/simple_digits.onnx")) + " --batch-size 64 --seconds 0.002 --out " +
+                       quote(profile));
   ASSERT_EQ(r.exit_code, 0) << r.err;
   EXPECT_NE(r.err.find("profile: wrote"), std::string::npos) << r.err;
 
@@ -72,6 +72,38 @@ TEST(PlanCli, AMeasuredProfilePlansLayoutsThatTrainRuns) {
     EXPECT_EQ(run.exit_code, 0) << run.err;
   }
   EXPECT_GE(tried.size(), 4u) << "D=2, T=2 and P=2 under several schedules";
+}
+
+std::string train(const std::string& args) {
+  return quote(tool_path("train")) + " " + quote(source_path("models/simple_digits.onnx")) + " --data " +
+         quote(source_path("data/digits_features.npy")) + " --labels " + quote(source_path("data/digits_labels.npy")) +
+         " --batch-size 64 " + args;
+}
+
+// train --layout auto measures the machine, runs the planner's first choice, and says
+// both; with a profile given it measures nothing and chooses what partition --plan ranks
+// first.
+TEST(PlanCli, TrainLayoutAutoRunsThePlannersFirstChoice) {
+  ScratchDir dir("auto");
+  auto r = run_command(mpiexec(dir, 2) + train("--steps 3 --optimizer adam --layout auto"));
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_NE(r.err.find("layout auto: measuring this machine on 2 process(es) first"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("layout auto: D="), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("layout auto: measured "), std::string::npos) << r.err;
+
+  const std::string profile = dir / "hand.json";
+  std::ofstream(profile) << R"({"format": "pipeshard-profile", "version": 1, "machine": "hand",
+                               "all_reduce": {"latency_us": 1e6, "bytes_per_s": 1e3},
+                               "p2p": {"latency_us": 0, "bytes_per_s": 1e12}})";
+  const auto plan = run_command(
+      partition("--plan --ranks 2 --batch-size 64 --optimizer adam --profile " + quote(profile) + " --json"));
+  ASSERT_EQ(plan.exit_code, 0) << plan.err;
+  const std::string first = nlohmann::json::parse(plan.out)["layouts"][0]["text"];
+  EXPECT_EQ(first.rfind("D=1 P=2 T=1", 0), 0u) << "collectives this slow leave pipelines alone: " << first;
+  r = run_command(mpiexec(dir, 2) + train("--steps 2 --optimizer adam --layout auto --profile " + quote(profile)));
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_EQ(r.err.find("measuring this machine"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("layout auto: " + first + " (train flags"), std::string::npos) << first << "\n" << r.err;
 }
 
 TEST(PlanCli, TheTableListsTheBestAndSummarisesTheRest) {
@@ -109,6 +141,11 @@ TEST(PlanCli, BadInputIsOneLineAndStatus2) {
       {quote(tool_path("profile")) + " " + quote((dir / "missing.onnx")), "missing.onnx"},
       {quote(tool_path("profile")) + " --out " + quote((dir / "no/such/folder/p.json")), "--out"},
       {quote(tool_path("profile")) + " --seconds 0", "--seconds"},
+      {train("--layout auto --stages 2"), "--layout auto chooses --stages itself"},
+      {train("--layout auto --zero 1"), "--layout auto chooses --zero itself"},
+      {train("--layout manual"), "--layout"},
+      {train("--profile " + quote(bad_profile)), "--profile is for --layout auto"},
+      {train("--layout auto --profile " + quote(bad_profile)), "'p2p.bytes_per_s' must be a positive number"},
   };
   for (const auto& [command, want] : cases) {
     auto r = run_command(command);
