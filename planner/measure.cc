@@ -1,6 +1,7 @@
 #include "planner/measure.h"
 
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <cmath>
 #include <set>
@@ -87,16 +88,15 @@ double time_p2p(Communicator& world, Timer& timer, int64_t bytes) {
   const int r = world.rank(), peer = r ^ 1;
   const bool paired = peer < world.size();
   return timer.time_us([&] {
-           if (!paired) return;
-           if (r % 2 == 0) {
-             world.send(out.data(), n, peer, 7);
-             world.recv(in.data(), n, peer, 7);
-           } else {
-             world.recv(in.data(), n, peer, 7);
-             world.send(out.data(), n, peer, 7);
-           }
-         }) /
-         2;
+    if (!paired) return;
+    if (r % 2 == 0) {
+      world.send(out.data(), n, peer, 7);
+      world.recv(in.data(), n, peer, 7);
+    } else {
+      world.recv(in.data(), n, peer, 7);
+      world.send(out.data(), n, peer, 7);
+    }
+  }) / 2;
 }
 
 }  // namespace
@@ -119,6 +119,14 @@ std::vector<LinearSize> model_linear_sizes(const Graph& graph, int ranks, int64_
     }
   }
   return {sizes.begin(), sizes.end()};
+}
+
+std::vector<int64_t> model_parameter_elements(const Graph& graph) {
+  std::vector<int64_t> out;
+  for (const Parameter& p : graph.params) {
+    if (p.trainable) out.push_back(p.elements());
+  }
+  return out;
 }
 
 LinkCost fit_link(const std::vector<std::pair<double, double>>& points) {
@@ -177,9 +185,22 @@ MachineProfile measure_profile(Backend& backend, Communicator& world, const Meas
   const double add_us = timer.time_us([&] { backend.add_forward(c.data(), a.data(), b.data(), n); });
   // relu: read 1, write 1; add: read 2, write 1 — bytes over time, the two together.
   p.elementwise_bytes_per_s = 4.0 * n * (2 + 3) / (relu_us + add_us) * 1e6;
+  const std::vector<int64_t> tensors = o.parameter_elements.empty() ? std::vector<int64_t>{n} : o.parameter_elements;
+  std::vector<std::array<DeviceBuffer, 4>> state;  // [tensors] parameter, gradient, two moments
+  double elements = 0;
+  for (int64_t e : tensors) {
+    state.push_back(
+        {DeviceBuffer(backend, e), DeviceBuffer(backend, e), DeviceBuffer(backend, e), DeviceBuffer(backend, e)});
+    elements += static_cast<double>(e);
+  }
   AdamStep step;
-  const double adam_us = timer.time_us([&] { backend.adam_step(a.data(), b.data(), c.data(), d.data(), n, step); });
-  p.optimizer_params_per_s = static_cast<double>(n) / adam_us * 1e6;
+  const double adam_us = timer.time_us([&] {
+    for (size_t i = 0; i < tensors.size(); ++i) {
+      auto& [param, grad, m1, m2] = state[i];
+      backend.adam_step(param.data(), grad.data(), m1.data(), m2.data(), tensors[i], step);
+    }
+  });
+  p.optimizer_params_per_s = elements / adam_us * 1e6;
   p.op_overhead_us = timer.time_us([&] { backend.activation_forward(b.data(), a.data(), 1, relu); });
 
   if (world.size() > 1) {
@@ -188,14 +209,14 @@ MachineProfile measure_profile(Backend& backend, Communicator& world, const Meas
     for (int64_t bytes : o.message_bytes) {
       p2p.emplace_back(static_cast<double>(bytes), time_p2p(world, timer, bytes));
       std::vector<float> buffer(static_cast<size_t>(std::max<int64_t>(1, bytes / 4)), 1.0f);
-      const double us = timer.time_us(
-          [&] { world.all_reduce(buffer.data(), static_cast<int64_t>(buffer.size()), ReduceOp::kSum); });
+      const double us =
+          timer.time_us([&] { world.all_reduce(buffer.data(), static_cast<int64_t>(buffer.size()), ReduceOp::kSum); });
       const int g = world.size();
       all_reduce.emplace_back(2.0 * (g - 1) / g * static_cast<double>(bytes), us);  // bus bytes
     }
     for (size_t i = 0; i < p2p.size(); ++i) {
-      say("  " + std::to_string(static_cast<int64_t>(p2p[i].first)) + " bytes: send " +
-          std::to_string(p2p[i].second) + " us, all-reduce " + std::to_string(all_reduce[i].second) + " us");
+      say("  " + std::to_string(static_cast<int64_t>(p2p[i].first)) + " bytes: send " + std::to_string(p2p[i].second) +
+          " us, all-reduce " + std::to_string(all_reduce[i].second) + " us");
     }
     p.p2p = fit_link(p2p);
     p.all_reduce = fit_link(all_reduce);

@@ -27,14 +27,20 @@ struct LinearSize {
 // `max_micro_batches`, each Linear whole and with its in or out features split by each T
 // dividing N that divides them. Sorted, each once.
 std::vector<LinearSize> model_linear_sizes(const Graph& graph, int ranks, int64_t batch_size, int max_micro_batches);
+// The elements of each trainable parameter tensor of `graph`.
+std::vector<int64_t> model_parameter_elements(const Graph& graph);
 
 struct MeasureOptions {
-  std::vector<LinearSize> linear;  // shapes to time (none: only the GEMM rate at a square shape)
+  std::vector<LinearSize> linear;    // shapes to time (none: only the GEMM rate at a square shape)
   double seconds_per_figure = 0.02;  // at least this long repeating each figure's work
   // Message sizes for point-to-point and all-reduce, in bytes.
   std::vector<int64_t> message_bytes = {4 << 10, 64 << 10, 1 << 20, 8 << 20};
-  int64_t elementwise_elements = 1 << 20;  // size of the elementwise and optimizer figures
-  std::string machine;                     // profile.machine
+  int64_t elementwise_elements = 1 << 20;  // size of the elementwise figure
+  // The parameter tensors the optimizer steps, elements each: one Adam sweep over all of
+  // them, as a step makes it, gives the optimizer rate. Empty: one tensor of
+  // elementwise_elements.
+  std::vector<int64_t> parameter_elements;
+  std::string machine;                               // profile.machine
   std::function<void(const std::string&)> progress;  // a line now and then (rank 0), or null
 };
 

@@ -82,7 +82,12 @@ std::string layout_plan_text(const LayoutPlan& plan, const std::string& model, s
   t += o.memory_per_rank > 0 ? ", " + bytes_text(o.memory_per_rank) + " per rank" : ", memory unlimited";
   t += "; profile: " + (plan.profile.machine.empty() ? std::string("(unnamed)") : plan.profile.machine) + "\n";
   if (plan.ranked.empty()) {
-    t += "no layout fits.\n";
+    int64_t least = 0;
+    for (const RejectedLayout& r : plan.rejected) {
+      if (r.for_memory && (least == 0 || r.peak_bytes < least)) least = r.peak_bytes;
+    }
+    t += least > 0 ? "no layout fits: the least memory any needs is " + bytes_text(least) + " per rank\n"
+                   : "no layout can run (reasons below)\n";
   } else {
     const size_t shown = std::min(top, plan.ranked.size());
     std::vector<std::string> names;

@@ -71,7 +71,8 @@ TEST(Profile, RoundTripsThroughItsJson) {
 
 TEST(Profile, AHandWrittenOneNeedsOnlyWhatItChanges) {
   Result<MachineProfile> p = parse_profile_json(
-      profile_text(R"("machine": "8 x H100", "gemm_flops_per_s": 4e14, "all_reduce": {"latency_us": 20, "bytes_per_s": 1.5e11})"),
+      profile_text(
+          R"("machine": "8 x H100", "gemm_flops_per_s": 4e14, "all_reduce": {"latency_us": 20, "bytes_per_s": 1.5e11})"),
       "hand.json");
   ASSERT_TRUE(p.is_ok()) << p.status().message();
   EXPECT_EQ(p->machine, "8 x H100");
@@ -94,7 +95,8 @@ TEST(Profile, RefusalsNameTheFieldAtFault) {
       {profile_text(R"("ranks": 1.5)"), "'ranks' must be a whole number"},
       {profile_text(R"("linear": [{"rows": 4, "in": 8, "forward_us": 1, "input_grad_us": 1, "weight_grad_us": 1}])"),
        "'linear[0].out' must be present"},
-      {profile_text(R"("linear": [{"rows": 4, "in": 8, "out": 2, "forward_us": 1, "input_grad_us": -2, "weight_grad_us": 1}])"),
+      {profile_text(
+           R"("linear": [{"rows": 4, "in": 8, "out": 2, "forward_us": 1, "input_grad_us": -2, "weight_grad_us": 1}])"),
        "'linear[0].input_grad_us' must be a number, 0 or more"},
   };
   for (const auto& [text, want] : cases) {
@@ -154,7 +156,7 @@ TEST(ParseBytes, ReadsSizesAsUsersWriteThem) {
 // A profile whose every cost is simple to add up by hand.
 MachineProfile round_profile() {
   MachineProfile p;
-  p.gemm_flops_per_s = 2e9;  // 2·r·i·o flops: r·i·o / 1000 µs
+  p.gemm_flops_per_s = 2e9;         // 2·r·i·o flops: r·i·o / 1000 µs
   p.elementwise_bytes_per_s = 4e6;  // 4 bytes per µs: a float per µs
   p.optimizer_params_per_s = 1e6;   // a parameter per µs
   p.op_overhead_us = 0;
@@ -264,9 +266,8 @@ TEST(Planner, RanksEveryAcceptedLayoutOnceFastestFirst) {
     EXPECT_GT(p.prediction.step_us, 0);
   }
   for (const LayoutFit& f : search.accepted) EXPECT_EQ(seen.count(f.layout.text()), 1u) << f.layout.text();
-  EXPECT_TRUE(std::is_sorted(plan.ranked.begin(), plan.ranked.end(), [](const auto& a, const auto& b) {
-    return a.prediction.step_us < b.prediction.step_us;
-  }));
+  EXPECT_TRUE(std::is_sorted(plan.ranked.begin(), plan.ranked.end(),
+                             [](const auto& a, const auto& b) { return a.prediction.step_us < b.prediction.step_us; }));
 
   const nlohmann::json j = layout_plan_json(plan, "m.onnx");
   EXPECT_EQ(j["layouts"].size(), plan.ranked.size());

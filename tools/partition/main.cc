@@ -126,7 +126,7 @@ void define(CLI::App& app, Args& a) {
 }
 
 // --plan: every layout on --ranks processes, fastest predicted first. Bad flags are
-// refused before the model is read.
+// refused before the model is read. Exit status 1 when no layout fits.
 int run_plan(CLI::App& app, const Args& a) {
   for (const char* flag : {"--stages", "--tensor-parallel", "--replicas", "--zero", "--schedule", "--virtual-stages",
                            "--keep-activations", "--out", "--chart", "--show-schedule"}) {
@@ -167,7 +167,7 @@ int run_plan(CLI::App& app, const Args& a) {
   } else {
     fmt::print("{}", layout_plan_text(plan, a.model, a.top));
   }
-  return 0;
+  return plan.ranked.empty() ? 1 : 0;
 }
 
 // Each piece's (stage's or chunk's) passes for one micro-batch, from the flops estimate: F its forward

@@ -69,7 +69,7 @@ Status check_args(int argc, char** argv, Args& a, std::optional<int>& answered, 
     return Status::error(std::string(e.what()) + " (see profile --help)");
   }
   const std::string folder = std::filesystem::path(a.out).parent_path().string();
-  if (Status s = check_creatable_folder(folder.empty() ? "." : folder); !s) {
+  if (Status s = check_writable_folder(folder.empty() ? "." : folder); !s) {
     return Status::error("--out: '" + a.out + "' cannot be written: " + s.message());
   }
   return Status::ok();
@@ -86,6 +86,7 @@ int run(Communicator& world, int argc, char** argv) {
     Result<ImportedModel> m = import_onnx_file(a.model);
     if (m) {
       o.linear = model_linear_sizes(m->graph, world.size(), a.batch_size, a.max_micro_batches);
+      o.parameter_elements = model_parameter_elements(m->graph);
     } else {
       s = m.status();
     }

@@ -157,6 +157,15 @@ void define_layout_and_the_rest(CLI::App& app, Args& a) {
                  "replica holds the state of 1/D of the parameters: gradients are reduce-scattered, each replica "
                  "updates its slice and the weights are all-gathered) or 2 (also 1/D of the gradients, reduced "
                  "after every backward pass, each micro-batch's too); the same training, to float rounding");
+  app.add_option("--layout", a.layout,
+                 "auto: the layout planner chooses --stages, --tensor-parallel, --micro-batches, --schedule, "
+                 "--virtual-stages, --keep-activations and --zero for the mpirun -np it runs under, the fastest "
+                 "predicted that fits in memory (partition --plan lists them all), and the end of the run shows its "
+                 "measured step time beside the prediction")
+      ->check(CLI::IsMember({"auto"}));
+  app.add_option("--profile", a.profile,
+                 "with --layout auto: the machine profile to plan with (the profile tool's profile.json); default: "
+                 "measure this machine first, a few seconds");
 }
 
 }  // namespace
@@ -192,6 +201,17 @@ Status parse_command_line(int argc, char** argv, bool prints, Args& a, std::opti
   a.weight_decay_given = app.count("--weight-decay") > 0;
   a.pipeline_schedule_given = app.count("--schedule") > 0;
   a.balance_given = app.count("--balance") > 0;
+  if (!parsed) return parsed;
+  if (a.layout == "auto") {
+    for (const char* flag : {"--stages", "--tensor-parallel", "--micro-batches", "--schedule", "--virtual-stages",
+                             "--keep-activations", "--zero"}) {
+      if (app.count(flag) > 0) {
+        return Status::error(std::string("--layout auto chooses ") + flag + " itself: leave it out (see train --help)");
+      }
+    }
+  } else if (app.count("--profile") > 0) {
+    return Status::error("--profile is for --layout auto (see train --help)");
+  }
   return parsed;
 }
 

@@ -41,6 +41,8 @@ struct Args {
   uint64_t seed = 0;
   std::string plot;  // --plot FILE.svg|png
   int stages = 1, tensor_parallel = 1;
+  std::string layout;   // --layout auto: the planner chooses the layout flags (tools/train/auto_layout.h)
+  std::string profile;  // --profile: the machine profile it plans with
 };
 
 // Declares every flag on `app`, writing into `a`.

@@ -160,6 +160,7 @@ class StepLoop {
     const auto now = std::chrono::steady_clock::now();
     const double seconds = std::chrono::duration<double>(now - last_).count();
     last_ = now;
+    out_.step_seconds.push_back(seconds);
     const double samples_per_s = config_.batch_size * config_.grad_accum / std::max(seconds, 1e-9);
     if (std::optional<int> exit = skip_if_non_finite(r)) return exit;
     say_overflow(r);

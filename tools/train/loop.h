@@ -7,6 +7,7 @@
 #include <chrono>
 #include <cstdint>
 #include <optional>
+#include <vector>
 
 #include "comm/comm.h"
 #include "tools/plot/pictures.h"
@@ -24,6 +25,7 @@ struct LoopOutcome {
   int64_t overflowed = 0;                         // --loss-scale dynamic: steps skipped for a gradient that overflowed
   std::chrono::steady_clock::time_point started;  // before the first step
   std::optional<TrainingCurves> curves;           // --plot, on rank 0: the run so far
+  std::vector<double> step_seconds;               // each step's time, as --metrics reports it
 };
 
 // Runs the steps of run.config.total_steps that run.trainer has not taken yet (--resume),

@@ -9,6 +9,7 @@
 #include "comm/comm.h"
 #include "common/cli.h"
 #include "tools/train/args.h"
+#include "tools/train/auto_layout.h"
 #include "tools/train/check_equivalence.h"
 #include "tools/train/loop.h"
 #include "tools/train/report.h"
@@ -26,8 +27,13 @@ int run_training(Communicator& world, Run& run, int argc, char** argv) {
   const bool root = world.rank() == 0;
   Args a;
   std::optional<int> answered;  // --help
-  const Status parsed = parse_command_line(argc, argv, root, a, answered);
+  Status parsed = parse_command_line(argc, argv, root, a, answered);
   if (answered) return *answered;
+  if (parsed && a.layout == "auto") {  // collective, and every rank decides alike
+    Result<ChosenLayout> chosen = choose_layout(a, world);
+    if (chosen) run.predicted_step_ms = chosen->predicted_ms;
+    parsed = chosen.status();
+  }
   if (!set_up_run(a, parsed, world, run)) return kExitBadInput;
   // What only a neighbour can tell: the rank that finds a mismatch says so, and its exit
   // ends the job.

@@ -56,6 +56,15 @@ void say_how_it_went(const Run& run, const LoopOutcome& loop, const std::vector<
                trainer.recordings());
   }
   fmt::print(stderr, "{}\n", peak_memory_line(peaks, *run.device, trainer.memory()));
+  if (run.predicted_step_ms > 0 && loop.step_seconds.size() > 1) {
+    // The first step warms up (first touches, the BLAS's buffers): the median of the rest.
+    std::vector<double> times(loop.step_seconds.begin() + 1, loop.step_seconds.end());
+    std::nth_element(times.begin(), times.begin() + times.size() / 2, times.end());
+    const double measured = times[times.size() / 2] * 1e3;
+    fmt::print(stderr,
+               "layout auto: measured {:.3f} ms per step (median after the first), predicted {:.3f} ({:+.0f}%)\n",
+               measured, run.predicted_step_ms, (run.predicted_step_ms / measured - 1) * 100);
+  }
 }
 
 // "stage 0: F 0.41, I 0.38, W 0.35 ms; stage 1: ...; transfer 0.02 ms": the costs the

@@ -74,7 +74,8 @@ struct Run {
   std::unique_ptr<Trainer> trainer;
   std::ofstream metrics;
   std::unique_ptr<TrainingBoard> board;
-  CrashPoint checkpoint_crash;  // PIPESHARD_FAULT_AT: crash tests only (common/fault_injection.h)
+  CrashPoint checkpoint_crash;   // PIPESHARD_FAULT_AT: crash tests only (common/fault_injection.h)
+  double predicted_step_ms = 0;  // --layout auto: the planner's prediction for the chosen layout; 0 without
 
   // Set before set_up_run by a caller that is no command line (the Python module, python/):
   // How rank 0 says bad input: train prints "train: error: <message>" on stderr; the
