@@ -14,6 +14,8 @@ For each model and each rank count N:
      build/bin/profile MODEL --batch-size B [--max-micro-batches K] --out profile.json, every rank with
      OMP_NUM_THREADS = OPENBLAS_NUM_THREADS = max(1, cores // N) and OMP_WAIT_POLICY=PASSIVE
      (--nominal, or no build/bin/profile: partition's nominal profile instead, and the report says so);
+     taken again just before the case's runs when it is older than 2 minutes by then, since the
+     machine's speed drifts over a long benchmark (by 20 % within half an hour on the 2-core VM);
   3. partition MODEL --plan --ranks N --batch-size B --optimizer OPT --profile profile.json --json lists
      every accepted layout with its predicted step time and peak memory per rank;
   4. every accepted layout runs: mpirun -np N (same flags, same environment) train MODEL --data X
@@ -84,6 +86,7 @@ LAUNCH_S = 1.5  # the first guess at one mpirun + train start-up and shut-down, 
 QUICK = {"models": "A", "ranks": "1,2", "steps": 15, "warmup": 3, "max_micro_batches": 4}
 DEFAULTS = {"models": "A,B,D", "ranks": "1,2,4", "steps": 30, "warmup": 5, "max_micro_batches": None}
 MIB = 1 << 20
+REPROFILE_AFTER_S = 120  # a case's profile older than this when its runs start is taken again
 QUIET_WINDOW_S = 1.0  # how long wait_for_quiet looks at the machine before deciding
 
 
@@ -308,44 +311,68 @@ def estimate_s(case, args):
                for l in case["plan"]["layouts"])
 
 
-def measure_all(cases, args, folder):
-    """Every layout of every case, --rounds times (alternating the order), one run at a time."""
-    total_runs = sum(len(c["plan"]["layouts"]) for c in cases) * args.rounds
-    estimated_left = sum(estimate_s(c, args) for c in cases)
-    spent_wall, spent_estimate, done, state = 0.0, 0.0, 0, {}
-    for case in cases:
-        case["records"] = [layout_record(case, i) for i in range(len(case["plan"]["layouts"]))]
+class Progress:
+    """Counts runs and corrects the estimate of what is left by the pace of the runs so far."""
+
+    def __init__(self, cases, args):
+        self.total = sum(len(c["plan"]["layouts"]) for c in cases) * args.rounds
+        self.left_s = sum(estimate_s(c, args) for c in cases)
+        self.done, self.wall_s, self.guessed_s = 0, 0.0, 0.0
+
+    def ran(self, guess_s, wall_s):
+        self.done, self.left_s = self.done + 1, self.left_s - guess_s
+        self.wall_s, self.guessed_s = self.wall_s + wall_s, self.guessed_s + guess_s
+
+    def line(self):
+        pace = self.wall_s / self.guessed_s if self.guessed_s > 0 else 1.0
+        return f"[{self.done}/{self.total}, ~{max(0.0, self.left_s) * pace / 60:.1f} min left]"
+
+
+def measure_layout(case, index, round_, args, folder, progress, state):
+    """One round of one layout: its steps and memory into its record, a progress line printed."""
+    record = case["records"][index]
+    guess = LAUNCH_S + args.steps * record["predicted_ms"] / 1e3
+    if record["status"] != "ok":
+        progress.ran(guess, 0.0)
+        return  # failed in an earlier round: not again
+    began = time.monotonic()
+    try:
+        times, peak, others, top = measure_quietly(case, index, round_, args, folder, state)
+        record["step_ms"] += [t * 1e3 for t in times]
+        record["measured_peak_mib"] = peak if peak is not None else record["measured_peak_mib"]
+        if others >= record["others_share"]:
+            record.update(others_share=others, others_top=top)
+        note = (f"measured {statistics.median(times) * 1e3:.3f} ms, predicted {record['predicted_ms']:.3f} ms, peak "
+                f"{peak or float('nan'):.2f} MiB vs {record['predicted_peak_mib']:.2f} predicted" + busy_note(others, top, args))
+    except RuntimeError as failure:
+        record.update(status="failed", error=str(failure))
+        note = f"FAILED: {failure}"
+    wall = time.monotonic() - began
+    record["wall_s"] += wall
+    progress.ran(guess, wall)
+    print(f"  {progress.line()} model {case['model']} N={case['ranks']} layout {index + 1} of "
+          f"{len(case['records'])} ({record['text']}): {note}", flush=True)
+
+
+def measure_case(case, args, folder, progress, state):
+    """Every layout of a case, --rounds times (alternating the order), one run at a time. The machine's
+    speed drifts over a long benchmark, so a profile older than REPROFILE_AFTER_S is taken again (and
+    the case planned again on it) just before the case's runs."""
+    if case["profile"] is not None and time.monotonic() - case["profiled_at"] > REPROFILE_AFTER_S:
+        before = len(case["plan"]["layouts"])
+        plan_case(case, args, folder)
+        progress.total += (len(case["plan"]["layouts"]) - before) * args.rounds
+        first = case["plan"]["layouts"][0]
+        print(f"  model {case['model']}, N={case['ranks']}: planned again on the new profile: "
+              f"{len(case['plan']['layouts'])} layouts, first choice {first['text']} "
+              f"({first['predicted']['step_ms']:.3f} ms predicted)", flush=True)
+    case["records"] = [layout_record(case, i) for i in range(len(case["plan"]["layouts"]))]
+    n = len(case["records"])
     for round_ in range(args.rounds):
-        for case in cases:
-            n = len(case["records"])
-            for index in range(n) if round_ % 2 == 0 else reversed(range(n)):
-                record = case["records"][index]
-                guess = LAUNCH_S + args.steps * record["predicted_ms"] / 1e3
-                done, estimated_left = done + 1, estimated_left - guess
-                if record["status"] != "ok":
-                    continue  # failed in an earlier round: not again
-                began = time.monotonic()
-                try:
-                    times, peak, others, top = measure_quietly(case, index, round_, args, folder, state)
-                    record["step_ms"] += [t * 1e3 for t in times]
-                    record["measured_peak_mib"] = peak if peak is not None else record["measured_peak_mib"]
-                    if others >= record["others_share"]:
-                        record.update(others_share=others, others_top=top)
-                    note = (f"measured {statistics.median(times) * 1e3:.3f} ms, predicted {record['predicted_ms']:.3f} "
-                            f"ms, peak {peak or float('nan'):.2f} MiB vs {record['predicted_peak_mib']:.2f} predicted"
-                            + busy_note(others, top, args))
-                except RuntimeError as failure:
-                    record.update(status="failed", error=str(failure))
-                    note = f"FAILED: {failure}"
-                wall = time.monotonic() - began
-                record["wall_s"] += wall
-                spent_wall, spent_estimate = spent_wall + wall, spent_estimate + guess
-                print(f"  [{done}/{total_runs}, ~{estimated_left * spent_wall / spent_estimate / 60:.1f} min left] "
-                      f"model {case['model']} N={case['ranks']} layout {index + 1} of {n} ({record['text']}): {note}",
-                      flush=True)
-    for case in cases:
-        for record in case["records"]:
-            finish_record(record)
+        for index in range(n) if round_ % 2 == 0 else reversed(range(n)):
+            measure_layout(case, index, round_, args, folder, progress, state)
+    for record in case["records"]:
+        finish_record(record)
 
 
 # --------------------------------------------------------------------------- figures
@@ -639,20 +666,26 @@ def check_setup(args):
     return None
 
 
+def plan_case(case, args, folder):
+    """Profiles the machine for the case (take_profile) and plans it on that profile."""
+    profile, note = take_profile(case["model"], case["ranks"], args, case["paths"], folder)
+    case.update(profile_note=note, profile=json.load(open(profile)) if profile else None, profiled_at=time.monotonic(),
+                plan=make_plan(case["model"], case["ranks"], args, case["paths"], profile))
+
+
 def prepare_cases(args, folder):
     """Exports every model, profiles and plans every (model, N); prints the layout counts."""
     cases = []
     for name in args.model_list:
         paths = export_model(name, args, folder)
         for ranks in args.rank_list:
-            profile, note = take_profile(name, ranks, args, paths, folder)
-            plan = make_plan(name, ranks, args, paths, profile)
-            case = {"model": name, "ranks": ranks, "threads": threads_per_rank(ranks), "paths": paths, "busy": args.busy,
-                    "profile_note": note, "profile": json.load(open(profile)) if profile else None, "plan": plan}
+            case = {"model": name, "ranks": ranks, "threads": threads_per_rank(ranks), "paths": paths, "busy": args.busy}
+            plan_case(case, args, folder)
             cases.append(case)
+            plan = case["plan"]
             print(f"  model {name}, N={ranks} ({case['threads']} thread(s) per rank): {len(plan['layouts'])} layouts "
                   f"accepted, {len(plan['rejected'])} rejected; first choice {plan['layouts'][0]['text']} "
-                  f"({plan['layouts'][0]['predicted']['step_ms']:.3f} ms predicted); profile {note}; "
+                  f"({plan['layouts'][0]['predicted']['step_ms']:.3f} ms predicted); profile {case['profile_note']}; "
                   f"~{estimate_s(case, args) / 60:.1f} min to measure", flush=True)
     return cases
 
@@ -682,7 +715,9 @@ def main():
         runs = sum(len(c["plan"]["layouts"]) for c in cases) * args.rounds
         print(f"  {runs} runs, estimated {sum(estimate_s(c, args) for c in cases) / 60:.1f} min "
               f"({LAUNCH_S} s a launch + the predicted steps; the progress lines correct it as runs finish)", flush=True)
-        measure_all(cases, args, folder)
+        progress, state = Progress(cases, args), {}
+        for case in cases:
+            measure_case(case, args, folder, progress, state)
         if args.keep:
             kept = folder + ".kept"
             shutil.copytree(folder, kept)
