@@ -598,7 +598,7 @@ def write_outputs(cases, summaries, args, started):
             "cases": [{k: c[k] for k in ("model", "ranks", "threads", "profile_note", "profile", "plan", "records")}
                       for c in cases]}
     with open(os.path.join(args.out, "planner.json"), "w") as f:
-        json.dump(dump, f, indent=1)
+        json.dump(dump, f)
     print(f"\nwrote {args.out}/planner.md, planner.json" + (", planner_scatter.png" if scatter else ""))
 
 
