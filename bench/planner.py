@@ -440,7 +440,7 @@ def summary_rows(summaries):
 
 
 SUMMARY_HEADER = ["model", "N x threads", "layouts (failed, BUSY)", "best predicted (ms)", "best measured (ms)",
-                  "first choice measured ms", "first / fastest (<= 1.05)", "median |error| (<= 15%)",
+                  "first choice measured ms", "first / fastest (<= 1.05)", "median abs. error (<= 15%)",
                   "median signed error", "Spearman (>= 0.8)", "worst memory error (<= 10%)"]
 
 
@@ -466,7 +466,7 @@ BIAS_KEYS = {
 
 def md_table(header, rows):
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
-    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    lines += ["| " + " | ".join(str(c).replace("|", "\\|") for c in row) + " |" for row in rows]
     return "\n".join(lines)
 
 
