@@ -376,21 +376,35 @@ def measure_case(case, args, folder, progress, state):
 
 
 # --------------------------------------------------------------------------- figures
+def mark_busy(cases, threshold):
+    """record["busy"]: other processes used more than `threshold` of the CPUs during its kept run."""
+    for case in cases:
+        for record in case["records"]:
+            record["busy"] = record["status"] == "ok" and record["others_share"] > threshold
+
+
+def quiet(records):
+    """The records measured, and measured on a quiet machine: the ones the figures are made of."""
+    return [r for r in records if r["status"] == "ok" and not r["busy"]]
+
+
 def summarize(case):
-    """The per-(model, N) figures and their verdicts."""
-    ok = [r for r in case["records"] if r["status"] == "ok"]
+    """The per-(model, N) figures and their verdicts, over the layouts measured quietly."""
+    measured = [r for r in case["records"] if r["status"] == "ok"]
+    ok = quiet(case["records"])
     s = {"model": case["model"], "ranks": case["ranks"], "threads": case["threads"], "layouts": len(case["records"]),
-         "measured": len(ok), "failed": len(case["records"]) - len(ok), "profile": case["profile_note"],
-         "busy": sum(r["others_share"] > case["busy"] for r in ok)}
+         "measured": len(measured), "failed": len(case["records"]) - len(measured), "profile": case["profile_note"],
+         "busy": len(measured) - len(ok)}
     first = case["records"][0]
     s["best_predicted"] = {"text": first["text"], "predicted_ms": first["predicted_ms"]}
+    s["first_choice_ms"] = first.get("measured_ms")
+    s["first_choice_busy"] = first["busy"]
     if not ok:
         return s
     fastest = min(ok, key=lambda r: r["measured_ms"])
     s["best_measured"] = {"text": fastest["text"], "measured_ms": fastest["measured_ms"],
                           "predicted_ms": fastest["predicted_ms"], "plan_rank": fastest["plan_rank"]}
-    s["first_choice_ms"] = first.get("measured_ms")
-    s["first_choice_ratio"] = first["measured_ms"] / fastest["measured_ms"] if first["status"] == "ok" else None
+    s["first_choice_ratio"] = first["measured_ms"] / fastest["measured_ms"] if first in ok else None
     s["median_error"] = statistics.median(abs(r["time_error"]) for r in ok)
     s["median_signed_error"] = statistics.median(r["time_error"] for r in ok)
     s["spearman"] = spearman([r["predicted_ms"] for r in ok], [r["measured_ms"] for r in ok])
@@ -418,6 +432,12 @@ def pct(x, signed=False):
     return f"{x:+.1%}" if signed else f"{x:.1%}"
 
 
+def first_choice_cell(s):
+    if not s.get("first_choice_ms"):
+        return "failed"
+    return f"{s['first_choice_ms']:.2f}" + (" BUSY" if s["first_choice_busy"] else "")
+
+
 def summary_rows(summaries):
     rows = []
     for s in summaries:
@@ -426,11 +446,11 @@ def summary_rows(summaries):
         ratio = s.get("first_choice_ratio")
         rho = s.get("spearman", float("nan"))
         rows.append([
-            s["model"], f"{s['ranks']} x {s['threads']}t", f"{s['layouts']} ({s['failed']} failed, {s['busy']} busy)",
+            s["model"], f"{s['ranks']} x {s['threads']}t", f"{s['layouts']} ({s['failed']} failed, {s['busy']} BUSY)",
             f"{s['best_predicted']['text']}: {s['best_predicted']['predicted_ms']:.2f}",
             f"{bm['text']}: {bm['measured_ms']:.2f} (plan #{bm['plan_rank'] + 1})" if bm else "-",
-            f"{s['first_choice_ms']:.2f}" if s.get("first_choice_ms") else "failed",
-            f"{ratio:.3f} {verdict(v.get('first choice <= 1.05 x fastest'))}" if ratio else "FAIL",
+            first_choice_cell(s),
+            f"{ratio:.3f} {verdict(v.get('first choice <= 1.05 x fastest'))}" if ratio else "-",
             f"{pct(s.get('median_error'))} {verdict(v.get('median error <= 15%'))}" if v else "-",
             pct(s.get("median_signed_error"), signed=True),
             f"{rho:.3f} {verdict(v.get('Spearman >= 0.8'))}" if v else "-",
@@ -439,7 +459,7 @@ def summary_rows(summaries):
     return rows
 
 
-SUMMARY_HEADER = ["model", "N x threads", "layouts (failed, BUSY)", "best predicted (ms)", "best measured (ms)",
+SUMMARY_HEADER = ["model", "N x threads", "layouts (failed, BUSY: not in the figures)", "best predicted (ms)", "best measured (ms)",
                   "first choice measured ms", "first / fastest (<= 1.05)", "median abs. error (<= 15%)",
                   "median signed error", "Spearman (>= 0.8)", "worst memory error (<= 10%)"]
 
@@ -447,9 +467,8 @@ SUMMARY_HEADER = ["model", "N x threads", "layouts (failed, BUSY)", "best predic
 def bias_rows(records, key):
     """Signed error (predicted - measured) / measured grouped by key(record): count, median, range."""
     groups = {}
-    for r in records:
-        if r["status"] == "ok":
-            groups.setdefault(key(r), []).append(r["time_error"])
+    for r in quiet(records):
+        groups.setdefault(key(r), []).append(r["time_error"])
     return [[g, len(e), pct(statistics.median(e), True), f"{pct(min(e), True)} .. {pct(max(e), True)}"]
             for g, e in sorted(groups.items(), key=lambda kv: str(kv[0]))]
 
@@ -475,7 +494,7 @@ def layout_rows(case):
     for r in case["records"]:
         if r["status"] == "ok":
             mem = f"{r['measured_peak_mib']:.2f}" if r["measured_peak_mib"] else "-"
-            busy = f" BUSY {r['others_share']:.0%}" if r["others_share"] > case["busy"] else ""
+            busy = f" BUSY {r['others_share']:.0%}" if r["busy"] else ""
             rows.append([r["plan_rank"] + 1, r["text"], f"{r['predicted_ms']:.3f}", f"{r['measured_ms']:.3f}{busy}",
                          pct(r["time_error"], True), r["predicted"]["bottleneck"], f"{r['predicted_peak_mib']:.2f}",
                          mem, pct(r["memory_error"], True)])
@@ -493,14 +512,17 @@ def failures(cases):
     return [(c["model"], c["ranks"], r) for c in cases for r in c["records"] if r["status"] != "ok"]
 
 
-def report_text(cases, summaries, args, started, scatter):
+def report_text(cases, summaries, meta, scatter):
     """planner.md: what ran, the summary with verdicts, the biases, the failures, every layout."""
     out = ["# Layout planner against measurement\n",
-           f"`{' '.join(sys.argv)}` on {os.uname().nodename}, {os.cpu_count()} CPUs, started {started} UTC; "
-           f"batch {args.batch_size}, {args.steps} steps ({args.warmup} warm-up), {args.rounds} round(s), "
-           f"--optimizer {args.optimizer}, max micro-batches {args.max_micro_batches or 'partition default'}; "
-           f"load average {args.load_start:.2f} at start, {os.getloadavg()[0]:.2f} at the end.\n",
-           "Models: " + "; ".join(f"{m}: {MODEL_SPECS[m]['title']}" for m in args.model_list) + ".\n",
+           f"`{' '.join(meta['command'])}` on {meta['host']}, {meta['cpus']} CPUs, started {meta['started_utc']} UTC; "
+           f"batch {meta['batch_size']}, {meta['steps']} steps ({meta['warmup']} warm-up), {meta['rounds']} round(s), "
+           f"--optimizer {meta['optimizer']}, max micro-batches {meta['max_micro_batches'] or 'partition default'}; "
+           f"load average {meta.get('load_start', float('nan')):.2f} at start, "
+           f"{meta.get('load_end', float('nan')):.2f} at the end. A run during which other processes used more than "
+           f"{meta['busy']:.0%} of the CPUs is BUSY, left out of the figures and the plot's filled points.\n",
+           "Models: " + "; ".join(f"{m}: {MODEL_SPECS[m]['title']}" for m in dict.fromkeys(c["model"] for c in cases))
+           + ".\n",
            "Profiles: " + "; ".join(f"{c['model']} N={c['ranks']}: {c['profile_note']}" for c in cases) + ".\n",
            "## Summary (ms per step)\n", md_table(SUMMARY_HEADER, summary_rows(summaries)), "",
            f"![predicted against measured]({os.path.basename(scatter)})\n" if scatter else "",
@@ -538,14 +560,18 @@ def scatter_plot(cases, path):
     markers = {1: "o", 2: "s", 4: "^"}
     fig, ax = plt.subplots(figsize=(7, 6))
     values = []
+    busy_label = "BUSY run (not in the figures)"
     for c in cases:
-        ok = [r for r in c["records"] if r["status"] == "ok"]
-        if not ok:
-            continue
-        xs, ys = [r["measured_ms"] for r in ok], [r["predicted_ms"] for r in ok]
-        values += xs + ys
-        ax.scatter(xs, ys, s=18, alpha=0.7, color=colours.get(c["model"], "tab:gray"),
-                   marker=markers.get(c["ranks"], "D"), label=f"model {c['model']}, N={c['ranks']}")
+        colour, marker = colours.get(c["model"], "tab:gray"), markers.get(c["ranks"], "D")
+        ok, busy = quiet(c["records"]), [r for r in c["records"] if r["busy"]]
+        for records, style in ((ok, dict(color=colour, alpha=0.7, label=f"model {c['model']}, N={c['ranks']}")),
+                               (busy, dict(facecolors="none", edgecolors=colour, label=busy_label))):
+            if records:
+                xs, ys = [r["measured_ms"] for r in records], [r["predicted_ms"] for r in records]
+                values += xs + ys
+                ax.scatter(xs, ys, s=18, marker=marker, **style)
+                if records is busy:
+                    busy_label = "_" + busy_label  # one legend entry for all BUSY points
     if not values:
         plt.close(fig)
         return None
@@ -570,7 +596,7 @@ def scatter_plot(cases, path):
 
 
 def print_report(cases, summaries):
-    print("\n### Summary (ms per step)\n")
+    print("\n### Summary (ms per step; BUSY layouts left out of the figures)\n")
     print(md_table(SUMMARY_HEADER, summary_rows(summaries)))
     print("\n### Signed error (predicted - measured) / measured by shape; negative: predicted too fast\n")
     rows = []
@@ -587,19 +613,41 @@ def print_report(cases, summaries):
         print(f"- model {m}, N={n}, {r['text']} ({r['train_flags']}): {r['error']}")
 
 
-def write_outputs(cases, summaries, args, started):
-    os.makedirs(args.out, exist_ok=True)
-    scatter = scatter_plot(cases, os.path.join(args.out, "planner_scatter.png"))
-    with open(os.path.join(args.out, "planner.md"), "w") as f:
-        f.write(report_text(cases, summaries, args, started, scatter))
-    dump = {"command": sys.argv, "started_utc": started, "host": os.uname().nodename, "cpus": os.cpu_count(),
+CASE_KEYS = ("model", "ranks", "threads", "profile_note", "profile", "plan", "records")
+
+
+def write_outputs(cases, summaries, meta, out, with_json=True):
+    """planner.md, planner_scatter.png and (with_json) planner.json: meta, summaries and cases."""
+    os.makedirs(out, exist_ok=True)
+    scatter = scatter_plot(cases, os.path.join(out, "planner_scatter.png"))
+    with open(os.path.join(out, "planner.md"), "w") as f:
+        f.write(report_text(cases, summaries, meta, scatter))
+    if with_json:
+        with open(os.path.join(out, "planner.json"), "w") as f:
+            json.dump(dict(meta, summaries=summaries, cases=[{k: c[k] for k in CASE_KEYS} for c in cases]), f)
+    print(f"\nwrote {out}/planner.md" + (", planner.json" if with_json else "") + (", planner_scatter.png" if scatter else ""))
+
+
+def run_meta(args, started):
+    """What planner.md says of the run, kept in planner.json for --from-json."""
+    return {"command": sys.argv, "started_utc": started, "host": os.uname().nodename, "cpus": os.cpu_count(),
             "batch_size": args.batch_size, "steps": args.steps, "warmup": args.warmup, "rounds": args.rounds,
-            "optimizer": args.optimizer, "max_micro_batches": args.max_micro_batches, "summaries": summaries,
-            "cases": [{k: c[k] for k in ("model", "ranks", "threads", "profile_note", "profile", "plan", "records")}
-                      for c in cases]}
-    with open(os.path.join(args.out, "planner.json"), "w") as f:
-        json.dump(dump, f)
-    print(f"\nwrote {args.out}/planner.md, planner.json" + (", planner_scatter.png" if scatter else ""))
+            "optimizer": args.optimizer, "max_micro_batches": args.max_micro_batches, "busy": args.busy,
+            "load_start": args.load_start, "load_end": os.getloadavg()[0]}
+
+
+def report_from_json(path, out):
+    """Prints the tables again and rewrites planner.md and the plot from a planner.json, without running
+    anything (after a change to the figures or the plot)."""
+    dump = json.load(open(path))
+    cases = dump.pop("cases")
+    dump.pop("summaries", None)
+    dump.setdefault("busy", po.QUIET)
+    mark_busy(cases, dump["busy"])
+    summaries = [summarize(c) for c in cases]
+    print_report(cases, summaries)
+    write_outputs(cases, summaries, dump, out, with_json=False)
+    return 0
 
 
 # --------------------------------------------------------------------------- main
@@ -630,6 +678,9 @@ def parse_args():
     ap.add_argument("--timeout", type=float, default=300, help="seconds one run may take (default 300)")
     ap.add_argument("--out", default=os.path.join("bench", "reports", "planner"),
                     help="folder for planner.json, planner.md, planner_scatter.png (default bench/reports/planner)")
+    ap.add_argument("--from-json", metavar="PLANNER_JSON",
+                    help="run nothing: print the tables and rewrite planner.md and the plot into --out from a "
+                         "planner.json an earlier run wrote")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--keep", action="store_true", help="keep the temporary folder (models, data, logs, metrics)")
     args = ap.parse_args()
@@ -679,7 +730,7 @@ def prepare_cases(args, folder):
     for name in args.model_list:
         paths = export_model(name, args, folder)
         for ranks in args.rank_list:
-            case = {"model": name, "ranks": ranks, "threads": threads_per_rank(ranks), "paths": paths, "busy": args.busy}
+            case = {"model": name, "ranks": ranks, "threads": threads_per_rank(ranks), "paths": paths}
             plan_case(case, args, folder)
             cases.append(case)
             plan = case["plan"]
@@ -692,6 +743,8 @@ def prepare_cases(args, folder):
 
 def main():
     args = parse_args()
+    if args.from_json:
+        return report_from_json(args.from_json, args.out)
     args.train = os.path.join(args.build_dir, "bin", "train")
     args.partition = os.path.join(args.build_dir, "bin", "partition")
     args.profile_tool = os.path.join(args.build_dir, "bin", "profile")
@@ -722,12 +775,11 @@ def main():
             kept = folder + ".kept"
             shutil.copytree(folder, kept)
             print(f"kept models, data, logs and metrics in {kept}")
+    mark_busy(cases, args.busy)
     summaries = [summarize(c) for c in cases]
     print(f"\nmeasured in {(time.monotonic() - began) / 60:.1f} min; load average at the end {os.getloadavg()[0]:.2f}")
     print_report(cases, summaries)
-    for c in cases:
-        c.pop("paths")
-    write_outputs(cases, summaries, args, started)
+    write_outputs(cases, summaries, run_meta(args, started), args.out)
     return 0
 
 
