@@ -160,6 +160,8 @@ LayoutPrediction predict_layout(const Graph& g, const Plan& plan, const Layout& 
     } else {
       largest_cut = std::max(largest_cut, static_cast<double>(piece.activation_bytes_out) * coster.rows());
     }
+    // The runner's fixed cost of a micro-batch's passes, half in each direction.
+    pc.forward += profile.micro_batch_overhead_us / 2, pc.input += profile.micro_batch_overhead_us / 2;
     out.costs.forward.push_back(pc.forward);
     out.costs.backward_input.push_back(pc.input);
     out.costs.backward_weight.push_back(pc.weight);

@@ -4,7 +4,8 @@
 // runner runs it (runtime/stage_runner.cc, program/program.cc):
 // - forward F of a chunk for one micro-batch of r = B/D/M rows: each Linear's GEMM at its
 //   shard's shape (r × in → out, in or out divided by T as its tensor-parallel role says),
-//   the elementwise ops by the bytes they read and write, a fixed overhead per op, and the
+//   the elementwise ops by the bytes they read and write, a fixed overhead per op and half
+//   the fixed cost of a micro-batch's passes (the other half in I), and the
 //   tensor-parallel all-reduce (row-parallel) or all-gather (column-gather) of its output;
 // - input-gradient half I: each Linear's dx product (not for the model's input), the
 //   elementwise backwards, the activations recomputed (unless --keep-activations), and the

@@ -4,9 +4,13 @@
 #include <array>
 #include <chrono>
 #include <cmath>
+#include <functional>
 #include <set>
 
 #include "common/check.h"
+#include "dataset/dataset.h"
+#include "dataset/npy.h"
+#include "runtime/trainer.h"
 
 namespace pipeshard {
 namespace {
@@ -32,8 +36,9 @@ class Timer {
  public:
   Timer(Backend& backend, Communicator& world, double seconds) : backend_(backend), world_(world), seconds_(seconds) {}
 
+  // `before` runs, untimed, ahead of every repeat.
   template <typename Work>
-  double time_us(Work work) {
+  double time_us(Work work, const std::function<void()>& before = {}) {
     work();  // warm: first-touch pages, BLAS buffers
     backend_.synchronize();
     // Every rank runs the calibration (the work may communicate); rank 0's time counts.
@@ -46,6 +51,8 @@ class Timer {
     world_.barrier();
     std::vector<double> times;
     for (int i = 0; i < n; ++i) {
+      if (before) before();
+      backend_.synchronize();
       const Clock::time_point start = Clock::now();
       work();
       backend_.synchronize();
@@ -97,6 +104,56 @@ double time_p2p(Communicator& world, Timer& timer, int64_t bytes) {
       world.send(out.data(), n, peer, 7);
     }
   }) / 2;
+}
+
+// A model of one Linear(1 → 2) with batch-sized data for it: what a training step costs
+// beyond its ops.
+struct TinyModel {
+  Graph graph;
+  Dataset data;
+};
+
+TinyModel tiny_model(int64_t samples) {
+  Graph g;
+  g.name = "overhead";
+  g.values.push_back({"input", Shape{{kBatch, 1}}, -1, {0}});
+  g.values.push_back({"output", Shape{{kBatch, 2}}, 0, {}});
+  g.params.push_back({"weight", {2, 1}, {0.5f, -0.5f}, true});
+  g.params.push_back({"bias", {2}, {0.0f, 0.0f}, true});
+  Node n;
+  n.name = "fc";
+  n.kind = OpKind::kLinear;
+  n.inputs = {0};
+  n.outputs = {1};
+  n.weight = 0, n.bias = 1;
+  n.in_features = 1, n.out_features = 2;
+  g.nodes.push_back(n);
+  g.inputs = {0};
+  g.outputs = {1};
+  NpyArray x, y;
+  x.path = "overhead features", x.type = NpyType::kFloat32, x.shape = {samples, 1};
+  x.bytes.assign(static_cast<size_t>(samples) * 4, 0);
+  y.path = "overhead labels", y.type = NpyType::kInt64, y.shape = {samples};
+  y.bytes.assign(static_cast<size_t>(samples) * 8, 0);
+  Result<Dataset> data = make_dataset(x, y, g, Targets::kClassIndices);
+  PIPESHARD_CHECK(data.is_ok(), "the overhead model's data: " + data.status().message());
+  return {std::move(g), std::move(*data)};
+}
+
+// The median step of a one-process Trainer of the tiny model in `micro_batches`, in µs
+// (every rank at once, each alone).
+double tiny_step_us(Backend& backend, Timer& timer, int micro_batches) {
+  const int64_t batch = 16;
+  TinyModel m = tiny_model(batch);
+  TrainConfig config;
+  config.batch_size = batch;
+  config.micro_batches = micro_batches;
+  config.total_steps = 1 << 30;
+  config.shuffle = false;
+  config.optimizer.kind = OptimizerKind::kAdam;
+  Result<std::unique_ptr<Trainer>> trainer = Trainer::create(m.graph, m.data, backend, config);
+  PIPESHARD_CHECK(trainer.is_ok(), "the overhead model's trainer: " + trainer.status().message());
+  return timer.time_us([&] { (*trainer)->step(); });
 }
 
 }  // namespace
@@ -194,14 +251,23 @@ MachineProfile measure_profile(Backend& backend, Communicator& world, const Meas
     elements += static_cast<double>(e);
   }
   AdamStep step;
-  const double adam_us = timer.time_us([&] {
-    for (size_t i = 0; i < tensors.size(); ++i) {
-      auto& [param, grad, m1, m2] = state[i];
-      backend.adam_step(param.data(), grad.data(), m1.data(), m2.data(), tensors[i], step);
-    }
-  });
+  DeviceBuffer gx(backend, 64 * 512), gw(backend, 512 * 512), gy(backend, 64 * 512);
+  const auto after_a_gemm = [&] { backend.linear_forward(gy.data(), gx.data(), gw.data(), nullptr, {64, 512, 512}); };
+  const double adam_us = timer.time_us(
+      [&] {
+        for (size_t i = 0; i < tensors.size(); ++i) {
+          auto& [param, grad, m1, m2] = state[i];
+          backend.adam_step(param.data(), grad.data(), m1.data(), m2.data(), tensors[i], step);
+        }
+      },
+      after_a_gemm);
   p.optimizer_params_per_s = elements / adam_us * 1e6;
   p.op_overhead_us = timer.time_us([&] { backend.activation_forward(b.data(), a.data(), 1, relu); });
+
+  say("timing a training step's fixed costs");
+  const double one = tiny_step_us(backend, timer, 1), four = tiny_step_us(backend, timer, 4);
+  p.micro_batch_overhead_us = std::max(0.0, (four - one) / 3);
+  p.step_overhead_us = std::max(0.0, one - p.micro_batch_overhead_us);
 
   if (world.size() > 1) {
     say("timing messages between pairs of ranks and all-reduces over " + std::to_string(world.size()));

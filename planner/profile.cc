@@ -140,6 +140,7 @@ std::string profile_json_text(const MachineProfile& p) {
   j["optimizer_params_per_s"] = p.optimizer_params_per_s;
   j["op_overhead_us"] = p.op_overhead_us;
   j["step_overhead_us"] = p.step_overhead_us;
+  j["micro_batch_overhead_us"] = p.micro_batch_overhead_us;
   j["p2p"] = link_json(p.p2p);
   j["all_reduce"] = link_json(p.all_reduce);
   return j.dump(2, ' ', false, nlohmann::json::error_handler_t::replace) + "\n";
@@ -174,7 +175,8 @@ Result<MachineProfile> parse_profile_json(const std::string& text, const std::st
                                       {"elementwise_bytes_per_s", &p.elementwise_bytes_per_s, true},
                                       {"optimizer_params_per_s", &p.optimizer_params_per_s, true},
                                       {"op_overhead_us", &p.op_overhead_us, false},
-                                      {"step_overhead_us", &p.step_overhead_us, false}}) {
+                                      {"step_overhead_us", &p.step_overhead_us, false},
+                                      {"micro_batch_overhead_us", &p.micro_batch_overhead_us, false}}) {
     if (Status s = r.number(j, key, "", *field, positive); !s) return s;
   }
   if (Status s = r.link(j, "p2p", p.p2p); !s) return s;

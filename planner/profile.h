@@ -15,6 +15,7 @@
 //     "optimizer_params_per_s": 4.0e8,     // parameters one rank's optimizer (Adam) steps per second
 //     "op_overhead_us": 2.0,               // fixed cost of every op the runner calls
 //     "step_overhead_us": 100.0,           // fixed cost of a step beyond its ops (loss, bookkeeping)
+//     "micro_batch_overhead_us": 20.0,     // fixed cost of each micro-batch's passes beyond their ops
 //     "p2p":        {"latency_us": 5.0,  "bytes_per_s": 2.0e9},
 //     "all_reduce": {"latency_us": 10.0, "bytes_per_s": 1.0e9}   // bus bandwidth, as below
 //   }
@@ -58,6 +59,7 @@ struct MachineProfile {
   double optimizer_params_per_s = 2e8;
   double op_overhead_us = 0;
   double step_overhead_us = 0;
+  double micro_batch_overhead_us = 0;
   LinkCost p2p{5, 1e9};
   LinkCost all_reduce{10, 1e9};
 

@@ -21,7 +21,9 @@ Result<ChosenLayout> choose_layout(Args& a, Communicator& world) {
   const bool sgd = a.optimizer == "sgd";
   o.optimizer_slots = !sgd ? 2 : a.momentum != 0 ? 1 : 0;
   o.bucket_bytes = static_cast<int64_t>(a.bucket_mb * (1 << 20));
-  o.balance = a.balance == "flops" ? BalanceBy::kFlops : a.balance == "memory" ? BalanceBy::kMemory : BalanceBy::kParams;
+  o.balance = a.balance == "flops"    ? BalanceBy::kFlops
+              : a.balance == "memory" ? BalanceBy::kMemory
+                                      : BalanceBy::kParams;
   MachineProfile profile;
   if (!a.profile.empty()) {
     Result<MachineProfile> read = read_profile_file(a.profile);
@@ -63,7 +65,8 @@ Result<ChosenLayout> choose_layout(Args& a, Communicator& world) {
   a.keep_activations = l.keep_activations;
   a.zero = l.zero;
   ChosenLayout chosen{l.text(), layout_train_flags(l), best.prediction.step_us / 1e3,
-                      static_cast<int>(plan.ranked.size() + plan.rejected.size()), static_cast<int>(plan.ranked.size())};
+                      static_cast<int>(plan.ranked.size() + plan.rejected.size()),
+                      static_cast<int>(plan.ranked.size())};
   if (root) {
     fmt::print(stderr,
                "layout auto: {} (train flags: {}), predicted {:.3f} ms per step, bottleneck {}; the fastest of {} "

@@ -13,9 +13,9 @@ namespace pipeshard::train_cli {
 
 // What the planner chose, for the report at the end.
 struct ChosenLayout {
-  std::string text;          // Layout::text()
-  std::string flags;         // layout_train_flags()
-  double predicted_ms = 0;   // per step
+  std::string text;         // Layout::text()
+  std::string flags;        // layout_train_flags()
+  double predicted_ms = 0;  // per step
   int considered = 0, fit = 0;
 };
 
