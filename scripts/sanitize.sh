@@ -14,7 +14,11 @@
 # (bash scripts/sanitize.sh -R NAME runs only the matching tests).
 #
 # Wall time on two cores shared with another build: 16-18 minutes, 7-8 of them the build
-# (CI allows 90; the ordinary suite takes about 4).
+# (CI allows 90; the ordinary suite takes about 4). Every MPI process costs some 6 s more here
+# than in the ordinary build (LeakSanitizer's slow unwinding of Open MPI's start-up allocations,
+# which the suppressions need), so the golden layouts train five cases here, not all
+# (tests/CMakeLists.txt, golden_sanitize_cases); on a slow day the whole CI took 78 minutes
+# before that.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
