@@ -5,20 +5,11 @@
 #include <tuple>
 
 #include "common/host_memory.h"
-#include "schedule/action.h"
 #include "schedule/registry.h"
 #include "schedule/schedule.h"
 
 namespace pipeshard {
 namespace {
-
-std::vector<int> divisors(int64_t n, int64_t cap) {
-  std::vector<int> out;
-  for (int64_t d = 1; d <= std::min(n, cap); ++d) {
-    if (n % d == 0) out.push_back(static_cast<int>(d));
-  }
-  return out;
-}
 
 std::string samples_text(int64_t n) { return std::to_string(n) + (n == 1 ? " sample" : " samples"); }
 
@@ -61,18 +52,37 @@ Status check_no_shared_parameters(const Graph& g, const Plan& plan) {
 // says why.
 bool zero2_runs_as_zero1(const std::string& name, int stages, int micro_batches, int virtual_stages) {
   if (!check_schedule_counts(name, stages, micro_batches, virtual_stages)) return false;
-  const PipelineSchedule sc = make_pipeline_schedule(name, stages, micro_batches, {}, virtual_stages);
-  if (sc.chunks() > stages) return true;
-  for (const auto& list : sc.actions) {
-    if (splits_backward(list)) return true;
-  }
-  return false;
+  return !make_pipeline_schedule(name, stages, micro_batches, {}, virtual_stages).backward_whole_in_one_chunk();
 }
 
 // Whether --keep-activations changes anything: some value would be recomputed otherwise.
 bool recomputes_anything(const Graph& g, const LayoutSearchOptions& options) {
   const std::vector<bool> r = recomputable_values(g, options.kept_when_fused);
   return std::find(r.begin(), r.end(), true) != r.end();
+}
+
+// ZeRO-2 keeps a replica's slice of the gradients and two windows of buckets instead of the
+// whole gradient buffer, but where those hold no less (a few large buckets: one for a
+// small model under the default --bucket-mb) train runs it as stage 1
+// (runtime/gradient_sync.h), and the memory estimate is ZeRO-1's. Such a layout is the
+// ZeRO-1 one, listed once: drops the ZeRO-2 entry just judged (the last of its list) when
+// the ZeRO-1 entry judged just before it has the same estimate on every stage. The flags
+// say which list each went into.
+void drop_zero2_as_zero1(LayoutSearch& out, bool one_accepted, bool two_accepted) {
+  auto bytes = [&](bool accepted, size_t from_end) -> const std::vector<int64_t>* {
+    if (accepted) return &out.accepted[out.accepted.size() - 1 - from_end].bytes_per_stage;
+    const RejectedLayout& r = out.rejected[out.rejected.size() - 1 - from_end];
+    return r.for_memory ? &r.bytes_per_stage : nullptr;  // other rejections carry no estimate
+  };
+  const std::vector<int64_t>* two = bytes(two_accepted, 0);
+  const std::vector<int64_t>* one = bytes(one_accepted, one_accepted == two_accepted ? 1 : 0);
+  if (two == nullptr || one == nullptr || *two != *one) return;
+  if (two_accepted) {
+    out.accepted.pop_back();
+  } else {
+    out.rejected.pop_back();
+    --out.rejected_for_memory;
+  }
 }
 
 // Accepts or rejects one layout of the space into `out`.
@@ -125,6 +135,14 @@ bool operator<(const Layout& a, const Layout& b) {
   const auto ra = rank(a.schedule), rb = rank(b.schedule);
   return std::tie(a.replicas, a.stages, a.shards, ra, a.virtual_stages, a.micro_batches, a.keep_activations, a.zero) <
          std::tie(b.replicas, b.stages, b.shards, rb, b.virtual_stages, b.micro_batches, b.keep_activations, b.zero);
+}
+
+std::vector<int> divisors(int64_t n, int64_t cap) {
+  std::vector<int> out;
+  for (int64_t d = 1; d <= std::min(n, cap); ++d) {
+    if (n % d == 0) out.push_back(static_cast<int>(d));
+  }
+  return out;
 }
 
 PartitionOptions layout_partition_options(const Layout& layout, const LayoutSearchOptions& options) {
@@ -181,9 +199,14 @@ LayoutSearch search_layouts(const Graph& graph, const LayoutSearchOptions& optio
             for (bool keep : {false, true}) {
               if (keep && !recomputes) continue;
               layout.keep_activations = keep;
+              bool zero1_accepted = false;
               for (int zero = 0; zero <= most_zero; ++zero) {
                 layout.zero = zero;
+                const size_t before = out.accepted.size();
                 judge(graph, layout, options, out);
+                const bool accepted = out.accepted.size() > before;
+                if (zero == 2) drop_zero2_as_zero1(out, zero1_accepted, accepted);
+                zero1_accepted = accepted;
               }
             }
           }

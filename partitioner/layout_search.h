@@ -94,9 +94,13 @@ struct LayoutSearch {
 // - M: options.micro_batches, or the divisors of B/D up to max_micro_batches.
 // - keep_activations false, then true (false alone when the model recomputes nothing, so
 //   the flag changes nothing); ZeRO 0, 1, 2 (only 0 when D == 1, and not 2 where train
-//   runs it as stage 1: a schedule with I and W passes or several chunks per stage).
+//   runs it as stage 1: a schedule with I and W passes or several chunks per stage, or
+//   buckets so few and large that its memory estimate is ZeRO-1's on every stage).
 // Every layout of it is accepted or rejected once: its size is accepted + rejected.
 LayoutSearch search_layouts(const Graph& graph, const LayoutSearchOptions& options);
+
+// The divisors of n from 1 up to cap, ascending: the counts the search walks (D, P, M).
+std::vector<int> divisors(int64_t n, int64_t cap);
 
 // The PartitionOptions `layout` is cut with, by train (runtime/trainer.cc) as by the
 // search, under `options`' batch, optimizer slots, buckets, balance and fused activations.

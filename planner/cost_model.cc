@@ -170,17 +170,16 @@ LayoutPrediction predict_layout(const Graph& g, const Plan& plan, const Layout& 
   out.costs.transfer = stages > 1 ? profile.send_us(largest_cut) : 0;
   const PipelineSchedule schedule = make_pipeline_schedule(o.schedule, stages, m, {}, o.virtual_stages);
   const SchedulePrediction sp = predict_schedule(schedule, out.costs);
+  double busy = 0, span = 0;
+  for (int s = 0; s < stages; ++s) busy += sp.busy[s], span = std::max(span, sp.end[s]);
+  out.busy_share = span > 0 ? busy / (stages * span) : 1;
 
   // After the schedule: each stage's gradient reduction and optimizer step.
   const std::vector<double> params = parameters_per_rank(g, plan);
   const int zero = d > 1 ? layout.zero : 0;
   // ZeRO-2 reduces every micro-batch's gradients in windows, except where train runs it as
   // stage 1: under a split backward or several chunks per stage.
-  bool split = false;
-  for (const auto& list : schedule.actions) {
-    for (const Action& a : list) split = split || a.kind == ActionKind::kBackwardWeight;
-  }
-  const bool windows = zero == 2 && !split && plan.chunks_per_stage == 1;
+  const bool windows = zero == 2 && schedule.backward_whole_in_one_chunk();
   double finish = -1;
   for (int s = 0; s < stages; ++s) {
     const double bytes = kFloat * params[s];

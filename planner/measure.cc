@@ -10,6 +10,7 @@
 #include "common/check.h"
 #include "dataset/dataset.h"
 #include "dataset/npy.h"
+#include "partitioner/layout_search.h"
 #include "runtime/trainer.h"
 
 namespace pipeshard {
@@ -19,14 +20,6 @@ using Clock = std::chrono::steady_clock;
 
 double since_us(Clock::time_point start) {
   return std::chrono::duration<double, std::micro>(Clock::now() - start).count();
-}
-
-std::vector<int> divisors(int64_t n, int64_t cap) {
-  std::vector<int> out;
-  for (int64_t d = 1; d <= std::min(n, cap); ++d) {
-    if (n % d == 0) out.push_back(static_cast<int>(d));
-  }
-  return out;
 }
 
 // Times `work` on every rank at once: rank 0 finds how many repeats fill

@@ -15,6 +15,14 @@ int PipelineSchedule::chunks() const {
   return n;
 }
 
+bool PipelineSchedule::backward_whole_in_one_chunk() const {
+  if (names_chunks()) return false;
+  for (const auto& list : actions) {
+    if (splits_backward(list)) return false;
+  }
+  return true;
+}
+
 PipelineSchedule::Place PipelineSchedule::place_of(int chunk) const {
   for (int s = 0; s < static_cast<int>(stage_chunks.size()); ++s) {
     for (int j = 0; j < static_cast<int>(stage_chunks[s].size()); ++j) {

@@ -66,6 +66,10 @@ struct PipelineSchedule {
   Place place_of(int chunk) const;
   // Whether names need the chunk: some stage holds more than one.
   bool names_chunks() const { return chunks() != stages; }
+  // Whether every stage holds one chunk and runs each micro-batch's backward as one pass
+  // (B, not I and W): what ZeRO stage 2's gradient windows need (runtime/gradient_sync.h).
+  // Under any other schedule train runs --zero 2 as stage 1.
+  bool backward_whole_in_one_chunk() const;
 };
 
 // "F3" for one chunk per stage; "5F3" (model chunk 5) when stages hold several.
