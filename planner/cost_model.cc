@@ -66,16 +66,16 @@ class PieceCoster {
 
  private:
   void add_node(const Node& n, size_t id, ShardRole role, PieceCost& c) const {
-    const double overhead = profile_.op_overhead_us;
+    const double overhead = profile_.op_overhead_us, scale = profile_.compute_scale;
     if (n.kind == OpKind::kLinear) {
       int64_t in = n.in_features, out = n.out_features;
       if (role == ShardRole::kColumn || role == ShardRole::kColumnGather) out /= shards_;
       if (role == ShardRole::kRow) in /= shards_;
       const bool dx = needs_grad_[n.inputs[0]];
-      c.forward += profile_.linear_forward_us(rows_, in, out) + overhead;
-      if (dx) c.input += profile_.linear_input_grad_us(rows_, in, out);
-      c.weight += profile_.linear_weight_grad_us(rows_, in, out);
-      c.input += overhead;  // the backward call (dx and dW in one where B is whole)
+      c.forward += scale * (profile_.linear_forward_us(rows_, in, out) + overhead);
+      // The backward call (dx and dW in one where B is whole) pays the overhead once.
+      c.input += scale * ((dx ? profile_.linear_input_grad_us(rows_, in, out) : 0) + overhead);
+      c.weight += scale * profile_.linear_weight_grad_us(rows_, in, out);
       const double in_bytes = kFloat * static_cast<double>(rows_ * n.in_features);
       const double out_bytes = kFloat * static_cast<double>(rows_ * n.out_features);
       double forward_comm = 0, backward_comm = 0;
@@ -96,9 +96,9 @@ class PieceCoster {
     const double bytes = kFloat * static_cast<double>(rows_ * width);
     const double rate = profile_.elementwise_bytes_per_s / 1e6;  // bytes per µs
     // A fused activation runs in its Linear's epilogue: no call of its own in forward.
-    c.forward += passes.forward * bytes / rate + (fused_[id] ? 0 : overhead);
-    c.input += passes.backward * bytes / rate + overhead;
-    if (recomputed_[n.outputs[0]]) c.input += passes.forward * bytes / rate + overhead;
+    c.forward += scale * (passes.forward * bytes / rate + (fused_[id] ? 0 : overhead));
+    c.input += scale * (passes.backward * bytes / rate + overhead);
+    if (recomputed_[n.outputs[0]]) c.input += scale * (passes.forward * bytes / rate + overhead);
   }
 
   const Graph& g_;
@@ -112,7 +112,8 @@ class PieceCoster {
 double loss_us(const Graph& g, const MachineProfile& profile, double rows) {
   double elements = 0;
   for (int y : g.outputs) elements += rows * static_cast<double>(g.values[y].shape.per_sample_elements());
-  return 6 * kFloat * elements / (profile.elementwise_bytes_per_s / 1e6) + 2 * profile.op_overhead_us;
+  return profile.compute_scale *
+         (6 * kFloat * elements / (profile.elementwise_bytes_per_s / 1e6) + 2 * profile.op_overhead_us);
 }
 
 // Trainable parameter elements one rank of each stage holds: a sharded Linear's 1/T.
@@ -144,7 +145,10 @@ std::string LayoutPrediction::bottleneck() const {
   return std::max_element(std::begin(parts), std::end(parts))->second;
 }
 
-LayoutPrediction predict_layout(const Graph& g, const Plan& plan, const Layout& layout, const MachineProfile& profile) {
+namespace {
+
+// One layout's step, every op at its figure in `profile`.
+LayoutPrediction predict_with(const Graph& g, const Plan& plan, const Layout& layout, const MachineProfile& profile) {
   const PartitionOptions& o = plan.options;
   const int stages = o.stages, m = micro_batch_count(o), d = layout.replicas;
   const PieceCoster coster(g, plan, profile);
@@ -203,7 +207,8 @@ LayoutPrediction predict_layout(const Graph& g, const Plan& plan, const Layout& 
             profile.reduce_scatter_us(bytes, d);  // the all-gather of the updated slices
       }
     }
-    const double optimizer = (zero > 0 ? params[s] / d : params[s]) / profile.optimizer_params_per_s * 1e6;
+    const double optimizer =
+        profile.compute_scale * (zero > 0 ? params[s] / d : params[s]) / profile.optimizer_params_per_s * 1e6;
     const double stage_finish = sp.end[s] + exposed + optimizer;
     if (stage_finish > finish) {
       finish = stage_finish;
@@ -218,6 +223,20 @@ LayoutPrediction predict_layout(const Graph& g, const Plan& plan, const Layout& 
   out.overhead_us = profile.step_overhead_us;
   out.step_us = finish + out.overhead_us;
   return out;
+}
+
+}  // namespace
+
+LayoutPrediction predict_layout(const Graph& g, const Plan& plan, const Layout& layout, const MachineProfile& profile) {
+  const LayoutPrediction all_busy = predict_with(g, plan, layout, profile);
+  const double s = profile.all_busy_slowdown;
+  if (s <= 1) return all_busy;
+  // The op figures are times with every rank computing. Where the schedule leaves ranks
+  // idle (a pipeline's bubble), the others share the cores with fewer: an op then takes
+  // (1 + (s − 1)·u) / s of its figure, u the share of the schedule the ranks compute.
+  MachineProfile faster = profile;
+  faster.compute_scale *= (1 + (s - 1) * all_busy.busy_share) / s;
+  return predict_with(g, plan, layout, faster);
 }
 
 }  // namespace pipeshard

@@ -23,6 +23,12 @@
 //   overlapped with the whole of backward;
 // - steps its optimizer over its parameters (1/D of them under ZeRO).
 // The step ends when the slowest stage has, plus a fixed overhead per step.
+// Every op's time (not the fixed overheads, not communication) is the profile's figure
+// times its compute_scale: what the ops take in a real step over what they take alone.
+// Where ranks share cores (all_busy_slowdown s > 1: figures taken with every rank
+// computing), a layout whose schedule keeps the ranks computing a share u of the time
+// runs its ops at (1 + (s − 1)·u) / s of the figures: the step is priced once at the
+// figures to find u, then again with them so scaled.
 #ifndef PIPESHARD_PLANNER_COST_MODEL_H_
 #define PIPESHARD_PLANNER_COST_MODEL_H_
 
@@ -48,6 +54,7 @@ struct LayoutPrediction {
   double optimizer_us = 0;
   double overhead_us = 0;  // the profile's fixed cost per step
   int critical_stage = 0;  // the stage that finishes last
+  double busy_share = 1;   // the share of the schedule the ranks spend in their passes, over the stages
   PassCosts costs;         // per micro-batch and model chunk, µs (TP collectives included)
   // The largest share of the step: "compute", "bubble", "tensor-parallel",
   // "all-reduce" (data-parallel), "optimizer" or "overhead".

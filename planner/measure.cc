@@ -7,10 +7,15 @@
 #include <functional>
 #include <set>
 
+#include <fmt/core.h>
+
 #include "common/check.h"
+#include "common/host_memory.h"
 #include "dataset/dataset.h"
 #include "dataset/npy.h"
 #include "partitioner/layout_search.h"
+#include "planner/cost_model.h"
+#include "program/program.h"
 #include "runtime/trainer.h"
 
 namespace pipeshard {
@@ -23,13 +28,16 @@ double since_us(Clock::time_point start) {
 }
 
 // Times `work` on every rank at once: rank 0 finds how many repeats fill
-// seconds_per_figure, every rank runs that many after a barrier, and the figure is the
-// median repeat, averaged over the ranks (µs). Collective.
+// seconds_per_figure, every rank runs that many back to back after a barrier, and the
+// figure is the block's time over the repeats, averaged over the ranks (µs). A block, not
+// the median repeat: ranks that share cores lose whole scheduler slices now and then, and
+// a short repeat mostly escapes them where a training step does not. Collective.
 class Timer {
  public:
   Timer(Backend& backend, Communicator& world, double seconds) : backend_(backend), world_(world), seconds_(seconds) {}
 
-  // `before` runs, untimed, ahead of every repeat.
+  // `before` runs, untimed, ahead of every repeat (the block's time is then the sum of the
+  // repeats' own).
   template <typename Work>
   double time_us(Work work, const std::function<void()>& before = {}) {
     work();  // warm: first-touch pages, BLAS buffers
@@ -42,10 +50,41 @@ class Timer {
     const double repeats = world_.rank() == 0 ? std::clamp(std::ceil(seconds_ * 1e6 / once), 3.0, 1000.0) : 0;
     const int n = static_cast<int>(world_.all_reduce_sum(repeats));
     world_.barrier();
+    double total = 0;
+    if (before) {
+      for (int i = 0; i < n; ++i) {
+        before();
+        backend_.synchronize();
+        const Clock::time_point start = Clock::now();
+        work();
+        backend_.synchronize();
+        total += since_us(start);
+      }
+    } else {
+      const Clock::time_point start = Clock::now();
+      for (int i = 0; i < n; ++i) work();
+      backend_.synchronize();
+      total = since_us(start);
+    }
+    return world_.all_reduce_sum(total / n) / world_.size();
+  }
+
+  // For work long against a scheduler slice (a training step): the median of a run of
+  // repeats lasting ten times seconds_per_figure (5 to 50 of them), averaged over the ranks,
+  // so that one repeat another process disturbed does not count. Collective.
+  template <typename Work>
+  double median_us(Work work) {
+    work();  // warm, and the calibration of the count
+    backend_.synchronize();
+    const Clock::time_point calibration = Clock::now();
+    work();
+    backend_.synchronize();
+    const double once = std::max(since_us(calibration), 0.1);
+    const double repeats = world_.rank() == 0 ? std::clamp(std::ceil(10 * seconds_ * 1e6 / once), 5.0, 50.0) : 0;
+    const int n = static_cast<int>(world_.all_reduce_sum(repeats));
+    world_.barrier();
     std::vector<double> times;
     for (int i = 0; i < n; ++i) {
-      if (before) before();
-      backend_.synchronize();
       const Clock::time_point start = Clock::now();
       work();
       backend_.synchronize();
@@ -133,7 +172,7 @@ TinyModel tiny_model(int64_t samples) {
   return {std::move(g), std::move(*data)};
 }
 
-// The median step of a one-process Trainer of the tiny model in `micro_batches`, in µs
+// The mean step of a one-process Trainer of the tiny model in `micro_batches`, in µs
 // (every rank at once, each alone).
 double tiny_step_us(Backend& backend, Timer& timer, int micro_batches) {
   const int64_t batch = 16;
@@ -149,7 +188,99 @@ double tiny_step_us(Backend& backend, Timer& timer, int micro_batches) {
   return timer.time_us([&] { (*trainer)->step(); });
 }
 
+// One process's training of the whole model on `rows` rows of constant features in
+// `data`: the loss the model's output can train (cross-entropy over several classes, else
+// MSE), Adam, the micro-batches given. False for a model of several inputs or outputs.
+bool whole_model_config(const Graph& g, int64_t rows, int micro_batches, TrainConfig& config, Dataset& data) {
+  if (g.inputs.size() != 1 || g.outputs.size() != 1) return false;
+  const int64_t width = g.values[g.inputs[0]].shape.per_sample_elements();
+  const int64_t outputs = g.values[g.outputs[0]].shape.per_sample_elements();
+  config.batch_size = rows;
+  config.micro_batches = micro_batches;
+  config.total_steps = 1 << 30;
+  config.shuffle = false;
+  config.optimizer.kind = OptimizerKind::kAdam;
+  config.loss = outputs > 1 ? LossKind::kCrossEntropy : LossKind::kMse;
+  data.samples = rows;
+  data.features_per_sample = width;
+  data.features = Rows::of_floats(std::vector<float>(static_cast<size_t>(rows * width), 0.25f), width);
+  if (config.loss == LossKind::kCrossEntropy) {
+    data.targets_per_sample = 1;
+    data.targets =
+        Rows::of_floats(std::vector<float>(static_cast<size_t>(rows), 0.0f), 1, RowRule::kClassIndex, outputs);
+  } else {
+    data.targets_per_sample = outputs;
+    data.targets = Rows::of_floats(std::vector<float>(static_cast<size_t>(rows * outputs), 0.0f), outputs);
+  }
+  return true;
+}
+
+// compute_scale (planner/profile.h): every rank at once trains the whole model alone on
+// its share of the batch (B/N rows, or B) in one micro-batch and in the most the plan may
+// use, and the figure is the median steps less the profile's fixed costs, over what
+// predict_layout() makes of the same layouts from the op figures measured before. 1 when
+// the model cannot be trained so, or would not fit in this host's memory N times over.
+double calibrate_compute(Backend& backend, Communicator& world, Timer& timer, const MeasureOptions& o,
+                         const MachineProfile& measured, std::string& note) {
+  const Graph& g = *o.model;
+  const int64_t rows = o.batch_size % world.size() == 0 ? o.batch_size / world.size() : o.batch_size;
+  std::vector<int> counts = {1};
+  if (const int most = divisors(rows, o.max_micro_batches).back(); most > 1) counts.push_back(most);
+  MachineProfile ops_only = measured;  // the ops alone: no fixed costs, unscaled
+  ops_only.step_overhead_us = ops_only.micro_batch_overhead_us = 0;
+  ops_only.compute_scale = 1;
+  double steps_us = 0, predicted_us = 0;
+  for (int m : counts) {
+    // Every rank decides alike: whether the config is one train runs, and fits in rank 0's
+    // figure of this host's memory shared N ways.
+    TrainConfig config;
+    Dataset data;
+    std::vector<int64_t> need;
+    if (whole_model_config(g, rows, m, config, data)) need = Trainer::memory_per_stage(g, config, {}, backend);
+    int64_t room = read_host_memory().available;
+    world.broadcast_bytes(&room, sizeof room, 0);
+    const bool fits = !need.empty() && (room < 0 || need.front() <= room / world.size());
+    std::unique_ptr<Trainer> trainer;
+    if (fits) {
+      Result<std::unique_ptr<Trainer>> made = Trainer::create(g, data, backend, config);
+      if (made) trainer = std::move(*made);
+    }
+    if (world.all_reduce_sum(trainer != nullptr ? 0.0 : 1.0) > 0) {
+      note = need.empty() ? "the model cannot be trained whole in one process, so compute_scale is 1"
+                          : "the whole model does not fit in memory on every rank at once, so compute_scale is 1";
+      return 1;
+    }
+    const double step_us = timer.median_us([&] { trainer->step(); });
+    Layout layout;
+    layout.micro_batches = m;
+    layout.schedule = "1f1b";
+    LayoutSearchOptions search;
+    search.batch_size = rows;
+    search.kept_when_fused = kept_when_fused(backend);
+    Result<Plan> plan = make_plan(g, "", layout_partition_options(layout, search));
+    if (!plan) {
+      note = "no plan of the whole model: " + plan.status().message();
+      return 1;
+    }
+    steps_us += step_us - measured.step_overhead_us - m * measured.micro_batch_overhead_us;
+    predicted_us += predict_layout(g, *plan, layout, ops_only).step_us;
+  }
+  const double scale = predicted_us > 0 ? steps_us / predicted_us : 1;
+  note = fmt::format("a step of the whole model on {} rows takes {:.2f}x what its ops take alone", rows, scale);
+  return std::clamp(scale, 0.25, 4.0);
+}
+
 }  // namespace
+
+MeasureOptions model_measure_options(const Graph& graph, int ranks, int64_t batch_size, int max_micro_batches) {
+  MeasureOptions o;
+  o.linear = model_linear_sizes(graph, ranks, batch_size, max_micro_batches);
+  o.parameter_elements = model_parameter_elements(graph);
+  o.model = &graph;
+  o.batch_size = batch_size;
+  o.max_micro_batches = max_micro_batches;
+  return o;
+}
 
 std::vector<LinearSize> model_linear_sizes(const Graph& graph, int ranks, int64_t batch_size, int max_micro_batches) {
   std::set<int64_t> rows;
@@ -225,6 +356,19 @@ MachineProfile measure_profile(Backend& backend, Communicator& world, const Meas
     best_rate = std::max(best_rate, 2.0 * 512 * 512 * 512 / square.forward_us * 1e6);
     p.gemm_flops_per_s = best_rate;
   }
+  if (world.size() > 1) {  // the same GEMM on rank 0 alone, the others waiting as in a pipeline's bubble
+    const LinearShape shape{512, 512, 512};
+    DeviceBuffer x(backend, 512 * 512), w(backend, 512 * 512), y(backend, 512 * 512);
+    backend.fill(x.data(), 0.5f, 512 * 512);
+    backend.fill(w.data(), 0.01f, 512 * 512);
+    const double all_busy =
+        timer.time_us([&] { backend.linear_forward(y.data(), x.data(), w.data(), nullptr, shape); });
+    const double alone =  // the mean over the ranks is rank 0's time over their count
+        world.size() * timer.time_us([&] {
+          if (world.rank() == 0) backend.linear_forward(y.data(), x.data(), w.data(), nullptr, shape);
+        });
+    p.all_busy_slowdown = std::max(1.0, all_busy / alone);
+  }
 
   say("timing elementwise ops and the optimizer");
   const int64_t n = o.elementwise_elements;
@@ -261,6 +405,13 @@ MachineProfile measure_profile(Backend& backend, Communicator& world, const Meas
   const double one = tiny_step_us(backend, timer, 1), four = tiny_step_us(backend, timer, 4);
   p.micro_batch_overhead_us = std::max(0.0, (four - one) / 3);
   p.step_overhead_us = std::max(0.0, one - p.micro_batch_overhead_us);
+
+  if (o.model != nullptr && o.batch_size > 0) {
+    say("timing a step of the whole model on every rank at once");
+    std::string note;
+    p.compute_scale = calibrate_compute(backend, world, timer, o, p, note);
+    say("  " + note);
+  }
 
   if (world.size() > 1) {
     say("timing messages between pairs of ranks and all-reduces over " + std::to_string(world.size()));

@@ -40,14 +40,26 @@ struct MeasureOptions {
   // them, as a step makes it, gives the optimizer rate. Empty: one tensor of
   // elementwise_elements.
   std::vector<int64_t> parameter_elements;
+  // The model to calibrate compute_scale on (planner/profile.h), and the plan's global
+  // batch and largest micro-batch count: every rank trains the whole model alone on B/N
+  // rows (B when N does not divide it) for a few steps. Null or a batch of 0: scale 1.
+  const Graph* model = nullptr;
+  int64_t batch_size = 0;
+  int max_micro_batches = 16;
   std::string machine;                               // profile.machine
   std::function<void(const std::string&)> progress;  // a line now and then (rank 0), or null
 };
 
+// Everything a plan of `graph` on `ranks` processes with a global batch of `batch_size` and
+// up to `max_micro_batches` micro-batches needs measured: its Linear shapes, its parameter
+// tensors, and the model itself for compute_scale. `graph` must outlive the options.
+MeasureOptions model_measure_options(const Graph& graph, int ranks, int64_t batch_size, int max_micro_batches);
+
 // Times `options.linear` (forward, input and weight gradient), the elementwise and Adam
-// rates, a call's fixed cost, and with several ranks point-to-point messages between
-// pairs of ranks (all pairs at once) and all-reduces over all of them, each figure the
-// median of its repeats, averaged over the ranks. Collective over `world`; every rank
+// rates, a call's fixed cost, with a model a step of it (compute_scale), and with several
+// ranks point-to-point messages between pairs of ranks (all pairs at once) and
+// all-reduces over all of them. Each figure is a block of repeats run on every rank at
+// once, over the repeats, averaged over the ranks. Collective over `world`; every rank
 // returns the same profile.
 MachineProfile measure_profile(Backend& backend, Communicator& world, const MeasureOptions& options);
 

@@ -141,6 +141,8 @@ std::string profile_json_text(const MachineProfile& p) {
   j["op_overhead_us"] = p.op_overhead_us;
   j["step_overhead_us"] = p.step_overhead_us;
   j["micro_batch_overhead_us"] = p.micro_batch_overhead_us;
+  j["compute_scale"] = p.compute_scale;
+  j["all_busy_slowdown"] = p.all_busy_slowdown;
   j["p2p"] = link_json(p.p2p);
   j["all_reduce"] = link_json(p.all_reduce);
   return j.dump(2, ' ', false, nlohmann::json::error_handler_t::replace) + "\n";
@@ -176,9 +178,12 @@ Result<MachineProfile> parse_profile_json(const std::string& text, const std::st
                                       {"optimizer_params_per_s", &p.optimizer_params_per_s, true},
                                       {"op_overhead_us", &p.op_overhead_us, false},
                                       {"step_overhead_us", &p.step_overhead_us, false},
-                                      {"micro_batch_overhead_us", &p.micro_batch_overhead_us, false}}) {
+                                      {"micro_batch_overhead_us", &p.micro_batch_overhead_us, false},
+                                      {"compute_scale", &p.compute_scale, true},
+                                      {"all_busy_slowdown", &p.all_busy_slowdown, true}}) {
     if (Status s = r.number(j, key, "", *field, positive); !s) return s;
   }
+  if (p.all_busy_slowdown < 1) return r.bad("all_busy_slowdown", "1 or more");
   if (Status s = r.link(j, "p2p", p.p2p); !s) return s;
   if (Status s = r.link(j, "all_reduce", p.all_reduce); !s) return s;
   return p;

@@ -16,6 +16,10 @@
 //     "op_overhead_us": 2.0,               // fixed cost of every op the runner calls
 //     "step_overhead_us": 100.0,           // fixed cost of a step beyond its ops (loss, bookkeeping)
 //     "micro_batch_overhead_us": 20.0,     // fixed cost of each micro-batch's passes beyond their ops
+//     "compute_scale": 1.15,               // what the model's ops take in a real step over the sum of their
+//                                          // times alone (caches, calls between them); 1 when left out
+//     "all_busy_slowdown": 2.0,            // ops with every rank computing over ops on one rank alone
+//                                          // (ranks that outnumber the cores share them); 1 when left out
 //     "p2p":        {"latency_us": 5.0,  "bytes_per_s": 2.0e9},
 //     "all_reduce": {"latency_us": 10.0, "bytes_per_s": 1.0e9}   // bus bandwidth, as below
 //   }
@@ -60,6 +64,15 @@ struct MachineProfile {
   double op_overhead_us = 0;
   double step_overhead_us = 0;
   double micro_batch_overhead_us = 0;
+  // Every op's time (Linear passes, elementwise ops, the loss, the optimizer; not the
+  // fixed overheads or communication) is multiplied by this: measured, it is a real
+  // step of the model over the sum its ops' figures predict (planner/measure.h).
+  double compute_scale = 1;
+  // How much slower an op runs while every rank computes than while one computes alone and
+  // the others wait (ranks that outnumber the cores share them; memory bandwidth). The op
+  // figures above are taken with every rank computing; the cost model speeds them up where
+  // the schedule leaves ranks idle.
+  double all_busy_slowdown = 1;
   LinkCost p2p{5, 1e9};
   LinkCost all_reduce{10, 1e9};
 

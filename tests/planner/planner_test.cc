@@ -58,6 +58,8 @@ TEST(Profile, RoundTripsThroughItsJson) {
   p.optimizer_params_per_s = 5e8;
   p.op_overhead_us = 1.5;
   p.step_overhead_us = 40;
+  p.compute_scale = 1.25;
+  p.all_busy_slowdown = 1.5;
   p.p2p = {3, 2e9};
   p.all_reduce = {9, 1.5e9};
   Result<MachineProfile> back = parse_profile_json(profile_json_text(p), "p.json");
@@ -67,6 +69,8 @@ TEST(Profile, RoundTripsThroughItsJson) {
   ASSERT_EQ(back->linear.size(), 2u);
   EXPECT_EQ(back->linear[0].out, 256);
   EXPECT_EQ(back->linear[1].weight_grad_us, 0.75);
+  EXPECT_EQ(back->compute_scale, 1.25);
+  EXPECT_EQ(back->all_busy_slowdown, 1.5);
 }
 
 TEST(Profile, AHandWrittenOneNeedsOnlyWhatItChanges) {
@@ -79,6 +83,7 @@ TEST(Profile, AHandWrittenOneNeedsOnlyWhatItChanges) {
   EXPECT_EQ(p->gemm_flops_per_s, 4e14);
   EXPECT_EQ(p->all_reduce.bytes_per_s, 1.5e11);
   EXPECT_EQ(p->p2p.bytes_per_s, MachineProfile{}.p2p.bytes_per_s);  // the default
+  EXPECT_EQ(p->compute_scale, 1);                                   // ops take what their figures say
   // No shape listed: 2·rows·in·out at the GEMM rate.
   EXPECT_DOUBLE_EQ(p->linear_forward_us(1000, 2000, 4000), 2.0 * 1000 * 2000 * 4000 / 4e14 * 1e6);
 }
@@ -93,6 +98,8 @@ TEST(Profile, RefusalsNameTheFieldAtFault) {
       {profile_text(R"("gemm_flops_per_s": "fast")"), "'gemm_flops_per_s' must be a positive number"},
       {profile_text(R"("op_overhead_us": -1)"), "'op_overhead_us' must be a number, 0 or more"},
       {profile_text(R"("ranks": 1.5)"), "'ranks' must be a whole number"},
+      {profile_text(R"("compute_scale": 0)"), "'compute_scale' must be a positive number"},
+      {profile_text(R"("all_busy_slowdown": 0.5)"), "'all_busy_slowdown' must be 1 or more"},
       {profile_text(R"("linear": [{"rows": 4, "in": 8, "forward_us": 1, "input_grad_us": 1, "weight_grad_us": 1}])"),
        "'linear[0].out' must be present"},
       {profile_text(
@@ -198,6 +205,37 @@ TEST(CostModel, OneLinearInOneProcessAddsUpByHand) {
                        got.overhead_us,
                    got.step_us);
   EXPECT_EQ(got.bottleneck(), "compute");
+}
+
+TEST(CostModel, ComputeScaleMultipliesTheOpsNotTheFixedCostsOrTheMessages) {
+  const ImportedModel m = mlp({512, 512, 512, 10});
+  MachineProfile p = round_profile();
+  const LayoutPrediction one = predict(m, layout_of(1, 1, 1, 1, "1f1b"), p, 16);
+  const LayoutPrediction sharded = predict(m, layout_of(2, 1, 2, 1, "1f1b"), p, 32);
+  p.compute_scale = 2;
+  const LayoutPrediction one2 = predict(m, layout_of(1, 1, 1, 1, "1f1b"), p, 16);
+  const LayoutPrediction sharded2 = predict(m, layout_of(2, 1, 2, 1, "1f1b"), p, 32);
+  EXPECT_DOUBLE_EQ(one2.compute_us, 2 * one.compute_us);
+  EXPECT_DOUBLE_EQ(one2.optimizer_us, 2 * one.optimizer_us);
+  EXPECT_DOUBLE_EQ(one2.overhead_us, one.overhead_us);
+  EXPECT_DOUBLE_EQ(one2.step_us - one2.overhead_us, 2 * (one.step_us - one.overhead_us));
+  EXPECT_DOUBLE_EQ(sharded2.compute_us, 2 * sharded.compute_us);
+  EXPECT_DOUBLE_EQ(sharded2.tensor_parallel_us, sharded.tensor_parallel_us);
+}
+
+TEST(CostModel, RanksThatShareCoresComputeFasterWhereOthersIdle) {
+  const ImportedModel m = mlp({64, 64, 64, 64, 64});
+  MachineProfile p = round_profile();
+  const LayoutPrediction pipeline = predict(m, layout_of(1, 4, 1, 1, "gpipe"), p, 32);
+  const LayoutPrediction replicas = predict(m, layout_of(4, 1, 1, 1, "1f1b"), p, 128);
+  ASSERT_LT(pipeline.busy_share, 0.5);  // one micro-batch through four stages: each works a quarter
+  EXPECT_DOUBLE_EQ(replicas.busy_share, 1);
+  p.all_busy_slowdown = 2;  // the figures were taken with every rank computing
+  const LayoutPrediction pipeline2 = predict(m, layout_of(1, 4, 1, 1, "gpipe"), p, 32);
+  const LayoutPrediction replicas2 = predict(m, layout_of(4, 1, 1, 1, "1f1b"), p, 128);
+  // Busy a share u of the time, the ops take (1 + u) / 2 of their figures.
+  EXPECT_DOUBLE_EQ(pipeline2.compute_us, pipeline.compute_us * (1 + pipeline.busy_share) / 2);
+  EXPECT_DOUBLE_EQ(replicas2.compute_us, replicas.compute_us);  // every rank computes all along
 }
 
 TEST(CostModel, ReplicasReduceWhatOutlastsTheLastBackward) {
@@ -309,8 +347,7 @@ TEST(Measure, ModelShapesCoverEveryRowCountAndShard) {
 
 TEST(Measure, AProfileOfThisMachineHasEveryFigure) {
   const ImportedModel m = mlp({64, 32, 10});
-  MeasureOptions o;
-  o.linear = model_linear_sizes(m.graph, 2, 8, 4);
+  MeasureOptions o = model_measure_options(m.graph, 2, 8, 4);
   o.seconds_per_figure = 0.001;
   o.elementwise_elements = 1 << 12;
   o.message_bytes = {1 << 10, 1 << 14};
@@ -326,7 +363,7 @@ TEST(Measure, AProfileOfThisMachineHasEveryFigure) {
   ASSERT_EQ(p.linear.size(), o.linear.size());
   for (const LinearTiming& t : p.linear) EXPECT_GT(t.forward_us + t.input_grad_us + t.weight_grad_us, 0);
   for (double v : {p.gemm_flops_per_s, p.elementwise_bytes_per_s, p.optimizer_params_per_s, p.p2p.bytes_per_s,
-                   p.all_reduce.bytes_per_s}) {
+                   p.all_reduce.bytes_per_s, p.compute_scale}) {
     EXPECT_GT(v, 0);
     EXPECT_TRUE(std::isfinite(v));
   }

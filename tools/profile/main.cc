@@ -45,7 +45,8 @@ Status check_args(int argc, char** argv, Args& a, std::optional<int>& answered, 
   CLI::App app{
       "Measure this machine for the layout planner and write profile.json: the GEMM time of every Linear\n"
       "shape MODEL's layouts need (or a square GEMM without a model), elementwise and optimizer\n"
-      "throughput, and under mpirun point-to-point and all-reduce time by message size. Run it as train\n"
+      "throughput, a few steps of MODEL whole on every process (how much slower ops run in a step than\n"
+      "alone), and under mpirun point-to-point and all-reduce time by message size. Run it as train\n"
       "will run (the same mpirun -np and threads per process); it takes well under a minute.\n"
       "Example: mpirun -np 4 profile models/simple_digits.onnx --batch-size 64 --out profile.json\n"
       "         partition models/simple_digits.onnx --plan --ranks 4 --batch-size 64 --profile profile.json",
@@ -82,11 +83,12 @@ int run(Communicator& world, int argc, char** argv) {
   Status s = check_args(argc, argv, a, answered, root);
   if (answered) return *answered;
   MeasureOptions o;
+  std::optional<ImportedModel> model;  // o.model points into it
   if (s && !a.model.empty()) {
     Result<ImportedModel> m = import_onnx_file(a.model);
     if (m) {
-      o.linear = model_linear_sizes(m->graph, world.size(), a.batch_size, a.max_micro_batches);
-      o.parameter_elements = model_parameter_elements(m->graph);
+      model = std::move(*m);
+      o = model_measure_options(model->graph, world.size(), a.batch_size, a.max_micro_batches);
     } else {
       s = m.status();
     }

@@ -34,9 +34,7 @@ Result<ChosenLayout> choose_layout(Args& a, Communicator& world) {
                          " needs --profile: the profile tool measures the CPU backend only so far");
   } else {
     if (root) fmt::print(stderr, "layout auto: measuring this machine on {} process(es) first\n", world.size());
-    MeasureOptions mo;
-    mo.linear = model_linear_sizes(m->graph, world.size(), a.batch_size, o.max_micro_batches);
-    mo.parameter_elements = model_parameter_elements(m->graph);
+    MeasureOptions mo = model_measure_options(m->graph, world.size(), a.batch_size, o.max_micro_batches);
     mo.machine = "this machine, measured by train --layout auto";
     std::unique_ptr<Backend> backend = make_cpu_backend();
     profile = measure_profile(*backend, world, mo);
