@@ -11,10 +11,14 @@
 
 namespace pipeshard::train_cli {
 
-Result<ChosenLayout> choose_layout(Args& a, Communicator& world) {
+Result<ChosenLayout> choose_layout(Args& a, Communicator& world, std::optional<ImportedModel>& model) {
   const bool root = world.rank() == 0;
-  Result<ImportedModel> m = import_onnx_file(a.model);
-  if (!m) return m.status();
+  if (!model) {
+    Result<ImportedModel> imported = import_onnx_file(a.model);
+    if (!imported) return imported.status();
+    model = std::move(*imported);
+  }
+  const ImportedModel* m = &*model;
   LayoutSearchOptions o;
   o.ranks = world.size();
   o.batch_size = a.batch_size;

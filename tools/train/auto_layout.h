@@ -3,10 +3,12 @@
 #ifndef PIPESHARD_TOOLS_TRAIN_AUTO_LAYOUT_H_
 #define PIPESHARD_TOOLS_TRAIN_AUTO_LAYOUT_H_
 
+#include <optional>
 #include <string>
 
 #include "comm/comm.h"
 #include "common/status.h"
+#include "importer/onnx_importer.h"
 #include "tools/train/args.h"
 
 namespace pipeshard::train_cli {
@@ -24,8 +26,9 @@ struct ChosenLayout {
 // buckets, within the memory each process may take (rank 0's host's available memory
 // shared by all of them; unlimited on a GPU), and sets `a`'s layout flags to the fastest. Rank 0
 // says what it chose. Collective; every rank decides the same. Errors: the profile, the
-// model, a GPU without --profile, and no layout that fits.
-Result<ChosenLayout> choose_layout(Args& a, Communicator& world);
+// model, a GPU without --profile, and no layout that fits. `model` is the model to plan,
+// imported from a.model here when empty and left there for set_up_run() to train.
+Result<ChosenLayout> choose_layout(Args& a, Communicator& world, std::optional<ImportedModel>& model);
 
 }  // namespace pipeshard::train_cli
 

@@ -30,7 +30,7 @@ int run_training(Communicator& world, Run& run, int argc, char** argv) {
   Status parsed = parse_command_line(argc, argv, root, a, answered);
   if (answered) return *answered;
   if (parsed && a.layout == "auto") {  // collective, and every rank decides alike
-    Result<ChosenLayout> chosen = choose_layout(a, world);
+    Result<ChosenLayout> chosen = choose_layout(a, world, run.model);
     if (chosen) run.predicted_step_ms = chosen->predicted_ms;
     parsed = chosen.status();
   }
