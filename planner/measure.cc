@@ -220,8 +220,11 @@ bool whole_model_config(const Graph& g, int64_t rows, int micro_batches, TrainCo
 // use, and the figure is the median steps less the profile's fixed costs, over what
 // predict_layout() makes of the same layouts from the op figures measured before. 1 when
 // the model cannot be trained so, or would not fit in this host's memory N times over.
+// With several ranks, the step in one micro-batch on rank 0 alone, the others waiting,
+// gives `all_busy_slowdown` for this model: ranks that compute at once share cores, caches
+// and memory bandwidth, as much more as the model's working set is larger than a GEMM's.
 double calibrate_compute(Backend& backend, Communicator& world, Timer& timer, const MeasureOptions& o,
-                         const MachineProfile& measured, std::string& note) {
+                         const MachineProfile& measured, double& all_busy_slowdown, std::string& note) {
   const Graph& g = *o.model;
   const int64_t rows = o.batch_size % world.size() == 0 ? o.batch_size / world.size() : o.batch_size;
   std::vector<int> counts = {1};
@@ -251,6 +254,12 @@ double calibrate_compute(Backend& backend, Communicator& world, Timer& timer, co
       return 1;
     }
     const double step_us = timer.median_us([&] { trainer->step(); });
+    if (m == 1 && world.size() > 1) {  // the mean over the ranks is rank 0's median over their count
+      const double alone_us = world.size() * timer.median_us([&] {
+        if (world.rank() == 0) trainer->step();
+      });
+      all_busy_slowdown = std::max(1.0, step_us / alone_us);
+    }
     Layout layout;
     layout.micro_batches = m;
     layout.schedule = "1f1b";
@@ -266,7 +275,10 @@ double calibrate_compute(Backend& backend, Communicator& world, Timer& timer, co
     predicted_us += predict_layout(g, *plan, layout, ops_only).step_us;
   }
   const double scale = predicted_us > 0 ? steps_us / predicted_us : 1;
-  note = fmt::format("a step of the whole model on {} rows takes {:.2f}x what its ops take alone", rows, scale);
+  note = fmt::format("a step of the whole model on {} rows takes {:.2f}x what its ops take alone{}", rows, scale,
+                     world.size() > 1 ? fmt::format(", and {:.2f}x on every rank at once what it takes on one alone",
+                                                    all_busy_slowdown)
+                                      : "");
   return std::clamp(scale, 0.25, 4.0);
 }
 
@@ -356,7 +368,9 @@ MachineProfile measure_profile(Backend& backend, Communicator& world, const Meas
     best_rate = std::max(best_rate, 2.0 * 512 * 512 * 512 / square.forward_us * 1e6);
     p.gemm_flops_per_s = best_rate;
   }
-  if (world.size() > 1) {  // the same GEMM on rank 0 alone, the others waiting as in a pipeline's bubble
+  // The same GEMM on rank 0 alone, the others waiting as in a pipeline's bubble: the
+  // slowdown without a model (with one, its own step's replaces it, below).
+  if (world.size() > 1) {
     const LinearShape shape{512, 512, 512};
     DeviceBuffer x(backend, 512 * 512), w(backend, 512 * 512), y(backend, 512 * 512);
     backend.fill(x.data(), 0.5f, 512 * 512);
@@ -409,7 +423,7 @@ MachineProfile measure_profile(Backend& backend, Communicator& world, const Meas
   if (o.model != nullptr && o.batch_size > 0) {
     say("timing a step of the whole model on every rank at once");
     std::string note;
-    p.compute_scale = calibrate_compute(backend, world, timer, o, p, note);
+    p.compute_scale = calibrate_compute(backend, world, timer, o, p, p.all_busy_slowdown, note);
     say("  " + note);
   }
 

@@ -69,7 +69,7 @@ struct MachineProfile {
   // step of the model over the sum its ops' figures predict (planner/measure.h).
   double compute_scale = 1;
   // How much slower an op runs while every rank computes than while one computes alone and
-  // the others wait (ranks that outnumber the cores share them; memory bandwidth). The op
+  // the others wait (ranks share cores, caches and memory bandwidth). The op
   // figures above are taken with every rank computing; the cost model speeds them up where
   // the schedule leaves ranks idle.
   double all_busy_slowdown = 1;
