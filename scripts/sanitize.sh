@@ -17,8 +17,9 @@
 # (CI allows 90; the ordinary suite takes about 4). Every MPI process costs some 6 s more here
 # than in the ordinary build (LeakSanitizer's slow unwinding of Open MPI's start-up allocations,
 # which the suppressions need), so the golden layouts train five cases here, not all
-# (tests/CMakeLists.txt, golden_sanitize_cases); on a slow day the whole CI took 78 minutes
-# before that.
+# (tests/CMakeLists.txt, golden_sanitize_cases), and only the MPI tests in mpi_leak_checked_tests
+# check leaks (the others append detect_leaks=0:fast_unwind_on_malloc=1 to ASAN_OPTIONS); on a slow
+# day the whole CI took 78 minutes before those two cuts.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
