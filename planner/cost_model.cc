@@ -232,10 +232,11 @@ LayoutPrediction predict_layout(const Graph& g, const Plan& plan, const Layout& 
   const double s = profile.all_busy_slowdown;
   if (s <= 1) return all_busy;
   // The op figures are times with every rank computing. Where the schedule leaves ranks
-  // idle (a pipeline's bubble), the others share the cores with fewer: an op then takes
-  // (1 + (s − 1)·u) / s of its figure, u the share of the schedule the ranks compute.
+  // idle (a pipeline's bubble), the others share the cores with fewer: while a rank computes,
+  // a share u of the others do too (u the share of the schedule the ranks compute), and its
+  // ops take busy_slowdown(u) / s of their figures.
   MachineProfile faster = profile;
-  faster.compute_scale *= (1 + (s - 1) * all_busy.busy_share) / s;
+  faster.compute_scale *= profile.busy_slowdown(all_busy.busy_share) / s;
   return predict_with(g, plan, layout, faster);
 }
 

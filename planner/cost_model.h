@@ -27,8 +27,9 @@
 // times its compute_scale: what the ops take in a real step over what they take alone.
 // Where ranks share cores (all_busy_slowdown s > 1: figures taken with every rank
 // computing), a layout whose schedule keeps the ranks computing a share u of the time
-// runs its ops at (1 + (s − 1)·u) / s of the figures: the step is priced once at the
-// figures to find u, then again with them so scaled.
+// runs its ops at busy_slowdown(u) / s of the figures (planner/profile.h: the measured
+// slowdown with 1 + (N − 1)·u ranks computing, or 1 + (s − 1)·u): the step is priced once
+// at the figures to find u, then again with them so scaled.
 #ifndef PIPESHARD_PLANNER_COST_MODEL_H_
 #define PIPESHARD_PLANNER_COST_MODEL_H_
 

@@ -8,6 +8,7 @@
 #include <set>
 
 #include <fmt/core.h>
+#include <fmt/format.h>
 
 #include "common/check.h"
 #include "common/host_memory.h"
@@ -40,16 +41,54 @@ class Timer {
   // repeats' own).
   template <typename Work>
   double time_us(Work work, const std::function<void()>& before = {}) {
-    work();  // warm: first-touch pages, BLAS buffers
+    return block_us(work, before, seconds_, 3, 1000);
+  }
+
+  // time_us for work long against a scheduler slice (a training step): a block ten times
+  // as long, 5 to 50 repeats.
+  template <typename Work>
+  double long_block_us(Work work) {
+    return block_us(work, {}, 10 * seconds_, 5, 50);
+  }
+
+  // For work long against a scheduler slice (a training step): the median of a run of
+  // repeats lasting ten times seconds_per_figure (5 to 50 of them), averaged over the ranks,
+  // so that one repeat another process disturbed does not count. Collective.
+  template <typename Work>
+  double median_us(Work work) {
+    const int n = warm_and_count(work, 10 * seconds_, 5, 50);
+    std::vector<double> times;
+    for (int i = 0; i < n; ++i) {
+      const Clock::time_point start = Clock::now();
+      work();
+      backend_.synchronize();
+      times.push_back(since_us(start));
+    }
+    std::nth_element(times.begin(), times.begin() + n / 2, times.end());
+    return world_.all_reduce_sum(times[n / 2]) / world_.size();
+  }
+
+ private:
+  // Runs `work` twice (to warm first-touch pages and BLAS buffers, then to time it once on
+  // every rank, as the work may communicate) and returns rank 0's count of repeats that
+  // fill `seconds`, within [least, most], the same on every rank, after a barrier.
+  template <typename Work>
+  int warm_and_count(Work& work, double seconds, double least, double most) {
+    work();
     backend_.synchronize();
-    // Every rank runs the calibration (the work may communicate); rank 0's time counts.
     const Clock::time_point calibration = Clock::now();
     work();
     backend_.synchronize();
     const double once = std::max(since_us(calibration), 0.1);
-    const double repeats = world_.rank() == 0 ? std::clamp(std::ceil(seconds_ * 1e6 / once), 3.0, 1000.0) : 0;
+    const double repeats = world_.rank() == 0 ? std::clamp(std::ceil(seconds * 1e6 / once), least, most) : 0;
     const int n = static_cast<int>(world_.all_reduce_sum(repeats));
     world_.barrier();
+    return n;
+  }
+
+  template <typename Work>
+  double block_us(Work& work, const std::function<void()>& before, double seconds, double least, double most) {
+    const int n = warm_and_count(work, seconds, least, most);
     double total = 0;
     if (before) {
       for (int i = 0; i < n; ++i) {
@@ -69,52 +108,63 @@ class Timer {
     return world_.all_reduce_sum(total / n) / world_.size();
   }
 
-  // For work long against a scheduler slice (a training step): the median of a run of
-  // repeats lasting ten times seconds_per_figure (5 to 50 of them), averaged over the ranks,
-  // so that one repeat another process disturbed does not count. Collective.
-  template <typename Work>
-  double median_us(Work work) {
-    work();  // warm, and the calibration of the count
-    backend_.synchronize();
-    const Clock::time_point calibration = Clock::now();
-    work();
-    backend_.synchronize();
-    const double once = std::max(since_us(calibration), 0.1);
-    const double repeats = world_.rank() == 0 ? std::clamp(std::ceil(10 * seconds_ * 1e6 / once), 5.0, 50.0) : 0;
-    const int n = static_cast<int>(world_.all_reduce_sum(repeats));
-    world_.barrier();
-    std::vector<double> times;
-    for (int i = 0; i < n; ++i) {
-      const Clock::time_point start = Clock::now();
-      work();
-      backend_.synchronize();
-      times.push_back(since_us(start));
-    }
-    std::nth_element(times.begin(), times.begin() + n / 2, times.end());
-    return world_.all_reduce_sum(times[n / 2]) / world_.size();
-  }
-
- private:
   Backend& backend_;
   Communicator& world_;
   double seconds_;
 };
 
-void time_linear(Backend& backend, Timer& timer, const LinearSize& s, LinearTiming& t) {
-  DeviceBuffer x(backend, s.rows * s.in), w(backend, s.out * s.in), b(backend, s.out), y(backend, s.rows * s.out);
-  DeviceBuffer dx(backend, s.rows * s.in), dw(backend, s.out * s.in), db(backend, s.out);
+// Weights and weight gradients for time_linear, cold as in a step, where every other
+// layer's passes come between two of a Linear's own: each repeat takes the next of as many
+// copies as fill 64 MiB (more than a last-level cache; at most 64 copies), carved from one
+// arena each, filled once.
+class ColdWeights {
+ public:
+  explicit ColdWeights(Backend& backend) : w_(backend, kElements), dw_(backend, kElements) {
+    backend.fill(w_.data(), 0.01f, kElements);
+    backend.fill(dw_.data(), 0.0f, kElements);
+  }
+
+  // The next copy of a weight of `elements`, in turn.
+  float* w(int64_t elements) { return w_.data() + offset(elements); }
+  // The copy w() gave last, for its gradient.
+  float* dw_of_last(int64_t elements) { return dw_.data() + last_ * elements; }
+
+ private:
+  static constexpr int64_t kElements = int64_t{16} << 20;  // 64 MiB of floats
+
+  int64_t offset(int64_t elements) {
+    const int64_t copies = std::clamp<int64_t>(kElements / std::max<int64_t>(1, elements), 1, 64);
+    last_ = next_++ % copies;
+    return last_ * elements;
+  }
+
+  DeviceBuffer w_, dw_;
+  int64_t next_ = 0, last_ = 0;
+};
+
+void time_linear(Backend& backend, Timer& timer, ColdWeights& cold, const LinearSize& s, LinearTiming& t) {
+  const int64_t weight = s.out * s.in;
+  DeviceBuffer big_w, big_dw;  // a weight larger than the arena is cold anyway
+  if (weight > int64_t{16} << 20) {
+    big_w = DeviceBuffer(backend, weight), big_dw = DeviceBuffer(backend, weight);
+    backend.fill(big_w.data(), 0.01f, weight);
+  }
+  const auto w = [&] { return big_w.data() != nullptr ? big_w.data() : cold.w(weight); };
+  DeviceBuffer x(backend, s.rows * s.in), b(backend, s.out), y(backend, s.rows * s.out);
+  DeviceBuffer dx(backend, s.rows * s.in), db(backend, s.out);
   backend.fill(x.data(), 0.5f, s.rows * s.in);
-  backend.fill(w.data(), 0.01f, s.out * s.in);
   backend.fill(y.data(), 0.25f, s.rows * s.out);  // stands in for dy
   const LinearShape shape{s.rows, s.in, s.out};
   t.rows = s.rows, t.in = s.in, t.out = s.out;
-  t.forward_us = timer.time_us([&] { backend.linear_forward(y.data(), x.data(), w.data(), b.data(), shape); });
+  t.forward_us = timer.time_us([&] { backend.linear_forward(y.data(), x.data(), w(), b.data(), shape); });
   t.input_grad_us = timer.time_us([&] {
-    backend.linear_backward(dx.data(), nullptr, nullptr, y.data(), x.data(), w.data(), shape, GradWrite::kOverwrite,
+    backend.linear_backward(dx.data(), nullptr, nullptr, y.data(), x.data(), w(), shape, GradWrite::kOverwrite,
                             GradWrite::kOverwrite);
   });
   t.weight_grad_us = timer.time_us([&] {
-    backend.linear_backward(nullptr, dw.data(), db.data(), y.data(), x.data(), w.data(), shape, GradWrite::kOverwrite,
+    float* weights = w();
+    float* grad = big_dw.data() != nullptr ? big_dw.data() : cold.dw_of_last(weight);
+    backend.linear_backward(nullptr, grad, db.data(), y.data(), x.data(), weights, shape, GradWrite::kOverwrite,
                             GradWrite::kOverwrite);
   });
 }
@@ -220,11 +270,14 @@ bool whole_model_config(const Graph& g, int64_t rows, int micro_batches, TrainCo
 // use, and the figure is the median steps less the profile's fixed costs, over what
 // predict_layout() makes of the same layouts from the op figures measured before. 1 when
 // the model cannot be trained so, or would not fit in this host's memory N times over.
-// With several ranks, the step in one micro-batch on rank 0 alone, the others waiting,
-// gives `all_busy_slowdown` for this model: ranks that compute at once share cores, caches
-// and memory bandwidth, as much more as the model's working set is larger than a GEMM's.
+// With N > 1 ranks, the step in one micro-batch on ranks 0 … k − 1 alone, the others
+// waiting, for k = 1 … N, gives `slowdown_by_busy_ranks` for this model (left empty when
+// it cannot be trained): ranks that compute at once share cores, caches and memory
+// bandwidth, as much more as the model's working set is larger than a GEMM's, and not at
+// all while fewer compute than there are cores.
 double calibrate_compute(Backend& backend, Communicator& world, Timer& timer, const MeasureOptions& o,
-                         const MachineProfile& measured, double& all_busy_slowdown, std::string& note) {
+                         const MachineProfile& measured, std::vector<double>& slowdown_by_busy_ranks,
+                         std::string& note) {
   const Graph& g = *o.model;
   const int64_t rows = o.batch_size % world.size() == 0 ? o.batch_size / world.size() : o.batch_size;
   std::vector<int> counts = {1};
@@ -254,11 +307,27 @@ double calibrate_compute(Backend& backend, Communicator& world, Timer& timer, co
       return 1;
     }
     const double step_us = timer.median_us([&] { trainer->step(); });
-    if (m == 1 && world.size() > 1) {  // the mean over the ranks is rank 0's median over their count
-      const double alone_us = world.size() * timer.median_us([&] {
-        if (world.rank() == 0) trainer->step();
-      });
-      all_busy_slowdown = std::max(1.0, step_us / alone_us);
+    if (m == 1 && world.size() > 1) {
+      const int n = world.size();
+      // Blocks of steps, not the median step: a step that shares its core loses scheduler
+      // slices now and then, which the median would leave out. Which k ranks compute turns
+      // each round (ranks r … r + k − 1, modulo N), and the figure is the mean of three
+      // rounds: unbound ranks that outnumber the cores land two busy ones on one core in
+      // some rounds and not in others (k = 2 of 4 on two cores: 1.0x to 1.9x).
+      std::vector<double> sum(static_cast<size_t>(n), 0.0);
+      for (int round = 0; round < 3; ++round) {
+        const int turned = (world.rank() - round % n + n) % n;
+        for (int k = 1; k <= n; ++k) {  // the mean over the ranks is the k busy ones' time times k / n
+          sum[k - 1] += n / static_cast<double>(k) * timer.long_block_us([&] {
+            if (turned < k) trainer->step();
+          });
+        }
+      }
+      std::vector<double>& curve = slowdown_by_busy_ranks;
+      curve.assign(static_cast<size_t>(n), 1.0);
+      for (int k = 2; k <= n; ++k) {  // more ranks computing cannot make one faster: a dip is noise
+        curve[k - 1] = std::max(curve[k - 2], sum[k - 1] / sum[0]);
+      }
     }
     Layout layout;
     layout.micro_batches = m;
@@ -276,8 +345,9 @@ double calibrate_compute(Backend& backend, Communicator& world, Timer& timer, co
   }
   const double scale = predicted_us > 0 ? steps_us / predicted_us : 1;
   note = fmt::format("a step of the whole model on {} rows takes {:.2f}x what its ops take alone{}", rows, scale,
-                     world.size() > 1 ? fmt::format(", and {:.2f}x on every rank at once what it takes on one alone",
-                                                    all_busy_slowdown)
+                     world.size() > 1 ? fmt::format(", and with 1 … {} ranks computing at once {:.2f}x of its time on "
+                                                    "one alone",
+                                                    world.size(), fmt::join(slowdown_by_busy_ranks, "x, "))
                                       : "");
   return std::clamp(scale, 0.25, 4.0);
 }
@@ -354,9 +424,10 @@ MachineProfile measure_profile(Backend& backend, Communicator& world, const Meas
 
   say("timing " + std::to_string(o.linear.size()) + " Linear shapes (forward, input and weight gradient)");
   double best_rate = 0;
+  ColdWeights cold(backend);
   for (size_t i = 0; i < o.linear.size(); ++i) {
     LinearTiming t;
-    time_linear(backend, timer, o.linear[i], t);
+    time_linear(backend, timer, cold, o.linear[i], t);
     p.linear.push_back(t);
     const double flops = 2.0 * static_cast<double>(t.rows * t.in * t.out);
     if (t.forward_us > 0) best_rate = std::max(best_rate, flops / t.forward_us * 1e6);
@@ -364,7 +435,7 @@ MachineProfile measure_profile(Backend& backend, Communicator& world, const Meas
   }
   {  // the rate for shapes not listed: a square GEMM as large as the listed ones, or 512³
     LinearTiming square;
-    time_linear(backend, timer, {512, 512, 512}, square);
+    time_linear(backend, timer, cold, {512, 512, 512}, square);
     best_rate = std::max(best_rate, 2.0 * 512 * 512 * 512 / square.forward_us * 1e6);
     p.gemm_flops_per_s = best_rate;
   }
@@ -423,7 +494,9 @@ MachineProfile measure_profile(Backend& backend, Communicator& world, const Meas
   if (o.model != nullptr && o.batch_size > 0) {
     say("timing a step of the whole model on every rank at once");
     std::string note;
-    p.compute_scale = calibrate_compute(backend, world, timer, o, p, p.all_busy_slowdown, note);
+    std::vector<double> curve;
+    p.compute_scale = calibrate_compute(backend, world, timer, o, p, curve, note);
+    if (!curve.empty()) p.slowdown_by_busy_ranks = curve, p.all_busy_slowdown = curve.back();
     say("  " + note);
   }
 

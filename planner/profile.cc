@@ -118,6 +118,15 @@ double MachineProfile::reduce_scatter_us(double bytes, int group) const {
   return all_reduce.time_us(1.0 * (group - 1) / group * bytes);
 }
 
+double MachineProfile::busy_slowdown(double others) const {
+  others = std::clamp(others, 0.0, 1.0);
+  const std::vector<double>& c = slowdown_by_busy_ranks;
+  if (c.size() < 2) return 1 + (all_busy_slowdown - 1) * others;
+  const double at = others * static_cast<double>(c.size() - 1);  // index of the busy count
+  const size_t below = std::min(static_cast<size_t>(at), c.size() - 2);
+  return c[below] + (c[below + 1] - c[below]) * (at - static_cast<double>(below));
+}
+
 std::string profile_json_text(const MachineProfile& p) {
   nlohmann::json j;
   j["format"] = kFormat;
@@ -143,6 +152,7 @@ std::string profile_json_text(const MachineProfile& p) {
   j["micro_batch_overhead_us"] = p.micro_batch_overhead_us;
   j["compute_scale"] = p.compute_scale;
   j["all_busy_slowdown"] = p.all_busy_slowdown;
+  if (!p.slowdown_by_busy_ranks.empty()) j["slowdown_by_busy_ranks"] = p.slowdown_by_busy_ranks;
   j["p2p"] = link_json(p.p2p);
   j["all_reduce"] = link_json(p.all_reduce);
   return j.dump(2, ' ', false, nlohmann::json::error_handler_t::replace) + "\n";
@@ -184,6 +194,21 @@ Result<MachineProfile> parse_profile_json(const std::string& text, const std::st
     if (Status s = r.number(j, key, "", *field, positive); !s) return s;
   }
   if (p.all_busy_slowdown < 1) return r.bad("all_busy_slowdown", "1 or more");
+  if (j.contains("slowdown_by_busy_ranks")) {
+    const nlohmann::json& c = j.at("slowdown_by_busy_ranks");
+    const std::string what = "a list of " + std::to_string(p.ranks) + " numbers (one per rank), each 1 or more";
+    if (!c.is_array() || c.size() != static_cast<size_t>(p.ranks)) return r.bad("slowdown_by_busy_ranks", what);
+    for (const nlohmann::json& v : c) {
+      if (!v.is_number() || !std::isfinite(v.get<double>()) || v.get<double>() < 1) {
+        return r.bad("slowdown_by_busy_ranks", what);
+      }
+      p.slowdown_by_busy_ranks.push_back(v.get<double>());
+    }
+    if (!j.contains("all_busy_slowdown")) p.all_busy_slowdown = p.slowdown_by_busy_ranks.back();
+    if (std::abs(p.slowdown_by_busy_ranks.back() - p.all_busy_slowdown) > 1e-9 * p.all_busy_slowdown) {
+      return r.bad("slowdown_by_busy_ranks", "a list that ends at all_busy_slowdown");
+    }
+  }
   if (Status s = r.link(j, "p2p", p.p2p); !s) return s;
   if (Status s = r.link(j, "all_reduce", p.all_reduce); !s) return s;
   return p;

@@ -20,6 +20,9 @@
 //                                          // times alone (caches, calls between them); 1 when left out
 //     "all_busy_slowdown": 2.0,            // ops with every rank computing over ops on one rank alone
 //                                          // (ranks that outnumber the cores share them); 1 when left out
+//     "slowdown_by_busy_ranks": [1, 1, 1.5, 2.0],  // optional: the same with 1, 2, … ranks computing
+//                                          // (one entry per rank, ending at all_busy_slowdown); left
+//                                          // out, it is the straight line from 1 to all_busy_slowdown
 //     "p2p":        {"latency_us": 5.0,  "bytes_per_s": 2.0e9},
 //     "all_reduce": {"latency_us": 10.0, "bytes_per_s": 1.0e9}   // bus bandwidth, as below
 //   }
@@ -73,6 +76,10 @@ struct MachineProfile {
   // figures above are taken with every rank computing; the cost model speeds them up where
   // the schedule leaves ranks idle.
   double all_busy_slowdown = 1;
+  // Entry k − 1: how much slower an op runs with k ranks computing at once than with one
+  // alone, for k = 1 … ranks (the first 1, the last all_busy_slowdown). Empty: the straight
+  // line between them. Two cores under four ranks: about {1, 1, 1.5, 2}.
+  std::vector<double> slowdown_by_busy_ranks;
   LinkCost p2p{5, 1e9};
   LinkCost all_reduce{10, 1e9};
 
@@ -86,6 +93,10 @@ struct MachineProfile {
   double all_reduce_us(double bytes, int group) const;
   double reduce_scatter_us(double bytes, int group) const;  // all-gather alike
   double send_us(double bytes) const { return p2p.time_us(bytes); }
+  // How much slower than alone an op runs on a rank while a share `others` (0 … 1) of the
+  // other ranks compute too: slowdown_by_busy_ranks at 1 + (ranks − 1)·others busy ranks,
+  // read between its entries; without it, 1 + (all_busy_slowdown − 1)·others.
+  double busy_slowdown(double others) const;
 };
 
 // profile.json's text, and a profile read back from it. The reader refuses what is not a

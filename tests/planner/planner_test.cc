@@ -60,6 +60,7 @@ TEST(Profile, RoundTripsThroughItsJson) {
   p.step_overhead_us = 40;
   p.compute_scale = 1.25;
   p.all_busy_slowdown = 1.5;
+  p.slowdown_by_busy_ranks = {1, 1, 1.25, 1.5};
   p.p2p = {3, 2e9};
   p.all_reduce = {9, 1.5e9};
   Result<MachineProfile> back = parse_profile_json(profile_json_text(p), "p.json");
@@ -71,6 +72,30 @@ TEST(Profile, RoundTripsThroughItsJson) {
   EXPECT_EQ(back->linear[1].weight_grad_us, 0.75);
   EXPECT_EQ(back->compute_scale, 1.25);
   EXPECT_EQ(back->all_busy_slowdown, 1.5);
+  EXPECT_EQ(back->slowdown_by_busy_ranks, (std::vector<double>{1, 1, 1.25, 1.5}));
+}
+
+TEST(Profile, TheSlowdownByBusyRanksIsReadBetweenItsEntries) {
+  MachineProfile p;
+  p.ranks = 4;
+  p.all_busy_slowdown = 2;
+  // Without the list: the straight line from 1 (no other rank busy) to all_busy_slowdown.
+  EXPECT_DOUBLE_EQ(p.busy_slowdown(0), 1);
+  EXPECT_DOUBLE_EQ(p.busy_slowdown(0.25), 1.25);
+  EXPECT_DOUBLE_EQ(p.busy_slowdown(1), 2);
+  // Two cores under four ranks: no slowdown until a third rank computes.
+  p.slowdown_by_busy_ranks = {1, 1, 1.5, 2};
+  EXPECT_DOUBLE_EQ(p.busy_slowdown(0), 1);
+  EXPECT_DOUBLE_EQ(p.busy_slowdown(1.0 / 3), 1);    // 2 ranks busy
+  EXPECT_DOUBLE_EQ(p.busy_slowdown(0.5), 1.25);     // 2.5 ranks busy
+  EXPECT_DOUBLE_EQ(p.busy_slowdown(2.0 / 3), 1.5);  // 3
+  EXPECT_DOUBLE_EQ(p.busy_slowdown(1), 2);          // all 4
+  EXPECT_DOUBLE_EQ(p.busy_slowdown(3), 2);          // clamped
+  // Read from a file, the list may stand for all_busy_slowdown.
+  Result<MachineProfile> back =
+      parse_profile_json(profile_text(R"("ranks": 3, "slowdown_by_busy_ranks": [1, 1.5, 1.8])"), "p.json");
+  ASSERT_TRUE(back.is_ok()) << back.status().message();
+  EXPECT_EQ(back->all_busy_slowdown, 1.8);
 }
 
 TEST(Profile, AHandWrittenOneNeedsOnlyWhatItChanges) {
@@ -100,6 +125,12 @@ TEST(Profile, RefusalsNameTheFieldAtFault) {
       {profile_text(R"("ranks": 1.5)"), "'ranks' must be a whole number"},
       {profile_text(R"("compute_scale": 0)"), "'compute_scale' must be a positive number"},
       {profile_text(R"("all_busy_slowdown": 0.5)"), "'all_busy_slowdown' must be 1 or more"},
+      {profile_text(R"("ranks": 2, "slowdown_by_busy_ranks": [1, 2, 3])"),
+       "'slowdown_by_busy_ranks' must be a list of 2 numbers (one per rank), each 1 or more"},
+      {profile_text(R"("ranks": 2, "slowdown_by_busy_ranks": [1, 0.5])"),
+       "'slowdown_by_busy_ranks' must be a list of 2 numbers"},
+      {profile_text(R"("ranks": 2, "all_busy_slowdown": 2, "slowdown_by_busy_ranks": [1, 1.5])"),
+       "'slowdown_by_busy_ranks' must be a list that ends at all_busy_slowdown"},
       {profile_text(R"("linear": [{"rows": 4, "in": 8, "forward_us": 1, "input_grad_us": 1, "weight_grad_us": 1}])"),
        "'linear[0].out' must be present"},
       {profile_text(
@@ -236,6 +267,14 @@ TEST(CostModel, RanksThatShareCoresComputeFasterWhereOthersIdle) {
   // Busy a share u of the time, the ops take (1 + u) / 2 of their figures.
   EXPECT_DOUBLE_EQ(pipeline2.compute_us, pipeline.compute_us * (1 + pipeline.busy_share) / 2);
   EXPECT_DOUBLE_EQ(replicas2.compute_us, replicas.compute_us);  // every rank computes all along
+  // Measured by busy ranks (two cores under four ranks): while one rank of the pipeline
+  // computes, 1 + 3u of the four do, and fewer than three leave each its core.
+  p.ranks = 4;
+  p.slowdown_by_busy_ranks = {1, 1, 1.5, 2};
+  const LayoutPrediction pipeline3 = predict(m, layout_of(1, 4, 1, 1, "gpipe"), p, 32);
+  ASSERT_LE(1 + 3 * pipeline.busy_share, 2);
+  EXPECT_DOUBLE_EQ(pipeline3.compute_us, pipeline.compute_us / 2);
+  EXPECT_DOUBLE_EQ(predict(m, layout_of(4, 1, 1, 1, "1f1b"), p, 128).compute_us, replicas.compute_us);
 }
 
 TEST(CostModel, ReplicasReduceWhatOutlastsTheLastBackward) {
