@@ -116,40 +116,38 @@ class Timer {
 // Weights and weight gradients for time_linear, cold as in a step, where every other
 // layer's passes come between two of a Linear's own: each repeat takes the next of as many
 // copies as fill 64 MiB (more than a last-level cache; at most 64 copies), carved from one
-// arena each, filled once.
+// arena each, filled once. A weight larger than that (cold anyway) gets arenas of its size.
 class ColdWeights {
  public:
-  explicit ColdWeights(Backend& backend) : w_(backend, kElements), dw_(backend, kElements) {
-    backend.fill(w_.data(), 0.01f, kElements);
-    backend.fill(dw_.data(), 0.0f, kElements);
-  }
+  explicit ColdWeights(Backend& backend) : backend_(backend) { reserve(int64_t{16} << 20); }  // 64 MiB of floats
 
   // The next copy of a weight of `elements`, in turn.
-  float* w(int64_t elements) { return w_.data() + offset(elements); }
+  float* w(int64_t elements) {
+    reserve(elements);
+    const int64_t copies = std::clamp<int64_t>(size_ / std::max<int64_t>(1, elements), 1, 64);
+    last_ = next_++ % copies;
+    return w_.data() + last_ * elements;
+  }
   // The copy w() gave last, for its gradient.
   float* dw_of_last(int64_t elements) { return dw_.data() + last_ * elements; }
 
  private:
-  static constexpr int64_t kElements = int64_t{16} << 20;  // 64 MiB of floats
-
-  int64_t offset(int64_t elements) {
-    const int64_t copies = std::clamp<int64_t>(kElements / std::max<int64_t>(1, elements), 1, 64);
-    last_ = next_++ % copies;
-    return last_ * elements;
+  void reserve(int64_t elements) {
+    if (elements <= size_) return;
+    w_ = DeviceBuffer(backend_, elements), dw_ = DeviceBuffer(backend_, elements);
+    backend_.fill(w_.data(), 0.01f, elements);
+    backend_.fill(dw_.data(), 0.0f, elements);
+    size_ = elements;
   }
 
+  Backend& backend_;
   DeviceBuffer w_, dw_;
-  int64_t next_ = 0, last_ = 0;
+  int64_t size_ = 0, next_ = 0, last_ = 0;
 };
 
 void time_linear(Backend& backend, Timer& timer, ColdWeights& cold, const LinearSize& s, LinearTiming& t) {
   const int64_t weight = s.out * s.in;
-  DeviceBuffer big_w, big_dw;  // a weight larger than the arena is cold anyway
-  if (weight > int64_t{16} << 20) {
-    big_w = DeviceBuffer(backend, weight), big_dw = DeviceBuffer(backend, weight);
-    backend.fill(big_w.data(), 0.01f, weight);
-  }
-  const auto w = [&] { return big_w.data() != nullptr ? big_w.data() : cold.w(weight); };
+  const auto w = [&] { return cold.w(weight); };
   DeviceBuffer x(backend, s.rows * s.in), b(backend, s.out), y(backend, s.rows * s.out);
   DeviceBuffer dx(backend, s.rows * s.in), db(backend, s.out);
   backend.fill(x.data(), 0.5f, s.rows * s.in);
@@ -163,9 +161,8 @@ void time_linear(Backend& backend, Timer& timer, ColdWeights& cold, const Linear
   });
   t.weight_grad_us = timer.time_us([&] {
     float* weights = w();
-    float* grad = big_dw.data() != nullptr ? big_dw.data() : cold.dw_of_last(weight);
-    backend.linear_backward(nullptr, grad, db.data(), y.data(), x.data(), weights, shape, GradWrite::kOverwrite,
-                            GradWrite::kOverwrite);
+    backend.linear_backward(nullptr, cold.dw_of_last(weight), db.data(), y.data(), x.data(), weights, shape,
+                            GradWrite::kOverwrite, GradWrite::kOverwrite);
   });
 }
 
@@ -352,6 +349,21 @@ double calibrate_compute(Backend& backend, Communicator& world, Timer& timer, co
   return std::clamp(scale, 0.25, 4.0);
 }
 
+// A 512³ GEMM on rank 0 alone, the others waiting as in a pipeline's bubble, against the
+// same on every rank at once: the slowdown without a model's step to measure it on.
+double gemm_all_busy_slowdown(Backend& backend, Communicator& world, Timer& timer) {
+  const LinearShape shape{512, 512, 512};
+  DeviceBuffer x(backend, 512 * 512), w(backend, 512 * 512), y(backend, 512 * 512);
+  backend.fill(x.data(), 0.5f, 512 * 512);
+  backend.fill(w.data(), 0.01f, 512 * 512);
+  const double all_busy = timer.time_us([&] { backend.linear_forward(y.data(), x.data(), w.data(), nullptr, shape); });
+  const double alone =  // the mean over the ranks is rank 0's time over their count
+      world.size() * timer.time_us([&] {
+        if (world.rank() == 0) backend.linear_forward(y.data(), x.data(), w.data(), nullptr, shape);
+      });
+  return std::max(1.0, all_busy / alone);
+}
+
 }  // namespace
 
 MeasureOptions model_measure_options(const Graph& graph, int ranks, int64_t batch_size, int max_micro_batches) {
@@ -439,22 +451,6 @@ MachineProfile measure_profile(Backend& backend, Communicator& world, const Meas
     best_rate = std::max(best_rate, 2.0 * 512 * 512 * 512 / square.forward_us * 1e6);
     p.gemm_flops_per_s = best_rate;
   }
-  // The same GEMM on rank 0 alone, the others waiting as in a pipeline's bubble: the
-  // slowdown without a model (with one, its own step's replaces it, below).
-  if (world.size() > 1) {
-    const LinearShape shape{512, 512, 512};
-    DeviceBuffer x(backend, 512 * 512), w(backend, 512 * 512), y(backend, 512 * 512);
-    backend.fill(x.data(), 0.5f, 512 * 512);
-    backend.fill(w.data(), 0.01f, 512 * 512);
-    const double all_busy =
-        timer.time_us([&] { backend.linear_forward(y.data(), x.data(), w.data(), nullptr, shape); });
-    const double alone =  // the mean over the ranks is rank 0's time over their count
-        world.size() * timer.time_us([&] {
-          if (world.rank() == 0) backend.linear_forward(y.data(), x.data(), w.data(), nullptr, shape);
-        });
-    p.all_busy_slowdown = std::max(1.0, all_busy / alone);
-  }
-
   say("timing elementwise ops and the optimizer");
   const int64_t n = o.elementwise_elements;
   DeviceBuffer a(backend, n), b(backend, n), c(backend, n), d(backend, n);
@@ -498,6 +494,9 @@ MachineProfile measure_profile(Backend& backend, Communicator& world, const Meas
     p.compute_scale = calibrate_compute(backend, world, timer, o, p, curve, note);
     if (!curve.empty()) p.slowdown_by_busy_ranks = curve, p.all_busy_slowdown = curve.back();
     say("  " + note);
+  }
+  if (world.size() > 1 && p.slowdown_by_busy_ranks.empty()) {
+    p.all_busy_slowdown = gemm_all_busy_slowdown(backend, world, timer);
   }
 
   if (world.size() > 1) {
