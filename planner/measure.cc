@@ -406,12 +406,16 @@ std::vector<int64_t> model_parameter_elements(const Graph& graph) {
 
 LinkCost fit_link(const std::vector<std::pair<double, double>>& points) {
   PIPESHARD_CHECK(!points.empty(), "fit_link: no points");
-  const double k = static_cast<double>(points.size());
-  double sx = 0, sy = 0, sxx = 0, sxy = 0;
-  for (auto [x, y] : points) sx += x, sy += y, sxx += x * x, sxy += x * y;
-  const double denominator = k * sxx - sx * sx;
-  double slope = denominator > 0 ? (k * sxy - sx * sy) / denominator : 0;  // µs per byte
-  double intercept = (sy - slope * sx) / k;
+  // Weighted by 1/y²: the relative error of each point counts the same, so the small
+  // messages, where the latency is all there is, are not drowned by the large ones.
+  double sw = 0, swx = 0, swy = 0, swxx = 0, swxy = 0;
+  for (auto [x, y] : points) {
+    const double w = 1 / std::max(y * y, 1e-12);
+    sw += w, swx += w * x, swy += w * y, swxx += w * x * x, swxy += w * x * y;
+  }
+  const double denominator = sw * swxx - swx * swx;
+  double slope = denominator > 0 ? (sw * swxy - swx * swy) / denominator : 0;  // µs per byte
+  double intercept = (swy - slope * swx) / sw;
   const auto largest = *std::max_element(points.begin(), points.end());
   if (!(slope > 0)) {
     slope = largest.second / std::max(largest.first, 1.0);
@@ -419,7 +423,7 @@ LinkCost fit_link(const std::vector<std::pair<double, double>>& points) {
   }
   if (intercept < 0) {  // through the origin instead
     intercept = 0;
-    slope = sxx > 0 ? sxy / sxx : slope;
+    slope = swxx > 0 ? swxy / swxx : slope;
   }
   return {intercept, 1e6 / slope};
 }

@@ -174,6 +174,13 @@ TEST(Profile, FitLinkRecoversALine) {
   const LinkCost d = fit_link({{1e6, 100}, {2e6, 300}});
   EXPECT_EQ(d.latency_us, 0);
   EXPECT_GT(d.bytes_per_s, 0);
+  // All-reduces on 4 ranks sharing 2 cores: the fit follows the small messages' latency
+  // (an unweighted fit puts it at 0 and predicts the 3 KiB message 50 times too fast).
+  const LinkCost e = fit_link({{3072, 50}, {49152, 108}, {786432, 380}, {6291456, 6223}});
+  EXPECT_GT(e.latency_us, 30);
+  EXPECT_LT(e.latency_us, 60);
+  for (auto [x, y] : std::vector<std::pair<double, double>>{{3072, 50}, {49152, 108}, {786432, 380}})
+    EXPECT_NEAR(e.latency_us + x / e.bytes_per_s * 1e6, y, 0.5 * y) << x;
 }
 
 int64_t parse_or_0(const std::string& text) {
