@@ -15,11 +15,14 @@
 
 #include "common/atomic_file.h"
 #include "common/cli.h"
+#include "common/host_memory.h"
 #include "importer/onnx_importer.h"
 #include "importer/onnx_writer.h"
 #include "partitioner/plan.h"
 #include "partitioner/plan_table.h"
 #include "partitioner/stage_writer.h"
+#include "planner/planner.h"
+#include "planner/profile.h"
 #include "python/model.h"
 #include "schedule/registry.h"
 
@@ -110,6 +113,43 @@ PlanHandle partition(const std::shared_ptr<Model>& model, int stages, int tensor
   return PlanHandle{model, std::move(*plan)};
 }
 
+// Every layout of the model on `ranks` processes, fastest predicted first, as partition
+// --plan --json gives it (a dict, through Python's json). ValueError: bad options or profile.
+py::object plan_layouts_dict(const std::shared_ptr<Model>& model, int ranks, int64_t batch_size,
+                             const std::string& optimizer, const std::string& balance, double bucket_mb,
+                             const py::object& memory_per_rank, const py::object& profile, int max_micro_batches) {
+  LayoutSearchOptions o;
+  if (ranks < 1) raise_value_error("ranks must be at least 1, the processes to plan for (mpirun -np N)");
+  o.ranks = ranks;
+  if (batch_size < 1 || batch_size > kMaxBatchSize)
+    raise_value_error("batch_size must be between 1 and " + std::to_string(kMaxBatchSize));
+  o.batch_size = batch_size;
+  o.optimizer_slots = optimizer_slots_of(optimizer);
+  o.balance = balance_of(balance);
+  if (!(bucket_mb > 0) || bucket_mb > 1e6) raise_value_error("bucket_mb must be a positive size in MB, at most 1e6");
+  o.bucket_bytes = static_cast<int64_t>(bucket_mb * (1 << 20));
+  if (max_micro_batches < 1) raise_value_error("max_micro_batches must be at least 1");
+  o.max_micro_batches = max_micro_batches;
+  if (!memory_per_rank.is_none()) {  // bytes, or a size as partition --memory-per-rank takes it
+    const std::string text = py::str(memory_per_rank);
+    const bool number = py::isinstance<py::int_>(memory_per_rank) && !py::isinstance<py::bool_>(memory_per_rank);
+    if (!(number || py::isinstance<py::str>(memory_per_rank)) || !parse_bytes(text, &o.memory_per_rank))
+      raise_value_error("memory_per_rank: '" + text + "' is not a size such as 16 << 30, '16GiB' or '80GB'");
+  }
+  MachineProfile machine;
+  machine.machine = "nominal (no profile; the profile tool measures this machine)";
+  if (!profile.is_none()) {
+    Result<MachineProfile> read =
+        read_profile_file(py::module_::import("os").attr("fspath")(profile).cast<std::string>());
+    if (!read) raise_value_error("profile: " + read.status().message());
+    machine = std::move(*read);
+  }
+  const LayoutPlan plan = plan_layouts(model->graph, o, machine);
+  const std::string text =
+      layout_plan_json(plan, model->imported.path).dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
+  return py::module_::import("json").attr("loads")(text);
+}
+
 py::dict stage_dict(const Graph& g, const StagePlan& s) {
   std::vector<std::string> nodes, ops;
   for (int n : s.nodes) {
@@ -191,6 +231,14 @@ PYBIND11_MODULE(_pipeshard, m) {
            py::arg("keep_activations") = false, py::arg("replicas") = 1, py::arg("zero") = 0,
            py::arg("bucket_mb") = 25.0,
            "Cuts the model as `partition` does (its flags by the same names); a Plan. ValueError: bad options.")
+      .def("plan_layouts", &plan_layouts_dict, py::arg("ranks"), py::arg("batch_size") = 32,
+           py::arg("optimizer") = "adam", py::arg("balance") = "params", py::arg("bucket_mb") = 25.0,
+           py::arg("memory_per_rank") = py::none(), py::arg("profile") = py::none(), py::arg("max_micro_batches") = 16,
+           "Every layout (data x pipeline x tensor parallel, micro-batches, schedule, recomputation, ZeRO) on "
+           "`ranks` processes, as `partition --plan --ranks N --json` gives it: a dict whose 'layouts' are the "
+           "accepted ones, fastest predicted first, each with its 'train_flags' and 'predicted' step. profile: a "
+           "profile.json (the profile tool's, or written by hand; default a nominal machine). ValueError: bad "
+           "options or profile.")
       .def("__repr__", [](const Model& x) {
         return "<pipeshard.Model " + x.imported.path + ": " + std::to_string(x.graph.total_parameter_count()) +
                " parameters>";

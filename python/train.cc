@@ -21,6 +21,7 @@
 #include "dataset/npy.h"
 #include "python/model.h"
 #include "tools/train/args.h"
+#include "tools/train/auto_layout.h"
 #include "tools/train/check_equivalence.h"
 #include "tools/train/loop.h"
 #include "tools/train/report.h"
@@ -77,6 +78,8 @@ struct TrainResult {
   std::shared_ptr<Model> model;
   std::vector<StepRow> history;
   std::vector<EvalRow> evals;
+  std::optional<std::string> layout;        // layout="auto": the planner's choice (Layout::text())
+  std::optional<double> predicted_step_ms;  // and its predicted step time
 };
 
 // What a call asks of the library.
@@ -127,7 +130,7 @@ void broadcast_rows(Communicator& world, std::vector<Row>& rows) {
 
 // The run, on this rank, with the GIL released: what train's main does, with rank 0's
 // findings and results then shared so that every rank returns the same.
-void run_call(const Call& c, const train_cli::Args& a, const Status& parsed, const train_cli::ArraysInMemory& data,
+void run_call(const Call& c, train_cli::Args a, Status parsed, const train_cli::ArraysInMemory& data,
               const std::optional<train_cli::ArraysInMemory>& eval, Outcome& out) {
   using namespace train_cli;
   // The world outlives the run's groups (tools/train/run.h): MPI's under mpirun.
@@ -154,6 +157,15 @@ void run_call(const Call& c, const train_cli::Args& a, const Status& parsed, con
     }
   };
   run->on_eval = [&out](const EvalRow& e) { out.result.evals.push_back(e); };
+  if (parsed && a.layout == "auto") {  // collective, and every rank decides alike, as in train
+    Result<train_cli::ChosenLayout> chosen = train_cli::choose_layout(a, *world, run->model, c.verbose);
+    if (chosen) {
+      run->predicted_step_ms = chosen->predicted_ms;
+      out.result.layout = chosen->text;
+      out.result.predicted_step_ms = chosen->predicted_ms;
+    }
+    parsed = chosen.status();
+  }
   // Whether every rank is sure to reach the end together: not when one rank alone found a
   // mismatch with its neighbour, whose exit ends the job under mpirun (as train's does).
   bool together = true;
@@ -302,7 +314,11 @@ void define_training(py::module_& m) {
   py::class_<TrainResult>(m, "TrainResult", "What pipeshard.train returns, the same on every rank.")
       .def_readonly("model", &TrainResult::model, "the trained model")
       .def_readonly("history", &TrainResult::history, "one Step per optimizer step")
-      .def_readonly("eval", &TrainResult::evals, "one Evaluation per epoch, when eval data was given");
+      .def_readonly("eval", &TrainResult::evals, "one Evaluation per epoch, when eval data was given")
+      .def_readonly("layout", &TrainResult::layout,
+                    "layout='auto': the layout the planner chose, as partition --plan names it; else None")
+      .def_readonly("predicted_step_ms", &TrainResult::predicted_step_ms,
+                    "layout='auto': the planner's predicted ms per step for it; else None");
   m.def("_train", &train, py::arg("model"), py::arg("X"), py::arg("y"), py::arg("eval_X"), py::arg("eval_y"),
         py::arg("flags"), py::arg("verbose"), py::arg("callback") = py::none());
   m.def("_check_equivalence", &check_equivalence, py::arg("model"), py::arg("X"), py::arg("y"), py::arg("flags"));

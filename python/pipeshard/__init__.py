@@ -89,6 +89,8 @@ _TRAIN_FLAGS = {
     "cuda_graph": ("--cuda-graph", bool),
     "keep_activations": ("--keep-activations", bool),
     "sync_batchnorm": ("--sync-batchnorm", bool),
+    "layout": ("--layout", str),
+    "profile": ("--profile", "path"),
 }
 
 _KIND_NAMES = {"path": "a path (str or os.PathLike)", "scale": "'dynamic', 'none' or a power of two like 1024"}
@@ -228,6 +230,8 @@ would, bit for bit, and returns a TrainResult, the same on every rank:
   .history  a Step per optimizer step (step, epoch, total_steps, loss, lr, samples_per_s, skipped)
   .eval     an Evaluation per epoch when eval=(X_eval, y_eval) is given (loss, accuracy)
   .model    the trained Model (.save(path), .weights())
+  .layout, .predicted_step_ms  with layout="auto": the planner's choice and its predicted
+            ms per step (None otherwise); model.plan_layouts(N) lists every layout it weighed
 
 Under `mpirun -np N /usr/bin/python3 script.py`, every rank makes the same call with the
 same arrays (or the same memory-mapped file, np.load(path, mmap_mode="r")), and the run is

@@ -56,12 +56,25 @@ class Model:
         zero: int = 0,
         bucket_mb: float = 25.0,
     ) -> Plan: ...
+    def plan_layouts(
+        self,
+        ranks: int,
+        batch_size: int = 32,
+        optimizer: str = "adam",
+        balance: str = "params",
+        bucket_mb: float = 25.0,
+        memory_per_rank: int | str | None = None,
+        profile: _Path | None = None,
+        max_micro_batches: int = 16,
+    ) -> dict[str, Any]: ...
     def to_torch(self, module: Any) -> Any: ...
 
 class TrainResult:
     model: Model
     history: list[Step]
     eval: list[Evaluation]
+    layout: Optional[str]
+    predicted_step_ms: Optional[float]
     def to_torch(self, module: Any) -> Any: ...
 
 def load(source: _Path | bytes | Any) -> Model: ...
@@ -119,5 +132,7 @@ def train(
     cuda_graph: bool | None = None,
     keep_activations: bool | None = None,
     sync_batchnorm: bool | None = None,
+    layout: str | None = None,
+    profile: _Path | None = None,
 ) -> TrainResult: ...
 def check_equivalence(model: Model, X: npt.NDArray[Any], y: npt.NDArray[Any], steps: int = 10, **options: Any) -> bool: ...

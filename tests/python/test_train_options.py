@@ -25,7 +25,6 @@ def test_every_flag_has_a_keyword():
     flags = {flag for flag, _ in pipeshard._pipeshard._train_flags()}
     data = {"--data", "--labels", "--eval-data", "--eval-labels"}  # the arrays
     others = {"--help", "--check-equivalence"}  # the tool's; pipeshard.check_equivalence
-    others |= {"--layout", "--profile"}  # the planner's: no keywords for them yet (issue 18)
     assert {flag for flag, _ in pipeshard._TRAIN_FLAGS.values()} == flags - data - others
     for name in pipeshard._TRAIN_FLAGS:
         assert f"    {name} (" in pipeshard.train.__doc__, name  # help(pipeshard.train) lists it

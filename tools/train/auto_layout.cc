@@ -11,8 +11,8 @@
 
 namespace pipeshard::train_cli {
 
-Result<ChosenLayout> choose_layout(Args& a, Communicator& world, std::optional<ImportedModel>& model) {
-  const bool root = world.rank() == 0;
+Result<ChosenLayout> choose_layout(Args& a, Communicator& world, std::optional<ImportedModel>& model, bool say) {
+  const bool speaks = world.rank() == 0 && say;
   if (!model) {
     Result<ImportedModel> imported = import_onnx_file(a.model);
     if (!imported) return imported.status();
@@ -37,7 +37,7 @@ Result<ChosenLayout> choose_layout(Args& a, Communicator& world, std::optional<I
     return Status::error("--layout auto on --device " + a.device +
                          " needs --profile: the profile tool measures the CPU backend only so far");
   } else {
-    if (root) fmt::print(stderr, "layout auto: measuring this machine on {} process(es) first\n", world.size());
+    if (speaks) fmt::print(stderr, "layout auto: measuring this machine on {} process(es) first\n", world.size());
     MeasureOptions mo = model_measure_options(m->graph, world.size(), a.batch_size, o.max_micro_batches);
     mo.machine = "this machine, measured by train --layout auto";
     std::unique_ptr<Backend> backend = make_cpu_backend();
@@ -69,7 +69,7 @@ Result<ChosenLayout> choose_layout(Args& a, Communicator& world, std::optional<I
   ChosenLayout chosen{l.text(), layout_train_flags(l), best.prediction.step_us / 1e3,
                       static_cast<int>(plan.ranked.size() + plan.rejected.size()),
                       static_cast<int>(plan.ranked.size())};
-  if (root) {
+  if (speaks) {
     fmt::print(stderr,
                "layout auto: {} (train flags: {}), predicted {:.3f} ms per step, bottleneck {}; the fastest of {} "
                "layouts that fit, of {} (partition --plan lists them)\n",

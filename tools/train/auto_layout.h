@@ -25,10 +25,10 @@ struct ChosenLayout {
 // every layout of the model on world.size() processes with train's batch, optimizer and
 // buckets, within the memory each process may take (rank 0's host's available memory
 // shared by all of them; unlimited on a GPU), and sets `a`'s layout flags to the fastest. Rank 0
-// says what it chose. Collective; every rank decides the same. Errors: the profile, the
+// says what it chose on stderr when `say` (pipeshard.train: only when verbose). Collective; every rank decides the same. Errors: the profile, the
 // model, a GPU without --profile, and no layout that fits. `model` is the model to plan,
 // imported from a.model here when empty and left there for set_up_run() to train.
-Result<ChosenLayout> choose_layout(Args& a, Communicator& world, std::optional<ImportedModel>& model);
+Result<ChosenLayout> choose_layout(Args& a, Communicator& world, std::optional<ImportedModel>& model, bool say = true);
 
 }  // namespace pipeshard::train_cli
 
