@@ -43,6 +43,9 @@ all at --batch-size (default 64), whatever cpu_vs_pytorch.py's own batch is.
 Figures per (model, N), with the issue's targets (PASS/FAIL):
   error      = |predicted - measured| / measured per layout; its median over the layouts    <= 15 %
   first      = measured ms of the planner's first choice / the fastest measured ms           <= 1.05
+               (the first choice and the layouts within 10 % of the fastest, at most 8, run
+               --final-rounds more times after the --rounds, default 3, steps pooled: the fastest
+               of a hundred noisy medians is partly the fastest by luck)
   Spearman   = rank correlation of predicted and measured ms over the layouts (ties averaged) >= 0.8
   memory     = the largest |predicted - measured| / measured peak bytes per rank              <= 10 %
 and the signed error (predicted - measured) / measured grouped by layout shape, schedule, ZeRO and
@@ -87,7 +90,9 @@ QUICK = {"models": "A", "ranks": "1,2", "steps": 15, "warmup": 3, "max_micro_bat
 DEFAULTS = {"models": "A,B,D", "ranks": "1,2,4", "steps": 30, "warmup": 5, "max_micro_batches": None}
 MIB = 1 << 20
 REPROFILE_AFTER_S = 120  # a case's profile older than this when its runs start is taken again
-QUIET_WINDOW_S = 1.0  # how long wait_for_quiet looks at the machine before deciding
+QUIET_WINDOW_S = 1.0
+CONTENDER_MARGIN = 1.10  # layouts measured within 10 % of the fastest get --final-rounds more runs
+MAX_CONTENDERS = 8  # how long wait_for_quiet looks at the machine before deciding
 
 
 # --------------------------------------------------------------------------- statistics
@@ -373,6 +378,39 @@ def measure_case(case, args, folder, progress, state):
             measure_layout(case, index, round_, args, folder, progress, state)
     for record in case["records"]:
         finish_record(record)
+    measure_contenders(case, args, folder, progress, state)
+
+
+def contenders(records):
+    """The layouts the first-choice figure compares: the planner's first choice and the ones measured
+    within CONTENDER_MARGIN of the fastest (at most MAX_CONTENDERS, fastest first)."""
+    ok = [r for r in records if r["status"] == "ok"]
+    if not ok:
+        return []
+    fastest = min(r["measured_ms"] for r in ok)
+    near = sorted((r for r in ok if r["measured_ms"] <= CONTENDER_MARGIN * fastest), key=lambda r: r["measured_ms"])
+    chosen = near[:MAX_CONTENDERS]
+    if records[0]["status"] == "ok" and records[0] not in chosen:
+        chosen.append(records[0])
+    return chosen
+
+
+def measure_contenders(case, args, folder, progress, state):
+    """--final-rounds more runs of each contender, in alternating order, pooled with their earlier steps.
+    The fastest of a hundred noisy medians is biased low (it is the fastest partly by luck), so the
+    comparison of the first choice with it is made on more steps, on both sides alike."""
+    chosen = contenders(case["records"])
+    if args.final_rounds <= 0 or len(chosen) < 2:
+        return
+    progress.total += len(chosen) * args.final_rounds
+    print(f"  model {case['model']} N={case['ranks']}: {args.final_rounds} more round(s) of {len(chosen)} layouts, "
+          f"the first choice and those within {CONTENDER_MARGIN - 1:.0%} of the fastest", flush=True)
+    for round_ in range(args.final_rounds):
+        for record in chosen if round_ % 2 == 0 else reversed(chosen):
+            measure_layout(case, record["plan_rank"], args.rounds + round_, args, folder, progress, state)
+    for record in chosen:
+        record["contender"] = True
+        finish_record(record)
 
 
 # --------------------------------------------------------------------------- figures
@@ -494,7 +532,7 @@ def layout_rows(case):
     for r in case["records"]:
         if r["status"] == "ok":
             mem = f"{r['measured_peak_mib']:.2f}" if r["measured_peak_mib"] else "-"
-            busy = f" BUSY {r['others_share']:.0%}" if r["busy"] else ""
+            busy = (f" BUSY {r['others_share']:.0%}" if r["busy"] else "") + (" +" if r.get("contender") else "")
             rows.append([r["plan_rank"] + 1, r["text"], f"{r['predicted_ms']:.3f}", f"{r['measured_ms']:.3f}{busy}",
                          pct(r["time_error"], True), r["predicted"]["bottleneck"], f"{r['predicted_peak_mib']:.2f}",
                          mem, pct(r["memory_error"], True)])
@@ -516,7 +554,8 @@ def report_text(cases, summaries, meta, scatter):
     """planner.md: what ran, the summary with verdicts, the biases, the failures, every layout."""
     out = ["# Layout planner against measurement\n",
            f"`{' '.join(meta['command'])}` on {meta['host']}, {meta['cpus']} CPUs, started {meta['started_utc']} UTC; "
-           f"batch {meta['batch_size']}, {meta['steps']} steps ({meta['warmup']} warm-up), {meta['rounds']} round(s), "
+           f"batch {meta['batch_size']}, {meta['steps']} steps ({meta['warmup']} warm-up), {meta['rounds']} round(s) "
+           f"and {meta.get('final_rounds', 0)} more of the first choice and the layouts within 10 % of the fastest, "
            f"--optimizer {meta['optimizer']}, max micro-batches {meta['max_micro_batches'] or 'partition default'}; "
            f"load average {meta.get('load_start', float('nan')):.2f} at start, "
            f"{meta.get('load_end', float('nan')):.2f} at the end. A run during which other processes used more than "
@@ -543,7 +582,9 @@ def report_text(cases, summaries, meta, scatter):
                      [[m, n, r["text"], f"`{r['train_flags']}`", r["error"]] for m, n, r in failed]) if failed
             else "None.", ""]
     for c in cases:
-        out += [f"## Every layout: model {c['model']}, N = {c['ranks']}\n", md_table(LAYOUT_HEADER, layout_rows(c)), ""]
+        out += [f"## Every layout: model {c['model']}, N = {c['ranks']}\n",
+                "(+: a contender, run --final-rounds more times)\n" if any(r.get("contender") for r in c["records"])
+                else "", md_table(LAYOUT_HEADER, layout_rows(c)), ""]
     return "\n".join(out) + "\n"
 
 
@@ -632,6 +673,7 @@ def run_meta(args, started):
     """What planner.md says of the run, kept in planner.json for --from-json."""
     return {"command": sys.argv, "started_utc": started, "host": os.uname().nodename, "cpus": os.cpu_count(),
             "batch_size": args.batch_size, "steps": args.steps, "warmup": args.warmup, "rounds": args.rounds,
+            "final_rounds": args.final_rounds,
             "optimizer": args.optimizer, "max_micro_batches": args.max_micro_batches, "busy": args.busy,
             "load_start": args.load_start, "load_end": os.getloadavg()[0]}
 
@@ -663,6 +705,9 @@ def parse_args():
     ap.add_argument("--max-micro-batches", type=int, help="passed to partition --plan (default: its own, 16)")
     ap.add_argument("--rounds", type=int, default=1,
                     help="runs of every layout, in alternating order; steps are pooled (default 1)")
+    ap.add_argument("--final-rounds", type=int, default=3,
+                    help="more runs of the first choice and of the layouts measured within 10%% of the fastest "
+                         "(at most 8), after the --rounds (default 3; 0: none)")
     ap.add_argument("--optimizer", default="adam", choices=("sgd", "adam", "adamw"),
                     help="for partition --plan and train alike (default adam, the planner's default)")
     ap.add_argument("--quick", action="store_true",
