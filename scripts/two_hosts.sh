@@ -63,6 +63,12 @@ make_hosts() {
   for ns in "$ns_a:$veth_a" "$ns_b:$veth_b"; do
     # No IPv6 on the pair, or Open MPI would also talk over its fe80:: addresses.
     ip netns exec "${ns%:*}" sh -c "echo 1 >/proc/sys/net/ipv6/conf/${ns#*:}/disable_ipv6" 2>/dev/null
+    # A connection the link left with data unacknowledged sends no keepalive (see the oob
+    # options below): it retransmits, tcp_retries2 times, 15 (~15 min) by default, after
+    # which mpiexec would learn the daemon is gone. 5 gives up after ~13 s, close to the
+    # keepalive's 10 s. Seen once: the link went down as mpiexec and B's daemon were talking,
+    # the ranks ended at 15 s by --comm-timeout, and mpiexec was still waiting at 60 s.
+    ip netns exec "${ns%:*}" sh -c "echo 5 >/proc/sys/net/ipv4/tcp_retries2" 2>/dev/null
     for dev in lo "${ns#*:}"; do ip -n "${ns%:*}" link set "$dev" up || return 1; done
   done
   for _ in $(seq 50); do  # a veth has carrier a moment after both ends are up
