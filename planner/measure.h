@@ -65,8 +65,8 @@ MachineProfile measure_profile(Backend& backend, Communicator& world, const Meas
 
 // latency + bytes / bytes_per_s fitted to (bytes, µs) points by least squares on the
 // relative error (each point weighted by 1/µs², so a 4 KiB message's 50 µs is fitted as
-// closely as a 6 MiB message's 6 ms); the latency is at least 0 and the rate positive (a flat or falling line gives the rate of the
-// largest message alone).
+// closely as a 6 MiB message's 6 ms); the latency is at least 0 and the rate positive (a
+// flat or falling line gives the rate of the largest message alone).
 LinkCost fit_link(const std::vector<std::pair<double, double>>& bytes_us);
 
 }  // namespace pipeshard

@@ -85,6 +85,12 @@ int optimizer_slots_of(const std::string& name) {
   raise_value_error("optimizer must be sgd, adam or adamw, not '" + name + "'");
 }
 
+// As partition --bucket-mb takes it: MB to bytes.
+int64_t bucket_bytes_of(double bucket_mb) {
+  if (!(bucket_mb > 0) || bucket_mb > 1e6) raise_value_error("bucket_mb must be a positive size in MB, at most 1e6");
+  return static_cast<int64_t>(bucket_mb * (1 << 20));
+}
+
 PlanHandle partition(const std::shared_ptr<Model>& model, int stages, int tensor_parallel, const std::string& balance,
                      int64_t batch_size, std::optional<int> micro_batches, const std::string& schedule,
                      int virtual_stages, const std::string& optimizer, bool keep_activations, int replicas, int zero,
@@ -105,8 +111,7 @@ PlanHandle partition(const std::shared_ptr<Model>& model, int stages, int tensor
     raise_value_error("replicas: a stage needs at least 1 data-parallel replica, not " + std::to_string(replicas));
   o.zero_replicas = zero >= 1 ? replicas : 1;
   o.zero_stage = zero;
-  if (!(bucket_mb > 0) || bucket_mb > 1e6) raise_value_error("bucket_mb must be a positive size in MB, at most 1e6");
-  o.bucket_bytes = static_cast<int64_t>(bucket_mb * (1 << 20));
+  o.bucket_bytes = bucket_bytes_of(bucket_mb);
   Result<Plan> plan = make_plan(model->graph, model->imported.path, o);
   if (!plan && !plan.status().setting().empty()) raise_value_error(flag_message(plan.status(), kPartitionKeywords));
   if (!plan) raise_value_error(model->imported.path + ": " + plan.status().message());
@@ -126,8 +131,7 @@ py::object plan_layouts_dict(const std::shared_ptr<Model>& model, int ranks, int
   o.batch_size = batch_size;
   o.optimizer_slots = optimizer_slots_of(optimizer);
   o.balance = balance_of(balance);
-  if (!(bucket_mb > 0) || bucket_mb > 1e6) raise_value_error("bucket_mb must be a positive size in MB, at most 1e6");
-  o.bucket_bytes = static_cast<int64_t>(bucket_mb * (1 << 20));
+  o.bucket_bytes = bucket_bytes_of(bucket_mb);
   if (max_micro_batches < 1) raise_value_error("max_micro_batches must be at least 1");
   o.max_micro_batches = max_micro_batches;
   if (!memory_per_rank.is_none()) {  // bytes, or a size as partition --memory-per-rank takes it
