@@ -39,9 +39,10 @@ struct PieceCost {
 
 class PieceCoster {
  public:
-  PieceCoster(const Graph& g, const Plan& plan, const MachineProfile& profile)
+  // Every op's figure times `scale`.
+  PieceCoster(const Graph& g, const Plan& plan, const MachineProfile& profile, double scale)
       : g_(g), profile_(profile), shards_(plan.options.tensor_parallel), rows_(micro_batch_size(plan.options)),
-        fused_(fused_activations(g)),
+        scale_(scale), fused_(fused_activations(g)),
         recomputed_(plan.options.recompute_activations ? recomputable_values(g, plan.options.kept_when_fused)
                                                        : std::vector<bool>(g.values.size(), false)),
         needs_grad_(g.values.size(), false) {
@@ -63,10 +64,11 @@ class PieceCoster {
   }
 
   double rows() const { return static_cast<double>(rows_); }
+  double scale() const { return scale_; }
 
  private:
   void add_node(const Node& n, size_t id, ShardRole role, PieceCost& c) const {
-    const double overhead = profile_.op_overhead_us, scale = profile_.compute_scale;
+    const double overhead = profile_.op_overhead_us, scale = scale_;
     if (n.kind == OpKind::kLinear) {
       int64_t in = n.in_features, out = n.out_features;
       if (role == ShardRole::kColumn || role == ShardRole::kColumnGather) out /= shards_;
@@ -105,15 +107,16 @@ class PieceCoster {
   const MachineProfile& profile_;
   int shards_;
   int64_t rows_;
+  double scale_;
   std::vector<bool> fused_, recomputed_, needs_grad_;
 };
 
-// The loss on the last piece's output: a few passes over the logits, forward and back.
-double loss_us(const Graph& g, const MachineProfile& profile, double rows) {
+// The loss on the last piece's output: a few passes over the logits, forward and back,
+// its figure times `scale`.
+double loss_us(const Graph& g, const MachineProfile& profile, double rows, double scale) {
   double elements = 0;
   for (int y : g.outputs) elements += rows * static_cast<double>(g.values[y].shape.per_sample_elements());
-  return profile.compute_scale *
-         (6 * kFloat * elements / (profile.elementwise_bytes_per_s / 1e6) + 2 * profile.op_overhead_us);
+  return scale * (6 * kFloat * elements / (profile.elementwise_bytes_per_s / 1e6) + 2 * profile.op_overhead_us);
 }
 
 // Trainable parameter elements one rank of each stage holds: a sharded Linear's 1/T.
@@ -147,11 +150,14 @@ std::string LayoutPrediction::bottleneck() const {
 
 namespace {
 
-// One layout's step, every op at its figure in `profile`.
-LayoutPrediction predict_with(const Graph& g, const Plan& plan, const Layout& layout, const MachineProfile& profile) {
+// One layout's step, every op at its figure in `profile` times `speed` (and its compute
+// scale).
+LayoutPrediction predict_with(const Graph& g, const Plan& plan, const Layout& layout, const MachineProfile& profile,
+                              double speed) {
   const PartitionOptions& o = plan.options;
   const int stages = o.stages, m = micro_batch_count(o), d = layout.replicas;
-  const PieceCoster coster(g, plan, profile);
+  const PieceCoster coster(g, plan, profile,
+                           speed * profile.compute_scale_at(static_cast<double>(micro_batch_size(o))));
   LayoutPrediction out;
   std::vector<double> collectives(static_cast<size_t>(stages), 0.0);  // per micro-batch, summed over its pieces
   double largest_cut = 0;
@@ -159,7 +165,7 @@ LayoutPrediction predict_with(const Graph& g, const Plan& plan, const Layout& la
     const StagePlan& piece = plan.stages[c];
     PieceCost pc = coster.cost(piece);
     if (c + 1 == plan.stages.size()) {
-      const double loss = loss_us(g, profile, coster.rows());
+      const double loss = loss_us(g, profile, coster.rows(), coster.scale());
       pc.forward += loss / 2, pc.input += loss / 2;
     } else {
       largest_cut = std::max(largest_cut, static_cast<double>(piece.activation_bytes_out) * coster.rows());
@@ -208,7 +214,7 @@ LayoutPrediction predict_with(const Graph& g, const Plan& plan, const Layout& la
       }
     }
     const double optimizer =
-        profile.compute_scale * (zero > 0 ? params[s] / d : params[s]) / profile.optimizer_params_per_s * 1e6;
+        speed * profile.compute_scale * (zero > 0 ? params[s] / d : params[s]) / profile.optimizer_params_per_s * 1e6;
     const double stage_finish = sp.end[s] + exposed + optimizer;
     if (stage_finish > finish) {
       finish = stage_finish;
@@ -228,16 +234,14 @@ LayoutPrediction predict_with(const Graph& g, const Plan& plan, const Layout& la
 }  // namespace
 
 LayoutPrediction predict_layout(const Graph& g, const Plan& plan, const Layout& layout, const MachineProfile& profile) {
-  const LayoutPrediction all_busy = predict_with(g, plan, layout, profile);
+  const LayoutPrediction all_busy = predict_with(g, plan, layout, profile, 1);
   const double s = profile.all_busy_slowdown;
   if (s <= 1) return all_busy;
   // The op figures are times with every rank computing. Where the schedule leaves ranks
   // idle (a pipeline's bubble), the others share the cores with fewer: while a rank computes,
   // a share u of the others do too (u the share of the schedule the ranks compute), and its
   // ops take busy_slowdown(u) / s of their figures.
-  MachineProfile faster = profile;
-  faster.compute_scale *= profile.busy_slowdown(all_busy.busy_share) / s;
-  return predict_with(g, plan, layout, faster);
+  return predict_with(g, plan, layout, profile, profile.busy_slowdown(all_busy.busy_share) / s);
 }
 
 }  // namespace pipeshard

@@ -24,7 +24,8 @@
 // - steps its optimizer over its parameters (1/D of them under ZeRO).
 // The step ends when the slowest stage has, plus a fixed overhead per step.
 // Every op's time (not the fixed overheads, not communication) is the profile's figure
-// times its compute_scale: what the ops take in a real step over what they take alone.
+// times its compute_scale: what the ops take in a real step over what they take alone
+// (compute_scale_at the layout's micro-batch rows; the optimizer's, compute_scale).
 // Where ranks share cores (all_busy_slowdown s > 1: figures taken with every rank
 // computing), a layout whose schedule keeps the ranks computing a share u of the time
 // runs its ops at busy_slowdown(u) / s of the figures (planner/profile.h: the measured

@@ -264,26 +264,31 @@ bool whole_model_config(const Graph& g, int64_t rows, int micro_batches, TrainCo
 
 // compute_scale (planner/profile.h): every rank at once trains the whole model alone on
 // its share of the batch (B/N rows, or B) in one micro-batch and in the most the plan may
-// use, and the figure is the median steps less the profile's fixed costs, over what
-// predict_layout() makes of the same layouts from the op figures measured before. 1 when
-// the model cannot be trained so, or would not fit in this host's memory N times over.
+// use, and with several ranks on the whole batch in one too (the rows a layout without
+// replicas runs); each step less the profile's fixed costs over what predict_layout()
+// makes of the same layout from the op figures measured before is compute_scale_by_rows at
+// its micro-batch's rows, and all of them together (their sums) compute_scale. 1 and none
+// when the model cannot be trained so, or would not fit in this host's memory N times over.
 // With N > 1 ranks, the step in one micro-batch on ranks 0 … k − 1 alone, the others
 // waiting, for k = 1 … N, gives `slowdown_by_busy_ranks` for this model (left empty when
 // it cannot be trained): ranks that compute at once share cores, caches and memory
 // bandwidth, as much more as the model's working set is larger than a GEMM's, and not at
 // all while fewer compute than there are cores.
 double calibrate_compute(Backend& backend, Communicator& world, Timer& timer, const MeasureOptions& o,
-                         const MachineProfile& measured, std::vector<double>& slowdown_by_busy_ranks,
-                         std::string& note) {
+                         const MachineProfile& measured, std::vector<MachineProfile::RowsScale>& by_rows,
+                         std::vector<double>& slowdown_by_busy_ranks, std::string& note) {
   const Graph& g = *o.model;
-  const int64_t rows = o.batch_size % world.size() == 0 ? o.batch_size / world.size() : o.batch_size;
-  std::vector<int> counts = {1};
-  if (const int most = divisors(rows, o.max_micro_batches).back(); most > 1) counts.push_back(most);
+  const int64_t share = o.batch_size % world.size() == 0 ? o.batch_size / world.size() : o.batch_size;
+  std::vector<std::pair<int64_t, int>> steps = {{share, 1}};  // (rows, micro-batches)
+  if (const int most = divisors(share, o.max_micro_batches).back(); most > 1) steps.emplace_back(share, most);
+  if (share != o.batch_size) steps.emplace_back(o.batch_size, 1);
   MachineProfile ops_only = measured;  // the ops alone: no fixed costs, unscaled
   ops_only.step_overhead_us = ops_only.micro_batch_overhead_us = 0;
   ops_only.compute_scale = 1;
+  ops_only.compute_scale_by_rows.clear();
   double steps_us = 0, predicted_us = 0;
-  for (int m : counts) {
+  std::vector<MachineProfile::RowsScale> scales;
+  for (auto [rows, m] : steps) {
     // Every rank decides alike: whether the config is one train runs, and fits in rank 0's
     // figure of this host's memory shared N ways.
     TrainConfig config;
@@ -299,12 +304,13 @@ double calibrate_compute(Backend& backend, Communicator& world, Timer& timer, co
       if (made) trainer = std::move(*made);
     }
     if (world.all_reduce_sum(trainer != nullptr ? 0.0 : 1.0) > 0) {
+      if (rows != share) break;  // the whole batch on every rank: its share's figures serve
       note = need.empty() ? "the model cannot be trained whole in one process, so compute_scale is 1"
                           : "the whole model does not fit in memory on every rank at once, so compute_scale is 1";
       return 1;
     }
     const double step_us = timer.median_us([&] { trainer->step(); });
-    if (m == 1 && world.size() > 1) {
+    if (rows == share && m == 1 && world.size() > 1) {
       const int n = world.size();
       // Blocks of steps, not the median step: a step that shares its core loses scheduler
       // slices now and then, which the median would leave out. Which k ranks compute turns
@@ -337,11 +343,21 @@ double calibrate_compute(Backend& backend, Communicator& world, Timer& timer, co
       note = "no plan of the whole model: " + plan.status().message();
       return 1;
     }
-    steps_us += step_us - measured.step_overhead_us - m * measured.micro_batch_overhead_us;
-    predicted_us += predict_layout(g, *plan, layout, ops_only).step_us;
+    const double ops_us = step_us - measured.step_overhead_us - m * measured.micro_batch_overhead_us;
+    const double predicted = predict_layout(g, *plan, layout, ops_only).step_us;
+    steps_us += ops_us, predicted_us += predicted;
+    if (predicted > 0) scales.push_back({rows / m, std::clamp(ops_us / predicted, 0.25, 4.0)});
   }
+  std::sort(scales.begin(), scales.end(), [](const auto& a, const auto& b) { return a.rows < b.rows; });
+  by_rows = scales.size() > 1 ? scales : std::vector<MachineProfile::RowsScale>{};
   const double scale = predicted_us > 0 ? steps_us / predicted_us : 1;
-  note = fmt::format("a step of the whole model on {} rows takes {:.2f}x what its ops take alone{}", rows, scale,
+  std::string rows_text;
+  for (const MachineProfile::RowsScale& r : by_rows) {
+    rows_text += fmt::format("{}{:.2f}x at {} rows", rows_text.empty() ? " (" : ", ", r.scale, r.rows);
+  }
+  if (!rows_text.empty()) rows_text += ")";
+  note = fmt::format("a step of the whole model on {} rows takes {:.2f}x what its ops take alone{}{}", share, scale,
+                     rows_text,
                      world.size() > 1 ? fmt::format(", and with 1 … {} ranks computing at once {:.2f}x of its time on "
                                                     "one alone",
                                                     world.size(), fmt::join(slowdown_by_busy_ranks, "x, "))
@@ -495,7 +511,7 @@ MachineProfile measure_profile(Backend& backend, Communicator& world, const Meas
     say("timing a step of the whole model on every rank at once");
     std::string note;
     std::vector<double> curve;
-    p.compute_scale = calibrate_compute(backend, world, timer, o, p, curve, note);
+    p.compute_scale = calibrate_compute(backend, world, timer, o, p, p.compute_scale_by_rows, curve, note);
     if (!curve.empty()) p.slowdown_by_busy_ranks = curve, p.all_busy_slowdown = curve.back();
     say("  " + note);
   }

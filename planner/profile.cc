@@ -86,6 +86,30 @@ class Reader {
     return Status::ok();
   }
 
+  // compute_scale_by_rows: {"rows", "scale"} objects, rows ascending.
+  Status rows_scales(const nlohmann::json& j, std::vector<MachineProfile::RowsScale>& out) {
+    const char* key = "compute_scale_by_rows";
+    if (!j.contains(key)) return Status::ok();
+    const nlohmann::json& list = j.at(key);
+    if (!list.is_array()) return bad(key, "a list of {\"rows\", \"scale\"}");
+    for (size_t i = 0; i < list.size(); ++i) {
+      const nlohmann::json& e = list[i];
+      const std::string path = std::string(key) + "[" + std::to_string(i) + "].";
+      if (!e.is_object()) return bad(path.substr(0, path.size() - 1), "an object");
+      double rows = 0, scale = 0;
+      for (auto [name, field] : {std::pair{"rows", &rows}, {"scale", &scale}}) {
+        if (!e.contains(name)) return bad(path + name, "present");
+        if (Status s = number(e, name, path, *field, true); !s) return s;
+      }
+      if (rows != std::floor(rows) || rows > 1e12) return bad(path + "rows", "a whole number");
+      if (!out.empty() && static_cast<int64_t>(rows) <= out.back().rows) {
+        return bad(path + "rows", "more than the entry before's (ascending)");
+      }
+      out.push_back({static_cast<int64_t>(rows), scale});
+    }
+    return Status::ok();
+  }
+
   Status bad(const std::string& field, const std::string& what) const {
     return Status::error(label_ + ": '" + field + "' must be " + what);
   }
@@ -116,6 +140,19 @@ double MachineProfile::all_reduce_us(double bytes, int group) const {
 double MachineProfile::reduce_scatter_us(double bytes, int group) const {
   if (group <= 1) return 0;
   return all_reduce.time_us(1.0 * (group - 1) / group * bytes);
+}
+
+double MachineProfile::compute_scale_at(double rows) const {
+  const std::vector<RowsScale>& c = compute_scale_by_rows;
+  if (c.empty()) return compute_scale;
+  if (rows <= static_cast<double>(c.front().rows)) return c.front().scale;
+  if (rows >= static_cast<double>(c.back().rows)) return c.back().scale;
+  size_t above = 1;
+  while (static_cast<double>(c[above].rows) < rows) ++above;
+  const RowsScale &lo = c[above - 1], &hi = c[above];
+  const double at = std::log(rows / static_cast<double>(lo.rows)) /
+                    std::log(static_cast<double>(hi.rows) / static_cast<double>(lo.rows));
+  return lo.scale + (hi.scale - lo.scale) * at;
 }
 
 double MachineProfile::busy_slowdown(double others) const {
@@ -151,6 +188,13 @@ std::string profile_json_text(const MachineProfile& p) {
   j["step_overhead_us"] = p.step_overhead_us;
   j["micro_batch_overhead_us"] = p.micro_batch_overhead_us;
   j["compute_scale"] = p.compute_scale;
+  if (!p.compute_scale_by_rows.empty()) {
+    nlohmann::json by_rows = nlohmann::json::array();
+    for (const MachineProfile::RowsScale& r : p.compute_scale_by_rows) {
+      by_rows.push_back({{"rows", r.rows}, {"scale", r.scale}});
+    }
+    j["compute_scale_by_rows"] = by_rows;
+  }
   j["all_busy_slowdown"] = p.all_busy_slowdown;
   if (!p.slowdown_by_busy_ranks.empty()) j["slowdown_by_busy_ranks"] = p.slowdown_by_busy_ranks;
   j["p2p"] = link_json(p.p2p);
@@ -194,6 +238,7 @@ Result<MachineProfile> parse_profile_json(const std::string& text, const std::st
     if (Status s = r.number(j, key, "", *field, positive); !s) return s;
   }
   if (p.all_busy_slowdown < 1) return r.bad("all_busy_slowdown", "1 or more");
+  if (Status s = r.rows_scales(j, p.compute_scale_by_rows); !s) return s;
   if (j.contains("slowdown_by_busy_ranks")) {
     const nlohmann::json& c = j.at("slowdown_by_busy_ranks");
     const std::string what = "a list of " + std::to_string(p.ranks) + " numbers (one per rank), each 1 or more";

@@ -18,6 +18,10 @@
 //     "micro_batch_overhead_us": 20.0,     // fixed cost of each micro-batch's passes beyond their ops
 //     "compute_scale": 1.15,               // what the model's ops take in a real step over the sum of their
 //                                          // times alone (caches, calls between them); 1 when left out
+//     "compute_scale_by_rows": [           // optional: the same by a micro-batch's rows (ascending), read
+//       {"rows": 4, "scale": 0.9},         // between them on a log scale and held beyond; the optimizer
+//       {"rows": 64, "scale": 1.2}         // keeps compute_scale
+//     ],
 //     "all_busy_slowdown": 2.0,            // ops with every rank computing over ops on one rank alone
 //                                          // (ranks that outnumber the cores share them); 1 when left out
 //     "slowdown_by_busy_ranks": [1, 1, 1.5, 2.0],  // optional: the same with 1, 2, … ranks computing
@@ -71,6 +75,14 @@ struct MachineProfile {
   // fixed overheads or communication) is multiplied by this: measured, it is a real
   // step of the model over the sum its ops' figures predict (planner/measure.h).
   double compute_scale = 1;
+  // compute_scale for the ops of micro-batches of `rows` rows, measured at a few (a step of
+  // small micro-batches runs its ops nearer their figures alone than one of large: weights
+  // stay in cache between them). Empty: compute_scale at every size.
+  struct RowsScale {
+    int64_t rows = 0;
+    double scale = 1;
+  };
+  std::vector<RowsScale> compute_scale_by_rows;
   // How much slower an op runs while every rank computes than while one computes alone and
   // the others wait (ranks share cores, caches and memory bandwidth). The op
   // figures above are taken with every rank computing; the cost model speeds them up where
@@ -93,6 +105,9 @@ struct MachineProfile {
   double all_reduce_us(double bytes, int group) const;
   double reduce_scatter_us(double bytes, int group) const;  // all-gather alike
   double send_us(double bytes) const { return p2p.time_us(bytes); }
+  // compute_scale_by_rows at `rows` (linear in log rows between its entries, the end ones
+  // beyond), or compute_scale without it.
+  double compute_scale_at(double rows) const;
   // How much slower than alone an op runs on a rank while a share `others` (0 … 1) of the
   // other ranks compute too: slowdown_by_busy_ranks at 1 + (ranks − 1)·others busy ranks,
   // read between its entries; without it, 1 + (all_busy_slowdown − 1)·others.

@@ -61,6 +61,7 @@ TEST(Profile, RoundTripsThroughItsJson) {
   p.compute_scale = 1.25;
   p.all_busy_slowdown = 1.5;
   p.slowdown_by_busy_ranks = {1, 1, 1.25, 1.5};
+  p.compute_scale_by_rows = {{4, 0.75}, {64, 1.5}};
   p.p2p = {3, 2e9};
   p.all_reduce = {9, 1.5e9};
   Result<MachineProfile> back = parse_profile_json(profile_json_text(p), "p.json");
@@ -73,6 +74,22 @@ TEST(Profile, RoundTripsThroughItsJson) {
   EXPECT_EQ(back->compute_scale, 1.25);
   EXPECT_EQ(back->all_busy_slowdown, 1.5);
   EXPECT_EQ(back->slowdown_by_busy_ranks, (std::vector<double>{1, 1, 1.25, 1.5}));
+  ASSERT_EQ(back->compute_scale_by_rows.size(), 2u);
+  EXPECT_EQ(back->compute_scale_by_rows[1].rows, 64);
+  EXPECT_EQ(back->compute_scale_by_rows[1].scale, 1.5);
+}
+
+TEST(Profile, TheComputeScaleByRowsIsReadBetweenItsEntriesOnALogScale) {
+  MachineProfile p;
+  p.compute_scale = 1.25;
+  EXPECT_EQ(p.compute_scale_at(16), 1.25);  // without the list: compute_scale at every size
+  p.compute_scale_by_rows = {{4, 0.75}, {16, 1}, {64, 2}};
+  EXPECT_DOUBLE_EQ(p.compute_scale_at(4), 0.75);
+  EXPECT_DOUBLE_EQ(p.compute_scale_at(8), 0.875);  // halfway from 4 to 16 in log rows
+  EXPECT_DOUBLE_EQ(p.compute_scale_at(16), 1);
+  EXPECT_DOUBLE_EQ(p.compute_scale_at(32), 1.5);
+  EXPECT_DOUBLE_EQ(p.compute_scale_at(1), 0.75);  // the end entries beyond them
+  EXPECT_DOUBLE_EQ(p.compute_scale_at(1024), 2);
 }
 
 TEST(Profile, TheSlowdownByBusyRanksIsReadBetweenItsEntries) {
@@ -131,6 +148,12 @@ TEST(Profile, RefusalsNameTheFieldAtFault) {
        "'slowdown_by_busy_ranks' must be a list of 2 numbers"},
       {profile_text(R"("ranks": 2, "all_busy_slowdown": 2, "slowdown_by_busy_ranks": [1, 1.5])"),
        "'slowdown_by_busy_ranks' must be a list that ends at all_busy_slowdown"},
+      {profile_text(R"("compute_scale_by_rows": [{"rows": 4, "scale": 1}, {"rows": 4, "scale": 2}])"),
+       "'compute_scale_by_rows[1].rows' must be more than the entry before's (ascending)"},
+      {profile_text(R"("compute_scale_by_rows": [{"rows": 4}])"), "'compute_scale_by_rows[0].scale' must be present"},
+      {profile_text(R"("compute_scale_by_rows": [{"rows": 2.5, "scale": 1}])"),
+       "'compute_scale_by_rows[0].rows' must be a whole number"},
+      {profile_text(R"("compute_scale_by_rows": 2)"), "'compute_scale_by_rows' must be a list of"},
       {profile_text(R"("linear": [{"rows": 4, "in": 8, "forward_us": 1, "input_grad_us": 1, "weight_grad_us": 1}])"),
        "'linear[0].out' must be present"},
       {profile_text(
@@ -259,6 +282,21 @@ TEST(CostModel, ComputeScaleMultipliesTheOpsNotTheFixedCostsOrTheMessages) {
   EXPECT_DOUBLE_EQ(one2.step_us - one2.overhead_us, 2 * (one.step_us - one.overhead_us));
   EXPECT_DOUBLE_EQ(sharded2.compute_us, 2 * sharded.compute_us);
   EXPECT_DOUBLE_EQ(sharded2.tensor_parallel_us, sharded.tensor_parallel_us);
+}
+
+TEST(CostModel, TheComputeScaleByRowsIsTakenAtTheMicroBatchesRows) {
+  const ImportedModel m = mlp({512, 512, 512, 10});
+  MachineProfile p = round_profile();
+  const LayoutPrediction whole = predict(m, layout_of(1, 1, 1, 1, "1f1b"), p, 16);     // 16 rows
+  const LayoutPrediction quarters = predict(m, layout_of(1, 1, 1, 4, "1f1b"), p, 16);  // 4 rows each
+  p.compute_scale_by_rows = {{4, 0.5}, {16, 2}};
+  const LayoutPrediction whole2 = predict(m, layout_of(1, 1, 1, 1, "1f1b"), p, 16);
+  const LayoutPrediction quarters2 = predict(m, layout_of(1, 1, 1, 4, "1f1b"), p, 16);
+  EXPECT_DOUBLE_EQ(whole2.compute_us, 2 * whole.compute_us);
+  EXPECT_DOUBLE_EQ(quarters2.compute_us, 0.5 * quarters.compute_us);
+  // The optimizer steps the same parameters at any micro-batch size: compute_scale's.
+  EXPECT_DOUBLE_EQ(whole2.optimizer_us, whole.optimizer_us);
+  EXPECT_DOUBLE_EQ(quarters2.optimizer_us, quarters.optimizer_us);
 }
 
 TEST(CostModel, RanksThatShareCoresComputeFasterWhereOthersIdle) {
