@@ -441,7 +441,7 @@ LinkCost fit_link(const std::vector<std::pair<double, double>>& points) {
     intercept = 0;
     slope = swxx > 0 ? swxy / swxx : slope;
   }
-  return {intercept, 1e6 / slope};
+  return {intercept, 1e6 / slope, {}};
 }
 
 MachineProfile measure_profile(Backend& backend, Communicator& world, const MeasureOptions& o) {
@@ -536,6 +536,13 @@ MachineProfile measure_profile(Backend& backend, Communicator& world, const Meas
     }
     p.p2p = fit_link(p2p);
     p.all_reduce = fit_link(all_reduce);
+    // The points themselves too: the link is read between them (planner/profile.h).
+    for (auto [link, timed] : {std::pair{&p.p2p, &p2p}, {&p.all_reduce, &all_reduce}}) {
+      std::sort(timed->begin(), timed->end());
+      for (auto [bytes, us] : *timed) {
+        if (link->points.empty() || bytes > link->points.back().bytes) link->points.push_back({bytes, us});
+      }
+    }
   }
   return p;
 }

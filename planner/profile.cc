@@ -34,7 +34,14 @@ double linear_us(const MachineProfile& p, int64_t rows, int64_t in, int64_t out,
   return f / p.gemm_flops_per_s * 1e6;
 }
 
-nlohmann::json link_json(const LinkCost& c) { return {{"latency_us", c.latency_us}, {"bytes_per_s", c.bytes_per_s}}; }
+nlohmann::json link_json(const LinkCost& c) {
+  nlohmann::json j = {{"latency_us", c.latency_us}, {"bytes_per_s", c.bytes_per_s}};
+  if (!c.points.empty()) {
+    j["measured"] = nlohmann::json::array();
+    for (const LinkCost::Point& p : c.points) j["measured"].push_back({{"bytes", p.bytes}, {"us", p.us}});
+  }
+  return j;
+}
 
 // Reads the fields of profile.json into a MachineProfile, naming the first one at fault.
 class Reader {
@@ -56,7 +63,24 @@ class Reader {
     if (!v.is_object()) return bad(key, "an object with latency_us and bytes_per_s");
     const std::string path = std::string(key) + ".";
     if (Status s = number(v, "latency_us", path, out.latency_us, false); !s) return s;
-    return number(v, "bytes_per_s", path, out.bytes_per_s, true);
+    if (Status s = number(v, "bytes_per_s", path, out.bytes_per_s, true); !s) return s;
+    if (!v.contains("measured")) return Status::ok();
+    const nlohmann::json& list = v.at("measured");
+    if (!list.is_array()) return bad(path + "measured", "a list of {\"bytes\", \"us\"}");
+    for (size_t i = 0; i < list.size(); ++i) {
+      const std::string at = path + "measured[" + std::to_string(i) + "].";
+      if (!list[i].is_object()) return bad(at.substr(0, at.size() - 1), "an object");
+      LinkCost::Point p;
+      for (auto [name, field] : {std::pair{"bytes", &p.bytes}, {"us", &p.us}}) {
+        if (!list[i].contains(name)) return bad(at + name, "present");
+        if (Status s = number(list[i], name, at, *field, true); !s) return s;
+      }
+      if (!out.points.empty() && p.bytes <= out.points.back().bytes) {
+        return bad(at + "bytes", "more than the point before's (ascending)");
+      }
+      out.points.push_back(p);
+    }
+    return Status::ok();
   }
 
   Status linear(const nlohmann::json& j, std::vector<LinearTiming>& out) {
@@ -120,7 +144,14 @@ class Reader {
 
 }  // namespace
 
-double LinkCost::time_us(double bytes) const { return bytes <= 0 ? 0 : latency_us + bytes / bytes_per_s * 1e6; }
+double LinkCost::time_us(double bytes) const {
+  if (bytes <= 0) return 0;
+  if (points.size() < 2) return latency_us + bytes / bytes_per_s * 1e6;
+  size_t above = 1;  // the segment [above − 1, above] that holds `bytes`, or the end one nearest
+  while (above + 1 < points.size() && points[above].bytes < bytes) ++above;
+  const Point &lo = points[above - 1], &hi = points[above];
+  return std::max(0.0, lo.us + (hi.us - lo.us) * (bytes - lo.bytes) / (hi.bytes - lo.bytes));
+}
 
 double MachineProfile::linear_forward_us(int64_t rows, int64_t in, int64_t out) const {
   return linear_us(*this, rows, in, out, &LinearTiming::forward_us);

@@ -28,13 +28,15 @@
 //                                          // (one entry per rank, ending at all_busy_slowdown); left
 //                                          // out, it is the straight line from 1 to all_busy_slowdown
 //     "p2p":        {"latency_us": 5.0,  "bytes_per_s": 2.0e9},
-//     "all_reduce": {"latency_us": 10.0, "bytes_per_s": 1.0e9}   // bus bandwidth, as below
-//   }
+//     "all_reduce": {"latency_us": 10.0, "bytes_per_s": 1.0e9,   // bus bandwidth, as below
+//                    "measured": [{"bytes": 3072, "us": 50}, {"bytes": 6291456, "us": 6223}]}
+//   }                                      // "measured" optional, in either link: the points timed
 //
 // Communication follows the alpha-beta model: a point-to-point message of n bytes takes
 // latency + n / bytes_per_s; a collective over g ranks moves bus bytes (nccl-tests'
 // busbw): all-reduce 2·(g−1)/g·n, reduce-scatter and all-gather (g−1)/g·n of the whole
 // n-byte buffer, and takes latency + bus bytes / bytes_per_s. A group of one takes nothing.
+// A link with "measured" points (bus bytes for all_reduce) is read between them instead.
 #ifndef PIPESHARD_PLANNER_PROFILE_H_
 #define PIPESHARD_PLANNER_PROFILE_H_
 
@@ -53,10 +55,17 @@ struct LinearTiming {
   double forward_us = 0, input_grad_us = 0, weight_grad_us = 0;
 };
 
-// latency + bytes / bytes_per_s.
+// latency + bytes / bytes_per_s, or where two or more points were measured, the time read
+// linearly between them (the first and last segments extended beyond, never below 0): one
+// line cannot price both ends (two cores, 4 ranks: an all-reduce of 3 KiB on the bus takes
+// 50 µs and of 6 MiB 6.2 ms; the best line on relative error prices the second at 3.5 ms).
 struct LinkCost {
+  struct Point {
+    double bytes = 0, us = 0;
+  };
   double latency_us = 0;
-  double bytes_per_s = 0;  // > 0
+  double bytes_per_s = 0;     // > 0
+  std::vector<Point> points;  // bytes ascending
   double time_us(double bytes) const;
 };
 
@@ -92,8 +101,8 @@ struct MachineProfile {
   // alone, for k = 1 … ranks (the first 1, the last all_busy_slowdown). Empty: the straight
   // line between them. Two cores under four ranks: about {1, 1, 1.5, 2}.
   std::vector<double> slowdown_by_busy_ranks;
-  LinkCost p2p{5, 1e9};
-  LinkCost all_reduce{10, 1e9};
+  LinkCost p2p{5, 1e9, {}};
+  LinkCost all_reduce{10, 1e9, {}};
 
   // A Linear pass of `rows` × `in` → `out` in µs: the measured time at that shape, or
   // 2·rows·in·out flops at the rate of the measured shape nearest in flops (log scale),

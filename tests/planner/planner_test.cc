@@ -62,8 +62,8 @@ TEST(Profile, RoundTripsThroughItsJson) {
   p.all_busy_slowdown = 1.5;
   p.slowdown_by_busy_ranks = {1, 1, 1.25, 1.5};
   p.compute_scale_by_rows = {{4, 0.75}, {64, 1.5}};
-  p.p2p = {3, 2e9};
-  p.all_reduce = {9, 1.5e9};
+  p.p2p = {3, 2e9, {}};
+  p.all_reduce = {9, 1.5e9, {{4096, 12}, {65536, 50.5}}};
   Result<MachineProfile> back = parse_profile_json(profile_json_text(p), "p.json");
   ASSERT_TRUE(back.is_ok()) << back.status().message();
   EXPECT_EQ(profile_json_text(*back), profile_json_text(p));
@@ -77,6 +77,30 @@ TEST(Profile, RoundTripsThroughItsJson) {
   ASSERT_EQ(back->compute_scale_by_rows.size(), 2u);
   EXPECT_EQ(back->compute_scale_by_rows[1].rows, 64);
   EXPECT_EQ(back->compute_scale_by_rows[1].scale, 1.5);
+  EXPECT_TRUE(back->p2p.points.empty());
+  ASSERT_EQ(back->all_reduce.points.size(), 2u);
+  EXPECT_EQ(back->all_reduce.points[1].us, 50.5);
+}
+
+TEST(Profile, ALinkWithMeasuredPointsIsReadBetweenThem) {
+  LinkCost line{50, 1e9, {}};
+  EXPECT_DOUBLE_EQ(line.time_us(1e6), 50 + 1000);  // no points: the line
+  EXPECT_EQ(line.time_us(0), 0);
+  // Two cores' 4-rank all-reduce (bus bytes): no line through these prices both ends.
+  LinkCost measured = line;
+  measured.points = {{3072, 50}, {49152, 108}, {786432, 380}, {6291456, 6223}};
+  EXPECT_DOUBLE_EQ(measured.time_us(3072), 50);
+  EXPECT_DOUBLE_EQ(measured.time_us(6291456), 6223);
+  EXPECT_DOUBLE_EQ(measured.time_us((49152 + 786432) / 2.0), (108 + 380) / 2.0);
+  const double last_slope = (6223.0 - 380) / (6291456 - 786432);
+  EXPECT_DOUBLE_EQ(measured.time_us(2 * 6291456.0), 6223 + last_slope * 6291456);  // the last segment extended
+  EXPECT_GT(measured.time_us(1024), 0);                                            // the first, never below 0
+  EXPECT_LT(measured.time_us(1024), 50);
+  EXPECT_EQ(measured.time_us(0), 0);
+  // One point is no curve: the line.
+  LinkCost one = line;
+  one.points = {{4096, 7}};
+  EXPECT_DOUBLE_EQ(one.time_us(1e6), 1050);
 }
 
 TEST(Profile, TheComputeScaleByRowsIsReadBetweenItsEntriesOnALogScale) {
@@ -154,6 +178,13 @@ TEST(Profile, RefusalsNameTheFieldAtFault) {
       {profile_text(R"("compute_scale_by_rows": [{"rows": 2.5, "scale": 1}])"),
        "'compute_scale_by_rows[0].rows' must be a whole number"},
       {profile_text(R"("compute_scale_by_rows": 2)"), "'compute_scale_by_rows' must be a list of"},
+      {profile_text(R"("p2p": {"latency_us": 1, "bytes_per_s": 1e9, "measured": 4})"),
+       "'p2p.measured' must be a list of"},
+      {profile_text(R"("all_reduce": {"latency_us": 1, "bytes_per_s": 1e9, "measured": [{"bytes": 8, "us": 1},
+         {"bytes": 8, "us": 2}]})"),
+       "'all_reduce.measured[1].bytes' must be more than the point before's (ascending)"},
+      {profile_text(R"("p2p": {"latency_us": 1, "bytes_per_s": 1e9, "measured": [{"bytes": 8}]})"),
+       "'p2p.measured[0].us' must be present"},
       {profile_text(R"("linear": [{"rows": 4, "in": 8, "forward_us": 1, "input_grad_us": 1, "weight_grad_us": 1}])"),
        "'linear[0].out' must be present"},
       {profile_text(
@@ -182,7 +213,7 @@ TEST(Profile, LinearTimesComeFromTheNearestMeasuredShape) {
 
 TEST(Profile, CollectivesFollowTheBusBandwidth) {
   MachineProfile p;
-  p.all_reduce = {10, 1e9};
+  p.all_reduce = {10, 1e9, {}};
   EXPECT_EQ(p.all_reduce_us(1e6, 1), 0);
   EXPECT_DOUBLE_EQ(p.all_reduce_us(1e6, 2), 10 + 1e6 / 1e9 * 1e6);  // 2·(2−1)/2 = 1
   EXPECT_DOUBLE_EQ(p.all_reduce_us(1e6, 4), 10 + 1.5e6 / 1e9 * 1e6);
@@ -229,8 +260,8 @@ MachineProfile round_profile() {
   p.optimizer_params_per_s = 1e6;   // a parameter per µs
   p.op_overhead_us = 0;
   p.step_overhead_us = 7;
-  p.p2p = {1, 4e6};
-  p.all_reduce = {2, 4e6};
+  p.p2p = {1, 4e6, {}};
+  p.all_reduce = {2, 4e6, {}};
   return p;
 }
 
@@ -367,7 +398,7 @@ TEST(CostModel, TensorParallelShardsTheGemmsAndPaysForItsCollectives) {
   EXPECT_GT(two.tensor_parallel_us, 0);
   EXPECT_LT(two.compute_us, one.compute_us);
   // With free collectives, sharding only removes work.
-  p.all_reduce = {0, 1e30};
+  p.all_reduce = {0, 1e30, {}};
   const LayoutPrediction free = predict(m, layout_of(1, 1, 2, 1, "1f1b"), p, 16);
   EXPECT_NEAR(free.tensor_parallel_us, 0, 1e-9);
   EXPECT_LT(free.step_us, one.step_us);
