@@ -267,7 +267,8 @@ bool whole_model_config(const Graph& g, int64_t rows, int micro_batches, TrainCo
 // use, and with several ranks on the whole batch in one too (the rows a layout without
 // replicas runs); each step less the profile's fixed costs over what predict_layout()
 // makes of the same layout from the op figures measured before is compute_scale_by_rows at
-// its micro-batch's rows, and all of them together (their sums) compute_scale. 1 and none
+// its micro-batch's rows (three or more: on their least-squares line in log rows), and all of
+// them together (their sums) compute_scale. 1 and none
 // when the model cannot be trained so, or would not fit in this host's memory N times over.
 // With N > 1 ranks, the step in one micro-batch on ranks 0 … k − 1 alone, the others
 // waiting, for k = 1 … N, gives `slowdown_by_busy_ranks` for this model (left empty when
@@ -349,6 +350,7 @@ double calibrate_compute(Backend& backend, Communicator& world, Timer& timer, co
     if (predicted > 0) scales.push_back({rows / m, std::clamp(ops_us / predicted, 0.25, 4.0)});
   }
   std::sort(scales.begin(), scales.end(), [](const auto& a, const auto& b) { return a.rows < b.rows; });
+  if (scales.size() > 2) smooth_in_log_rows(scales);
   by_rows = scales.size() > 1 ? scales : std::vector<MachineProfile::RowsScale>{};
   const double scale = predicted_us > 0 ? steps_us / predicted_us : 1;
   std::string rows_text;
@@ -442,6 +444,20 @@ LinkCost fit_link(const std::vector<std::pair<double, double>>& points) {
     slope = swxx > 0 ? swxy / swxx : slope;
   }
   return {intercept, 1e6 / slope, {}};
+}
+
+void smooth_in_log_rows(std::vector<MachineProfile::RowsScale>& scales) {
+  double n = 0, sx = 0, sy = 0, sxx = 0, sxy = 0;
+  for (const MachineProfile::RowsScale& r : scales) {
+    const double x = std::log(static_cast<double>(r.rows));
+    n += 1, sx += x, sy += r.scale, sxx += x * x, sxy += x * r.scale;
+  }
+  const double denominator = n * sxx - sx * sx;
+  if (!(denominator > 0)) return;
+  const double slope = (n * sxy - sx * sy) / denominator, intercept = (sy - slope * sx) / n;
+  for (MachineProfile::RowsScale& r : scales) {
+    r.scale = std::clamp(intercept + slope * std::log(static_cast<double>(r.rows)), 0.25, 4.0);
+  }
 }
 
 MachineProfile measure_profile(Backend& backend, Communicator& world, const MeasureOptions& o) {

@@ -69,6 +69,12 @@ MachineProfile measure_profile(Backend& backend, Communicator& world, const Meas
 // flat or falling line gives the rate of the largest message alone).
 LinkCost fit_link(const std::vector<std::pair<double, double>>& bytes_us);
 
+// Each scale replaced by the least-squares line through all of them in log rows, at its rows
+// (clamped to 0.25 … 4): compute_scale_by_rows from three or more steps. One step's figure on
+// ranks that share cores moves by 20–30 % from one profile to the next (model A on 4 processes,
+// 16 rows: 0.92x, then 1.22x), more than the trend it is there for.
+void smooth_in_log_rows(std::vector<MachineProfile::RowsScale>& scales);
+
 }  // namespace pipeshard
 
 #endif  // PIPESHARD_PLANNER_MEASURE_H_

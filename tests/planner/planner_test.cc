@@ -220,6 +220,23 @@ TEST(Profile, CollectivesFollowTheBusBandwidth) {
   EXPECT_DOUBLE_EQ(p.reduce_scatter_us(1e6, 4), 10 + 0.75e6 / 1e9 * 1e6);
 }
 
+TEST(Profile, TheScalesByRowsAreSmoothedOntoALineInLogRows) {
+  // On a line already (0.5 per factor 4 of rows): unchanged.
+  std::vector<MachineProfile::RowsScale> line = {{4, 0.5}, {16, 1.0}, {64, 1.5}};
+  smooth_in_log_rows(line);
+  EXPECT_NEAR(line[0].scale, 0.5, 1e-12);
+  EXPECT_NEAR(line[1].scale, 1.0, 1e-12);
+  EXPECT_NEAR(line[2].scale, 1.5, 1e-12);
+  // A spike in the middle is spread over the three: the line through (0, 0.7), (1, 1.22), (2, 0.98).
+  std::vector<MachineProfile::RowsScale> spike = {{4, 0.7}, {16, 1.22}, {64, 0.98}};
+  smooth_in_log_rows(spike);
+  const double mean = (0.7 + 1.22 + 0.98) / 3, slope = (0.98 - 0.7) / 2;
+  EXPECT_NEAR(spike[0].scale, mean - slope, 1e-9);
+  EXPECT_NEAR(spike[1].scale, mean, 1e-9);
+  EXPECT_NEAR(spike[2].scale, mean + slope, 1e-9);
+  EXPECT_EQ(spike[1].rows, 16);
+}
+
 TEST(Profile, FitLinkRecoversALine) {
   const LinkCost c = fit_link({{1e3, 5 + 1e3 / 2e9 * 1e6}, {1e6, 5 + 1e6 / 2e9 * 1e6}, {1e7, 5 + 1e7 / 2e9 * 1e6}});
   EXPECT_NEAR(c.latency_us, 5, 1e-6);
