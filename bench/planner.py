@@ -4,7 +4,8 @@
 How to run, from the repository root after building
 (cmake --build build --target partition train profile):
     /usr/bin/python3 bench/planner.py [--models A,B,D] [--ranks 1,2,4] [--batch-size 64] [--steps 30]
-                                      [--warmup 5] [--max-micro-batches K] [--rounds 1] [--out DIR]
+                                      [--warmup 5] [--min-seconds 0.5] [--max-micro-batches K] [--rounds 1]
+                                      [--final-rounds 3] [--out DIR]
     /usr/bin/python3 bench/planner.py --quick      # model A on 1 and 2 ranks, 15 steps, M <= 4
 
 For each model and each rank count N:
@@ -19,7 +20,9 @@ For each model and each rank count N:
   3. partition MODEL --plan --ranks N --batch-size B --optimizer OPT --profile profile.json --json lists
      every accepted layout with its predicted step time and peak memory per rank;
   4. every accepted layout runs: mpirun -np N (same flags, same environment) train MODEL --data X
-     --labels Y --batch-size B --steps S --no-shuffle --optimizer OPT --metrics m.jsonl <its train_flags>.
+     --labels Y --batch-size B --steps S --no-shuffle --optimizer OPT --metrics m.jsonl <its train_flags>,
+     S = --steps, or more where the steps after the warm-up would last under --min-seconds (0.5 s) at the
+     predicted step time (up to 10 x --steps);
      Its step time is the median, over the steps after the first --warmup, of B / samples_per_s of
      rank 0's --metrics rows (the wall time between consecutive steps); its peak memory is train's
      "peak memory held by the backend per process: X at most" (the largest rank).
@@ -86,8 +89,10 @@ TARGET_FIRST_CHOICE = 1.05
 TARGET_SPEARMAN = 0.8
 TARGET_MEMORY_ERROR = 0.10
 LAUNCH_S = 1.5  # the first guess at one mpirun + train start-up and shut-down, for the estimate
-QUICK = {"models": "A", "ranks": "1,2", "steps": 15, "warmup": 3, "max_micro_batches": 4}
-DEFAULTS = {"models": "A,B,D", "ranks": "1,2,4", "steps": 30, "warmup": 5, "max_micro_batches": None}
+QUICK = {"models": "A", "ranks": "1,2", "steps": 15, "warmup": 3, "max_micro_batches": 4, "min_seconds": 0.0}
+DEFAULTS = {"models": "A,B,D", "ranks": "1,2,4", "steps": 30, "warmup": 5, "max_micro_batches": None,
+            "min_seconds": 0.5}
+MAX_STEPS_FACTOR = 10  # run_steps: at most this many times --steps
 MIB = 1 << 20
 REPROFILE_AFTER_S = 120  # a case's profile older than this when its runs start is taken again
 QUIET_WINDOW_S = 1.0
@@ -238,10 +243,18 @@ def make_plan(name, ranks, args, paths, profile):
 
 
 # --------------------------------------------------------------------------- measuring
-def train_argv(args, paths, metrics, train_flags):
+def run_steps(args, predicted_ms):
+    """Steps of one run: --steps, or more where the predicted step is short, so that the steps after the
+    warm-up last --min-seconds (at most MAX_STEPS_FACTOR x --steps): the median of 15 steps of 3 ms
+    moved by 15-20 % from one run to the next, and the launch (~1.5 s) costs more than the steps."""
+    wanted = args.warmup + math.ceil(args.min_seconds * 1e3 / max(predicted_ms, 1e-3))
+    return max(args.steps, min(wanted, MAX_STEPS_FACTOR * args.steps))
+
+
+def train_argv(args, paths, metrics, train_flags, steps):
     flags = [] if train_flags.strip() in ("", "(none)") else train_flags.split()
     return [args.train, paths["onnx"], "--data", paths["data"], "--labels", paths["labels"],
-            "--batch-size", str(args.batch_size), "--steps", str(args.steps), "--no-shuffle",
+            "--batch-size", str(args.batch_size), "--steps", str(steps), "--no-shuffle",
             "--optimizer", args.optimizer, "--metrics", metrics, *flags]
 
 
@@ -250,7 +263,8 @@ def measure_once(case, index, tag, args):
     the CPUs others used meanwhile, who); raises RuntimeError with the reason it failed."""
     layout = case["plan"]["layouts"][index]
     metrics = tag + ".jsonl"
-    argv = under_mpirun(args, case["ranks"], train_argv(args, case["paths"], metrics, layout["train_flags"]))
+    steps = run_steps(args, layout["predicted"]["step_ms"])
+    argv = under_mpirun(args, case["ranks"], train_argv(args, case["paths"], metrics, layout["train_flags"], steps))
     status, _, others, top = launch(argv, child_env(case["threads"]), tag, args.timeout)
     if status != 0:
         why = f"timed out after {args.timeout} s" if status is None else f"status {status}"
@@ -303,6 +317,8 @@ def layout_record(case, index):
 def finish_record(record):
     if record["status"] == "ok":
         record["measured_ms"] = statistics.median(record["step_ms"])
+        if record.get("final_step_ms"):
+            record["final_ms"] = statistics.median(record["final_step_ms"])
         record["error"] = None
         record["time_error"] = relative_error(record["predicted_ms"], record["measured_ms"])
         peak = record["measured_peak_mib"]
@@ -312,8 +328,12 @@ def finish_record(record):
 
 def estimate_s(case, args):
     """Seconds to measure every layout of a case: launches plus steps at the predicted step times."""
-    return sum(args.rounds * (LAUNCH_S + args.steps * l["predicted"]["step_ms"] / 1e3)
-               for l in case["plan"]["layouts"])
+    return sum(args.rounds * run_guess_s(args, l["predicted"]["step_ms"]) for l in case["plan"]["layouts"])
+
+
+def run_guess_s(args, predicted_ms):
+    """Seconds one run of a layout should take: the launch and its steps at the predicted time."""
+    return LAUNCH_S + run_steps(args, predicted_ms) * predicted_ms / 1e3
 
 
 class Progress:
@@ -333,17 +353,18 @@ class Progress:
         return f"[{self.done}/{self.total}, ~{max(0.0, self.left_s) * pace / 60:.1f} min left]"
 
 
-def measure_layout(case, index, round_, args, folder, progress, state):
-    """One round of one layout: its steps and memory into its record, a progress line printed."""
+def measure_layout(case, index, round_, args, folder, progress, state, into="step_ms"):
+    """One round of one layout: its steps (into record[into]) and memory into its record, a progress
+    line printed."""
     record = case["records"][index]
-    guess = LAUNCH_S + args.steps * record["predicted_ms"] / 1e3
+    guess = run_guess_s(args, record["predicted_ms"])
     if record["status"] != "ok":
         progress.ran(guess, 0.0)
         return  # failed in an earlier round: not again
     began = time.monotonic()
     try:
         times, peak, others, top = measure_quietly(case, index, round_, args, folder, state)
-        record["step_ms"] += [t * 1e3 for t in times]
+        record[into] = record.get(into, []) + [t * 1e3 for t in times]
         record["measured_peak_mib"] = peak if peak is not None else record["measured_peak_mib"]
         if others >= record["others_share"]:
             record.update(others_share=others, others_top=top)
@@ -396,9 +417,10 @@ def contenders(records):
 
 
 def measure_contenders(case, args, folder, progress, state):
-    """--final-rounds more runs of each contender, in alternating order, pooled with their earlier steps.
-    The fastest of a hundred noisy medians is biased low (it is the fastest partly by luck), so the
-    comparison of the first choice with it is made on more steps, on both sides alike."""
+    """--final-rounds more runs of each contender, in alternating order, their steps kept apart
+    (final_step_ms, final_ms). The fastest of a hundred noisy medians is biased low (it is the fastest
+    partly by luck), and the machine's speed drifts between the first rounds and these, so the first
+    choice is compared with the contenders on these rounds alone, run side by side."""
     chosen = contenders(case["records"])
     if args.final_rounds <= 0 or len(chosen) < 2:
         return
@@ -407,7 +429,8 @@ def measure_contenders(case, args, folder, progress, state):
           f"the first choice and those within {CONTENDER_MARGIN - 1:.0%} of the fastest", flush=True)
     for round_ in range(args.final_rounds):
         for record in chosen if round_ % 2 == 0 else reversed(chosen):
-            measure_layout(case, record["plan_rank"], args.rounds + round_, args, folder, progress, state)
+            measure_layout(case, record["plan_rank"], args.rounds + round_, args, folder, progress, state,
+                           into="final_step_ms")
     for record in chosen:
         record["contender"] = True
         finish_record(record)
@@ -439,10 +462,17 @@ def summarize(case):
     s["first_choice_busy"] = first["busy"]
     if not ok:
         return s
-    fastest = min(ok, key=lambda r: r["measured_ms"])
-    s["best_measured"] = {"text": fastest["text"], "measured_ms": fastest["measured_ms"],
+    # With --final-rounds, the first choice against the contenders on their final rounds alone (run side
+    # by side, after the others fell more than 10 % behind); without, against every layout.
+    final = [r for r in ok if r.get("final_ms")]
+    key = "final_ms" if first in final and len(final) > 1 else "measured_ms"
+    pool = final if key == "final_ms" else ok
+    fastest = min(pool, key=lambda r: r[key])
+    s["first_choice_on"] = "final rounds" if key == "final_ms" else "all rounds"
+    s["first_choice_ms"] = first.get(key)
+    s["best_measured"] = {"text": fastest["text"], "measured_ms": fastest[key],
                           "predicted_ms": fastest["predicted_ms"], "plan_rank": fastest["plan_rank"]}
-    s["first_choice_ratio"] = first["measured_ms"] / fastest["measured_ms"] if first in ok else None
+    s["first_choice_ratio"] = first[key] / fastest[key] if first in pool else None
     s["median_error"] = statistics.median(abs(r["time_error"]) for r in ok)
     s["median_signed_error"] = statistics.median(r["time_error"] for r in ok)
     s["spearman"] = spearman([r["predicted_ms"] for r in ok], [r["measured_ms"] for r in ok])
@@ -486,7 +516,8 @@ def summary_rows(summaries):
         rows.append([
             s["model"], f"{s['ranks']} x {s['threads']}t", f"{s['layouts']} ({s['failed']} failed, {s['busy']} BUSY)",
             f"{s['best_predicted']['text']}: {s['best_predicted']['predicted_ms']:.2f}",
-            f"{bm['text']}: {bm['measured_ms']:.2f} (plan #{bm['plan_rank'] + 1})" if bm else "-",
+            f"{bm['text']}: {bm['measured_ms']:.2f} (plan #{bm['plan_rank'] + 1}"
+            + (", final rounds)" if s.get("first_choice_on") == "final rounds" else ")") if bm else "-",
             first_choice_cell(s),
             f"{ratio:.3f} {verdict(v.get('first choice <= 1.05 x fastest'))}" if ratio else "-",
             f"{pct(s.get('median_error'))} {verdict(v.get('median error <= 15%'))}" if v else "-",
@@ -532,7 +563,7 @@ def layout_rows(case):
     for r in case["records"]:
         if r["status"] == "ok":
             mem = f"{r['measured_peak_mib']:.2f}" if r["measured_peak_mib"] else "-"
-            busy = (f" BUSY {r['others_share']:.0%}" if r["busy"] else "") + (" +" if r.get("contender") else "")
+            busy = (f" BUSY {r['others_share']:.0%}" if r["busy"] else "") + (f" + {r['final_ms']:.2f}" if r.get("final_ms") else "")
             rows.append([r["plan_rank"] + 1, r["text"], f"{r['predicted_ms']:.3f}", f"{r['measured_ms']:.3f}{busy}",
                          pct(r["time_error"], True), r["predicted"]["bottleneck"], f"{r['predicted_peak_mib']:.2f}",
                          mem, pct(r["memory_error"], True)])
@@ -554,7 +585,8 @@ def report_text(cases, summaries, meta, scatter):
     """planner.md: what ran, the summary with verdicts, the biases, the failures, every layout."""
     out = ["# Layout planner against measurement\n",
            f"`{' '.join(meta['command'])}` on {meta['host']}, {meta['cpus']} CPUs, started {meta['started_utc']} UTC; "
-           f"batch {meta['batch_size']}, {meta['steps']} steps ({meta['warmup']} warm-up), {meta['rounds']} round(s) "
+           f"batch {meta['batch_size']}, {meta['steps']} steps ({meta['warmup']} warm-up; more where they would last "
+           f"under {meta.get('min_seconds', 0):g} s), {meta['rounds']} round(s) "
            f"and {meta.get('final_rounds', 0)} more of the first choice and the layouts within 10 % of the fastest, "
            f"--optimizer {meta['optimizer']}, max micro-batches {meta['max_micro_batches'] or 'partition default'}; "
            f"load average {meta.get('load_start', float('nan')):.2f} at start, "
@@ -583,7 +615,8 @@ def report_text(cases, summaries, meta, scatter):
             else "None.", ""]
     for c in cases:
         out += [f"## Every layout: model {c['model']}, N = {c['ranks']}\n",
-                "(+: a contender, run --final-rounds more times)\n" if any(r.get("contender") for r in c["records"])
+                "(+ X: a contender, run --final-rounds more times: X ms, its median over those rounds, on which the "
+                "first choice is compared with the other contenders)\n" if any(r.get("contender") for r in c["records"])
                 else "", md_table(LAYOUT_HEADER, layout_rows(c)), ""]
     return "\n".join(out) + "\n"
 
@@ -672,7 +705,8 @@ def write_outputs(cases, summaries, meta, out, with_json=True):
 def run_meta(args, started):
     """What planner.md says of the run, kept in planner.json for --from-json."""
     return {"command": sys.argv, "started_utc": started, "host": os.uname().nodename, "cpus": os.cpu_count(),
-            "batch_size": args.batch_size, "steps": args.steps, "warmup": args.warmup, "rounds": args.rounds,
+            "batch_size": args.batch_size, "steps": args.steps, "min_seconds": args.min_seconds,
+            "warmup": args.warmup, "rounds": args.rounds,
             "final_rounds": args.final_rounds,
             "optimizer": args.optimizer, "max_micro_batches": args.max_micro_batches, "busy": args.busy,
             "load_start": args.load_start, "load_end": os.getloadavg()[0]}
@@ -702,6 +736,10 @@ def parse_args():
     ap.add_argument("--batch-size", type=int, default=64, help="global batch per step (default 64)")
     ap.add_argument("--steps", type=int, help=f"steps per run (default {DEFAULTS['steps']})")
     ap.add_argument("--warmup", type=int, help=f"steps discarded at the start of each run (default {DEFAULTS['warmup']})")
+    ap.add_argument("--min-seconds", type=float,
+                    help="a run's steps after the warm-up last at least this long at the predicted step time: more "
+                         f"than --steps where steps are short, at most {MAX_STEPS_FACTOR} x --steps "
+                         f"(default {DEFAULTS['min_seconds']}; 0: --steps for every layout)")
     ap.add_argument("--max-micro-batches", type=int, help="passed to partition --plan (default: its own, 16)")
     ap.add_argument("--rounds", type=int, default=1,
                     help="runs of every layout, in alternating order; steps are pooled (default 1)")
@@ -752,6 +790,8 @@ def check_setup(args):
         return "--ranks must list positive numbers"
     if not 0 <= args.warmup < args.steps:
         return "--warmup must be below --steps"
+    if not args.min_seconds >= 0:
+        return "--min-seconds must be 0 or more"
     for tool in (args.train, args.partition):
         if not os.access(tool, os.X_OK):
             return f"{tool} is missing; build it first (cmake --build {args.build_dir} --target partition train profile)"
@@ -801,7 +841,7 @@ def main():
     args.load_start = os.getloadavg()[0]
     print(f"planner: {os.uname().nodename}, {os.cpu_count()} CPUs, load average {args.load_start:.2f}; models "
           f"{','.join(args.model_list)}, N in {{{','.join(map(str, args.rank_list))}}}, batch {args.batch_size}, "
-          f"{args.steps} steps ({args.warmup} warm-up) x {args.rounds} round(s), --optimizer {args.optimizer}; every "
+          f"{args.steps} steps ({args.warmup} warm-up; more to last {args.min_seconds:g} s) x {args.rounds} round(s), --optimizer {args.optimizer}; every "
           f"run: mpirun -np N --oversubscribe --bind-to none, OMP_NUM_THREADS = OPENBLAS_NUM_THREADS = "
           f"max(1, {os.cpu_count()} // N), OMP_WAIT_POLICY=PASSIVE", flush=True)
     began = time.monotonic()
