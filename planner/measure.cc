@@ -25,6 +25,20 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
+// The sums of a weighted least-squares line y = slope·x + intercept (fit_link,
+// smooth_in_log_rows).
+struct LineSums {
+  double sw = 0, swx = 0, swy = 0, swxx = 0, swxy = 0;
+  void add(double x, double y, double w) { sw += w, swx += w * x, swy += w * y, swxx += w * x * x, swxy += w * x * y; }
+  // False, and slope 0 with the weighted mean for intercept, when the x do not differ.
+  bool line(double& slope, double& intercept) const {
+    const double denominator = sw * swxx - swx * swx;
+    slope = denominator > 0 ? (sw * swxy - swx * swy) / denominator : 0;
+    intercept = sw > 0 ? (swy - slope * swx) / sw : 0;
+    return denominator > 0;
+  }
+};
+
 double since_us(Clock::time_point start) {
   return std::chrono::duration<double, std::micro>(Clock::now() - start).count();
 }
@@ -440,14 +454,10 @@ LinkCost fit_link(const std::vector<std::pair<double, double>>& points) {
   PIPESHARD_CHECK(!points.empty(), "fit_link: no points");
   // Weighted by 1/y²: the relative error of each point counts the same, so the small
   // messages, where the latency is all there is, are not drowned by the large ones.
-  double sw = 0, swx = 0, swy = 0, swxx = 0, swxy = 0;
-  for (auto [x, y] : points) {
-    const double w = 1 / std::max(y * y, 1e-12);
-    sw += w, swx += w * x, swy += w * y, swxx += w * x * x, swxy += w * x * y;
-  }
-  const double denominator = sw * swxx - swx * swx;
-  double slope = denominator > 0 ? (sw * swxy - swx * swy) / denominator : 0;  // µs per byte
-  double intercept = (swy - slope * swx) / sw;
+  LineSums sums;
+  for (auto [x, y] : points) sums.add(x, y, 1 / std::max(y * y, 1e-12));
+  double slope = 0, intercept = 0;  // µs per byte, µs
+  sums.line(slope, intercept);
   const auto largest = *std::max_element(points.begin(), points.end());
   if (!(slope > 0)) {
     slope = largest.second / std::max(largest.first, 1.0);
@@ -455,20 +465,16 @@ LinkCost fit_link(const std::vector<std::pair<double, double>>& points) {
   }
   if (intercept < 0) {  // through the origin instead
     intercept = 0;
-    slope = swxx > 0 ? swxy / swxx : slope;
+    slope = sums.swxx > 0 ? sums.swxy / sums.swxx : slope;
   }
   return {intercept, 1e6 / slope, {}};
 }
 
 void smooth_in_log_rows(std::vector<MachineProfile::RowsScale>& scales) {
-  double n = 0, sx = 0, sy = 0, sxx = 0, sxy = 0;
-  for (const MachineProfile::RowsScale& r : scales) {
-    const double x = std::log(static_cast<double>(r.rows));
-    n += 1, sx += x, sy += r.scale, sxx += x * x, sxy += x * r.scale;
-  }
-  const double denominator = n * sxx - sx * sx;
-  if (!(denominator > 0)) return;
-  const double slope = (n * sxy - sx * sy) / denominator, intercept = (sy - slope * sx) / n;
+  LineSums sums;
+  for (const MachineProfile::RowsScale& r : scales) sums.add(std::log(static_cast<double>(r.rows)), r.scale, 1);
+  double slope = 0, intercept = 0;
+  if (!sums.line(slope, intercept)) return;
   for (MachineProfile::RowsScale& r : scales) {
     r.scale = std::clamp(intercept + slope * std::log(static_cast<double>(r.rows)), 0.25, 4.0);
   }
