@@ -294,7 +294,8 @@ bool whole_model_config(const Graph& g, int64_t rows, int micro_batches, TrainCo
 // its share of the batch (B/N rows, or B) in one micro-batch and in the most the plan may
 // use, and with several ranks on the whole batch in one too (the rows a layout without
 // replicas runs); each step less the profile's fixed costs over what predict_layout()
-// makes of the same layout from the op figures measured before is compute_scale_by_rows at
+// makes of the same layout from the op figures measured before (each step the median of
+// MeasureOptions::sweeps takes, the steps in turn) is compute_scale_by_rows at
 // its micro-batch's rows (three or more: on their least-squares line in log rows), and all of
 // them together (their sums) compute_scale. 1 and none
 // when the model cannot be trained so, or would not fit in this host's memory N times over.
@@ -308,59 +309,80 @@ double calibrate_compute(Backend& backend, Communicator& world, Timer& timer, co
                          std::vector<double>& slowdown_by_busy_ranks, std::string& note) {
   const Graph& g = *o.model;
   const int64_t share = o.batch_size % world.size() == 0 ? o.batch_size / world.size() : o.batch_size;
-  std::vector<std::pair<int64_t, int>> steps = {{share, 1}};  // (rows, micro-batches)
+  std::vector<std::pair<int64_t, int>> steps = {{share, 1}};  // (rows, micro-batches), the share's first
   if (const int most = divisors(share, o.max_micro_batches).back(); most > 1) steps.emplace_back(share, most);
   if (share != o.batch_size) steps.emplace_back(o.batch_size, 1);
   MachineProfile ops_only = measured;  // the ops alone: no fixed costs, unscaled
   ops_only.step_overhead_us = ops_only.micro_batch_overhead_us = 0;
   ops_only.compute_scale = 1;
   ops_only.compute_scale_by_rows.clear();
-  double steps_us = 0, predicted_us = 0;
-  std::vector<MachineProfile::RowsScale> scales;
+  // A trainer for each step, all made before any is timed, so that the sweeps take them in
+  // turn: the scales by rows compare steps taken at different moments, which on a machine
+  // whose speed wanders is the trend itself unless the moments are mixed.
+  struct Calibration {
+    int64_t rows;
+    int micro_batches;
+    std::unique_ptr<Dataset> data;  // the trainer reads it where it is
+    std::unique_ptr<Trainer> trainer;
+  };
+  std::vector<Calibration> made;
+  int64_t held = 0;  // bytes the trainers made so far hold, each rank
   for (auto [rows, m] : steps) {
-    // Every rank decides alike: whether the config is one train runs, and fits in rank 0's
-    // figure of this host's memory shared N ways.
+    // Every rank decides alike: whether the config is one train runs, and fits, with the
+    // ones made before it, in rank 0's figure of this host's memory shared N ways.
     TrainConfig config;
-    Dataset data;
+    Calibration c{rows, m, std::make_unique<Dataset>(), nullptr};
     std::vector<int64_t> need;
-    if (whole_model_config(g, rows, m, config, data)) need = Trainer::memory_per_stage(g, config, {}, backend);
+    if (whole_model_config(g, rows, m, config, *c.data)) need = Trainer::memory_per_stage(g, config, {}, backend);
     int64_t room = read_host_memory().available;
     world.broadcast_bytes(&room, sizeof room, 0);
-    const bool fits = !need.empty() && (room < 0 || need.front() <= room / world.size());
-    std::unique_ptr<Trainer> trainer;
+    const bool fits = !need.empty() && (room < 0 || held + need.front() <= room / world.size());
     if (fits) {
-      Result<std::unique_ptr<Trainer>> made = Trainer::create(g, data, backend, config);
-      if (made) trainer = std::move(*made);
+      Result<std::unique_ptr<Trainer>> trainer = Trainer::create(g, *c.data, backend, config);
+      if (trainer) c.trainer = std::move(*trainer);
     }
-    if (world.all_reduce_sum(trainer != nullptr ? 0.0 : 1.0) > 0) {
+    if (world.all_reduce_sum(c.trainer != nullptr ? 0.0 : 1.0) > 0) {
       if (rows != share) break;  // the whole batch on every rank: its share's figures serve
       note = need.empty() ? "the model cannot be trained whole in one process, so compute_scale is 1"
                           : "the whole model does not fit in memory on every rank at once, so compute_scale is 1";
       return 1;
     }
-    const double step_us = timer.median_us([&] { trainer->step(); });
-    if (rows == share && m == 1 && world.size() > 1) {
-      const int n = world.size();
-      // Blocks of steps, not the median step: a step that shares its core loses scheduler
-      // slices now and then, which the median would leave out. Which k ranks compute turns
-      // each round (ranks r … r + k − 1, modulo N), and the figure is the mean of three
-      // rounds: unbound ranks that outnumber the cores land two busy ones on one core in
-      // some rounds and not in others (k = 2 of 4 on two cores: 1.0x to 1.9x).
-      std::vector<double> sum(static_cast<size_t>(n), 0.0);
-      for (int round = 0; round < 3; ++round) {
-        const int turned = (world.rank() - round % n + n) % n;
-        for (int k = 1; k <= n; ++k) {  // the mean over the ranks is the k busy ones' time times k / n
-          sum[k - 1] += n / static_cast<double>(k) * timer.long_block_us([&] {
-            if (turned < k) trainer->step();
-          });
-        }
-      }
-      std::vector<double>& curve = slowdown_by_busy_ranks;
-      curve.assign(static_cast<size_t>(n), 1.0);
-      for (int k = 2; k <= n; ++k) {  // more ranks computing cannot make one faster: a dip is noise
-        curve[k - 1] = std::max(curve[k - 2], sum[k - 1] / sum[0]);
+    held += need.front();
+    made.push_back(std::move(c));
+  }
+  const std::vector<double> step_us = median_of_sweeps(o.sweeps, [&] {
+    std::vector<double> each;
+    for (Calibration& c : made) each.push_back(timer.median_us([&] { c.trainer->step(); }));
+    return each;
+  });
+  if (world.size() > 1) {
+    Trainer& trainer = *made.front().trainer;  // the share in one micro-batch
+    const int n = world.size();
+    // Blocks of steps, not the median step: a step that shares its core loses scheduler
+    // slices now and then, which the median would leave out. Which k ranks compute turns
+    // each round (ranks r … r + k − 1, modulo N), and the figure is the mean of three
+    // rounds: unbound ranks that outnumber the cores land two busy ones on one core in
+    // some rounds and not in others (k = 2 of 4 on two cores: 1.0x to 1.9x).
+    std::vector<double> sum(static_cast<size_t>(n), 0.0);
+    for (int round = 0; round < 3; ++round) {
+      const int turned = (world.rank() - round % n + n) % n;
+      for (int k = 1; k <= n; ++k) {  // the mean over the ranks is the k busy ones' time times k / n
+        sum[k - 1] += n / static_cast<double>(k) * timer.long_block_us([&] {
+          if (turned < k) trainer.step();
+        });
       }
     }
+    std::vector<double>& curve = slowdown_by_busy_ranks;
+    curve.assign(static_cast<size_t>(n), 1.0);
+    for (int k = 2; k <= n; ++k) {  // more ranks computing cannot make one faster: a dip is noise
+      curve[k - 1] = std::max(curve[k - 2], sum[k - 1] / sum[0]);
+    }
+  }
+  double steps_us = 0, predicted_us = 0;
+  std::vector<MachineProfile::RowsScale> scales;
+  for (size_t i = 0; i < made.size(); ++i) {
+    const int64_t rows = made[i].rows;
+    const int m = made[i].micro_batches;
     Layout layout;
     layout.micro_batches = m;
     layout.schedule = "1f1b";
@@ -372,7 +394,7 @@ double calibrate_compute(Backend& backend, Communicator& world, Timer& timer, co
       note = "no plan of the whole model: " + plan.status().message();
       return 1;
     }
-    const double ops_us = step_us - measured.step_overhead_us - m * measured.micro_batch_overhead_us;
+    const double ops_us = step_us[i] - measured.step_overhead_us - m * measured.micro_batch_overhead_us;
     const double predicted = predict_layout(g, *plan, layout, ops_only).step_us;
     steps_us += ops_us, predicted_us += predicted;
     if (predicted > 0) scales.push_back({rows / m, std::clamp(ops_us / predicted, 0.25, 4.0)});
@@ -470,6 +492,20 @@ LinkCost fit_link(const std::vector<std::pair<double, double>>& points) {
   return {intercept, 1e6 / slope, {}};
 }
 
+std::vector<double> median_of_sweeps(int sweeps, const std::function<std::vector<double>()>& take) {
+  std::vector<std::vector<double>> takes;
+  for (int s = 0; s < std::max(1, sweeps); ++s) takes.push_back(take());
+  std::vector<double> medians(takes.front().size());
+  for (size_t i = 0; i < medians.size(); ++i) {
+    std::vector<double> of_i;
+    for (const std::vector<double>& t : takes) of_i.push_back(t[i]);
+    std::sort(of_i.begin(), of_i.end());
+    const size_t n = of_i.size();
+    medians[i] = n % 2 == 1 ? of_i[n / 2] : (of_i[n / 2 - 1] + of_i[n / 2]) / 2;
+  }
+  return medians;
+}
+
 void smooth_in_log_rows(std::vector<MachineProfile::RowsScale>& scales) {
   LineSums sums;
   for (const MachineProfile::RowsScale& r : scales) sums.add(std::log(static_cast<double>(r.rows)), r.scale, 1);
@@ -490,32 +526,38 @@ MachineProfile measure_profile(Backend& backend, Communicator& world, const Meas
   p.backend = backend.name();
   p.ranks = world.size();
 
-  say("timing " + std::to_string(o.linear.size()) + " Linear shapes (forward, input and weight gradient)");
-  double best_rate = 0;
+  say(fmt::format("timing {} Linear shapes (forward, input and weight gradient), {} sweeps", o.linear.size(),
+                  std::max(1, o.sweeps)));
   ColdWeights cold(backend);
-  for (size_t i = 0; i < o.linear.size(); ++i) {
-    LinearTiming t;
-    time_linear(backend, timer, cold, o.linear[i], t);
-    p.linear.push_back(t);
-    const double flops = 2.0 * static_cast<double>(t.rows * t.in * t.out);
-    if (t.forward_us > 0) best_rate = std::max(best_rate, flops / t.forward_us * 1e6);
-    if ((i + 1) % 20 == 0) say("  " + std::to_string(i + 1) + " of " + std::to_string(o.linear.size()));
+  // The listed shapes, then the square whose rate serves shapes not listed (as large as the
+  // listed ones, or 512³).
+  std::vector<LinearSize> shapes = o.linear;
+  shapes.push_back({512, 512, 512});
+  int sweep = 0;
+  const std::vector<double> linear_us = median_of_sweeps(o.sweeps, [&] {
+    std::vector<double> us;  // forward, input gradient, weight gradient of each shape
+    for (const LinearSize& size : shapes) {
+      LinearTiming t;
+      time_linear(backend, timer, cold, size, t);
+      us.insert(us.end(), {t.forward_us, t.input_grad_us, t.weight_grad_us});
+    }
+    say(fmt::format("  sweep {} of {}", ++sweep, std::max(1, o.sweeps)));
+    return us;
+  });
+  double best_rate = 0;
+  for (size_t i = 0; i < shapes.size(); ++i) {
+    const LinearSize& size = shapes[i];
+    const LinearTiming t{size.rows, size.in, size.out, linear_us[3 * i], linear_us[3 * i + 1], linear_us[3 * i + 2]};
+    if (t.forward_us > 0)
+      best_rate = std::max(best_rate, 2.0 * static_cast<double>(t.rows * t.in * t.out) / t.forward_us * 1e6);
+    if (i + 1 < shapes.size()) p.linear.push_back(t);
   }
-  {  // the rate for shapes not listed: a square GEMM as large as the listed ones, or 512³
-    LinearTiming square;
-    time_linear(backend, timer, cold, {512, 512, 512}, square);
-    best_rate = std::max(best_rate, 2.0 * 512 * 512 * 512 / square.forward_us * 1e6);
-    p.gemm_flops_per_s = best_rate;
-  }
+  p.gemm_flops_per_s = best_rate;
   say("timing elementwise ops and the optimizer");
   const int64_t n = o.elementwise_elements;
   DeviceBuffer a(backend, n), b(backend, n), c(backend, n), d(backend, n);
   backend.fill(a.data(), -0.5f, n);
   const Activation relu{};
-  const double relu_us = timer.time_us([&] { backend.activation_forward(b.data(), a.data(), n, relu); });
-  const double add_us = timer.time_us([&] { backend.add_forward(c.data(), a.data(), b.data(), n); });
-  // relu: read 1, write 1; add: read 2, write 1 — bytes over time, the two together.
-  p.elementwise_bytes_per_s = 4.0 * n * (2 + 3) / (relu_us + add_us) * 1e6;
   const std::vector<int64_t> tensors = o.parameter_elements.empty() ? std::vector<int64_t>{n} : o.parameter_elements;
   std::vector<std::array<DeviceBuffer, 4>> state;  // [tensors] parameter, gradient, two moments
   double elements = 0;
@@ -527,19 +569,30 @@ MachineProfile measure_profile(Backend& backend, Communicator& world, const Meas
   AdamStep step;
   DeviceBuffer gx(backend, 64 * 512), gw(backend, 512 * 512), gy(backend, 64 * 512);
   const auto after_a_gemm = [&] { backend.linear_forward(gy.data(), gx.data(), gw.data(), nullptr, {64, 512, 512}); };
-  const double adam_us = timer.time_us(
-      [&] {
-        for (size_t i = 0; i < tensors.size(); ++i) {
-          auto& [param, grad, m1, m2] = state[i];
-          backend.adam_step(param.data(), grad.data(), m1.data(), m2.data(), tensors[i], step);
-        }
-      },
-      after_a_gemm);
+  const std::vector<double> rates = median_of_sweeps(o.sweeps, [&]() -> std::vector<double> {
+    return {timer.time_us([&] { backend.activation_forward(b.data(), a.data(), n, relu); }),
+            timer.time_us([&] { backend.add_forward(c.data(), a.data(), b.data(), n); }),
+            timer.time_us(
+                [&] {
+                  for (size_t i = 0; i < tensors.size(); ++i) {
+                    auto& [param, grad, m1, m2] = state[i];
+                    backend.adam_step(param.data(), grad.data(), m1.data(), m2.data(), tensors[i], step);
+                  }
+                },
+                after_a_gemm),
+            timer.time_us([&] { backend.activation_forward(b.data(), a.data(), 1, relu); })};
+  });
+  const double relu_us = rates[0], add_us = rates[1], adam_us = rates[2];
+  // relu: read 1, write 1; add: read 2, write 1 — bytes over time, the two together.
+  p.elementwise_bytes_per_s = 4.0 * n * (2 + 3) / (relu_us + add_us) * 1e6;
   p.optimizer_params_per_s = elements / adam_us * 1e6;
-  p.op_overhead_us = timer.time_us([&] { backend.activation_forward(b.data(), a.data(), 1, relu); });
+  p.op_overhead_us = rates[3];
 
   say("timing a training step's fixed costs");
-  const double one = tiny_step_us(backend, timer, 1), four = tiny_step_us(backend, timer, 4);
+  const std::vector<double> tiny = median_of_sweeps(o.sweeps, [&]() -> std::vector<double> {
+    return {tiny_step_us(backend, timer, 1), tiny_step_us(backend, timer, 4)};
+  });
+  const double one = tiny[0], four = tiny[1];
   p.micro_batch_overhead_us = std::max(0.0, (four - one) / 3);
   p.step_overhead_us = std::max(0.0, one - p.micro_batch_overhead_us);
 
@@ -557,14 +610,22 @@ MachineProfile measure_profile(Backend& backend, Communicator& world, const Meas
 
   if (world.size() > 1) {
     say("timing messages between pairs of ranks and all-reduces over " + std::to_string(world.size()));
+    const std::vector<double> us = median_of_sweeps(o.sweeps, [&] {
+      std::vector<double> send_then_all_reduce;  // for each size
+      for (int64_t bytes : o.message_bytes) {
+        send_then_all_reduce.push_back(time_p2p(world, timer, bytes));
+        std::vector<float> buffer(static_cast<size_t>(std::max<int64_t>(1, bytes / 4)), 1.0f);
+        send_then_all_reduce.push_back(timer.time_us(
+            [&] { world.all_reduce(buffer.data(), static_cast<int64_t>(buffer.size()), ReduceOp::kSum); }));
+      }
+      return send_then_all_reduce;
+    });
     std::vector<std::pair<double, double>> p2p, all_reduce;
-    for (int64_t bytes : o.message_bytes) {
-      p2p.emplace_back(static_cast<double>(bytes), time_p2p(world, timer, bytes));
-      std::vector<float> buffer(static_cast<size_t>(std::max<int64_t>(1, bytes / 4)), 1.0f);
-      const double us =
-          timer.time_us([&] { world.all_reduce(buffer.data(), static_cast<int64_t>(buffer.size()), ReduceOp::kSum); });
-      const int g = world.size();
-      all_reduce.emplace_back(2.0 * (g - 1) / g * static_cast<double>(bytes), us);  // bus bytes
+    const int g = world.size();
+    for (size_t i = 0; i < o.message_bytes.size(); ++i) {
+      const double bytes = static_cast<double>(o.message_bytes[i]);
+      p2p.emplace_back(bytes, us[2 * i]);
+      all_reduce.emplace_back(2.0 * (g - 1) / g * bytes, us[2 * i + 1]);  // bus bytes
     }
     for (size_t i = 0; i < p2p.size(); ++i) {
       say("  " + std::to_string(static_cast<int64_t>(p2p[i].first)) + " bytes: send " + std::to_string(p2p[i].second) +

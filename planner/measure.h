@@ -33,6 +33,12 @@ std::vector<int64_t> model_parameter_elements(const Graph& graph);
 struct MeasureOptions {
   std::vector<LinearSize> linear;    // shapes to time (none: only the GEMM rate at a square shape)
   double seconds_per_figure = 0.02;  // at least this long repeating each figure's work
+  // Each figure is the median of this many takes, the takes of every figure in turn (a
+  // sweep over all of them, then the next): on a shared machine the speed wanders by ±20 %
+  // from one second to the next (a 2-core VM: per-second medians of one GEMM loop 8.6 to
+  // 14.2 ms), and a figure taken at one moment carries that moment into the prices of the
+  // shapes relative to each other, which is what ranks the layouts.
+  int sweeps = 3;
   // Message sizes for point-to-point and all-reduce, in bytes.
   std::vector<int64_t> message_bytes = {4 << 10, 64 << 10, 1 << 20, 8 << 20};
   int64_t elementwise_elements = 1 << 20;  // size of the elementwise figure
@@ -74,6 +80,11 @@ LinkCost fit_link(const std::vector<std::pair<double, double>>& bytes_us);
 // ranks that share cores moves by 20–30 % from one profile to the next (model A on 4 processes,
 // 16 rows: 0.92x, then 1.22x), more than the trend it is there for.
 void smooth_in_log_rows(std::vector<MachineProfile::RowsScale>& scales);
+
+// The figures `take` returns (as many each time), taken `sweeps` times (at least once) one
+// after the other, each the median of its takes (MeasureOptions::sweeps; with an even count,
+// the mean of the middle two). The same on every rank when each take's figures are.
+std::vector<double> median_of_sweeps(int sweeps, const std::function<std::vector<double>()>& take);
 
 }  // namespace pipeshard
 

@@ -237,6 +237,22 @@ TEST(Profile, TheScalesByRowsAreSmoothedOntoALineInLogRows) {
   EXPECT_EQ(spike[1].rows, 16);
 }
 
+TEST(Profile, EachFigureIsTheMedianOfItsTakesOverTheSweeps) {
+  // Three sweeps of two figures; the second sweep is the slow moment (both figures 2x), the
+  // third has one figure disturbed alone. The medians leave both out.
+  const std::vector<std::vector<double>> takes = {{10, 100}, {20, 200}, {11, 90}};
+  int taken = 0;
+  const std::vector<double> got = median_of_sweeps(3, [&] { return takes[taken++]; });
+  EXPECT_EQ(taken, 3);
+  EXPECT_EQ(got, (std::vector<double>{11, 100}));
+  // An even count averages the middle two; a count below 1 takes once.
+  taken = 0;
+  EXPECT_EQ(median_of_sweeps(2, [&] { return takes[taken++]; }), (std::vector<double>{15, 150}));
+  taken = 0;
+  EXPECT_EQ(median_of_sweeps(0, [&] { return takes[taken++]; }), (std::vector<double>{10, 100}));
+  EXPECT_EQ(taken, 1);
+}
+
 TEST(Profile, FitLinkRecoversALine) {
   const LinkCost c = fit_link({{1e3, 5 + 1e3 / 2e9 * 1e6}, {1e6, 5 + 1e6 / 2e9 * 1e6}, {1e7, 5 + 1e7 / 2e9 * 1e6}});
   EXPECT_NEAR(c.latency_us, 5, 1e-6);

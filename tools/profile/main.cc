@@ -30,6 +30,7 @@ struct Args {
   int64_t batch_size = 32;
   int max_micro_batches = 16;
   double seconds = 0.02;
+  int sweeps = 3;
 };
 
 // "host, 2 cores, cpu backend, 4 processes".
@@ -60,6 +61,10 @@ Status check_args(int argc, char** argv, Args& a, std::optional<int>& answered, 
       ->check(CLI::Range(1, 1 << 16));
   app.add_option("--seconds", a.seconds, "time spent repeating each figure (default 0.02)")
       ->check(CLI::Range(0.001, 10.0));
+  app.add_option("--sweeps", a.sweeps,
+                 "times each figure is taken, all figures in turn, the median kept: the machine's speed wanders "
+                 "from second to second (default 3)")
+      ->check(CLI::Range(1, 99));
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -95,6 +100,7 @@ int run(Communicator& world, int argc, char** argv) {
   }
   if (!s) return root ? report_bad_input("profile", s.message()) : kExitBadInput;
   o.seconds_per_figure = a.seconds;
+  o.sweeps = a.sweeps;
   o.machine = machine_text(world.size());
   o.progress = [](const std::string& line) { fmt::print(stderr, "profile: {}\n", line); };
   std::unique_ptr<Backend> backend = make_cpu_backend();
