@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <fstream>
+#include <functional>
 #include <limits>
 #include <sstream>
 
@@ -64,72 +65,71 @@ class Reader {
     const std::string path = std::string(key) + ".";
     if (Status s = number(v, "latency_us", path, out.latency_us, false); !s) return s;
     if (Status s = number(v, "bytes_per_s", path, out.bytes_per_s, true); !s) return s;
-    if (!v.contains("measured")) return Status::ok();
-    const nlohmann::json& list = v.at("measured");
-    if (!list.is_array()) return bad(path + "measured", "a list of {\"bytes\", \"us\"}");
-    for (size_t i = 0; i < list.size(); ++i) {
-      const std::string at = path + "measured[" + std::to_string(i) + "].";
-      if (!list[i].is_object()) return bad(at.substr(0, at.size() - 1), "an object");
-      LinkCost::Point p;
-      for (auto [name, field] : {std::pair{"bytes", &p.bytes}, {"us", &p.us}}) {
-        if (!list[i].contains(name)) return bad(at + name, "present");
-        if (Status s = number(list[i], name, at, *field, true); !s) return s;
-      }
-      if (!out.points.empty() && p.bytes <= out.points.back().bytes) {
-        return bad(at + "bytes", "more than the point before's (ascending)");
-      }
-      out.points.push_back(p);
-    }
-    return Status::ok();
+    return objects(v, path, "measured", "a list of {\"bytes\", \"us\"}",
+                   [&](const nlohmann::json& e, const std::string& at) {
+                     LinkCost::Point p;
+                     if (Status s = fields(e, at, {{"bytes", &p.bytes}, {"us", &p.us}}, true); !s) return s;
+                     if (!out.points.empty() && p.bytes <= out.points.back().bytes) {
+                       return bad(at + "bytes", "more than the point before's (ascending)");
+                     }
+                     out.points.push_back(p);
+                     return Status::ok();
+                   });
   }
 
   Status linear(const nlohmann::json& j, std::vector<LinearTiming>& out) {
-    if (!j.contains("linear")) return Status::ok();
-    const nlohmann::json& list = j.at("linear");
-    if (!list.is_array()) return bad("linear", "a list of timed shapes");
-    for (size_t i = 0; i < list.size(); ++i) {
-      const nlohmann::json& e = list[i];
-      const std::string path = "linear[" + std::to_string(i) + "].";
-      if (!e.is_object()) return bad(path.substr(0, path.size() - 1), "an object");
-      LinearTiming t;
+    return objects(j, "", "linear", "a list of timed shapes", [&](const nlohmann::json& e, const std::string& at) {
       double rows = 0, in = 0, outf = 0;
-      for (auto [key, field] : {std::pair{"rows", &rows}, {"in", &in}, {"out", &outf}}) {
-        if (!e.contains(key)) return bad(path + key, "present");
-        if (Status s = number(e, key, path, *field, true); !s) return s;
-        if (*field != std::floor(*field) || *field > 1e12) return bad(path + key, "a whole number");
+      if (Status s = fields(e, at, {{"rows", &rows}, {"in", &in}, {"out", &outf}}, true); !s) return s;
+      for (auto [key, field] : {std::pair{"rows", rows}, {"in", in}, {"out", outf}}) {
+        if (field != std::floor(field) || field > 1e12) return bad(at + key, "a whole number");
       }
+      LinearTiming t;
       t.rows = static_cast<int64_t>(rows), t.in = static_cast<int64_t>(in), t.out = static_cast<int64_t>(outf);
-      for (auto [key, field] : {std::pair{"forward_us", &t.forward_us},
-                                {"input_grad_us", &t.input_grad_us},
-                                {"weight_grad_us", &t.weight_grad_us}}) {
-        if (!e.contains(key)) return bad(path + key, "present");
-        if (Status s = number(e, key, path, *field, false); !s) return s;
-      }
+      const std::initializer_list<std::pair<const char*, double*>> times = {
+          {"forward_us", &t.forward_us}, {"input_grad_us", &t.input_grad_us}, {"weight_grad_us", &t.weight_grad_us}};
+      if (Status s = fields(e, at, times, false); !s) return s;
       out.push_back(t);
-    }
-    return Status::ok();
+      return Status::ok();
+    });
   }
 
   // compute_scale_by_rows: {"rows", "scale"} objects, rows ascending.
   Status rows_scales(const nlohmann::json& j, std::vector<MachineProfile::RowsScale>& out) {
-    const char* key = "compute_scale_by_rows";
+    return objects(j, "", "compute_scale_by_rows", "a list of {\"rows\", \"scale\"}",
+                   [&](const nlohmann::json& e, const std::string& at) {
+                     double rows = 0, scale = 0;
+                     if (Status s = fields(e, at, {{"rows", &rows}, {"scale", &scale}}, true); !s) return s;
+                     if (rows != std::floor(rows) || rows > 1e12) return bad(at + "rows", "a whole number");
+                     if (!out.empty() && static_cast<int64_t>(rows) <= out.back().rows) {
+                       return bad(at + "rows", "more than the entry before's (ascending)");
+                     }
+                     out.push_back({static_cast<int64_t>(rows), scale});
+                     return Status::ok();
+                   });
+  }
+
+  // The list of objects at `key` of `j` (`path` names `j` in messages), each handed to
+  // `each` with its own path ("key[i].") to read; nothing when the key is absent.
+  Status objects(const nlohmann::json& j, const std::string& path, const char* key, const char* what,
+                 const std::function<Status(const nlohmann::json&, const std::string&)>& each) {
     if (!j.contains(key)) return Status::ok();
     const nlohmann::json& list = j.at(key);
-    if (!list.is_array()) return bad(key, "a list of {\"rows\", \"scale\"}");
+    if (!list.is_array()) return bad(path + key, what);
     for (size_t i = 0; i < list.size(); ++i) {
-      const nlohmann::json& e = list[i];
-      const std::string path = std::string(key) + "[" + std::to_string(i) + "].";
-      if (!e.is_object()) return bad(path.substr(0, path.size() - 1), "an object");
-      double rows = 0, scale = 0;
-      for (auto [name, field] : {std::pair{"rows", &rows}, {"scale", &scale}}) {
-        if (!e.contains(name)) return bad(path + name, "present");
-        if (Status s = number(e, name, path, *field, true); !s) return s;
-      }
-      if (rows != std::floor(rows) || rows > 1e12) return bad(path + "rows", "a whole number");
-      if (!out.empty() && static_cast<int64_t>(rows) <= out.back().rows) {
-        return bad(path + "rows", "more than the entry before's (ascending)");
-      }
-      out.push_back({static_cast<int64_t>(rows), scale});
+      const std::string at = path + key + "[" + std::to_string(i) + "]";
+      if (!list[i].is_object()) return bad(at, "an object");
+      if (Status s = each(list[i], at + "."); !s) return s;
+    }
+    return Status::ok();
+  }
+
+  // Each of `keys` present in `e` and a number (positive, or 0 or more), read into its field.
+  Status fields(const nlohmann::json& e, const std::string& path,
+                std::initializer_list<std::pair<const char*, double*>> keys, bool positive) {
+    for (auto [key, field] : keys) {
+      if (!e.contains(key)) return bad(path + key, "present");
+      if (Status s = number(e, key, path, *field, positive); !s) return s;
     }
     return Status::ok();
   }
