@@ -437,6 +437,10 @@ double gemm_all_busy_slowdown(Backend& backend, Communicator& world, Timer& time
 MeasureOptions model_measure_options(const Graph& graph, int ranks, int64_t batch_size, int max_micro_batches) {
   MeasureOptions o;
   o.linear = model_linear_sizes(graph, ranks, batch_size, max_micro_batches);
+  if (ranks > 1) {
+    o.message_bytes =
+        model_message_bytes(graph, ranks, batch_size, max_micro_batches, LayoutSearchOptions{}.bucket_bytes);
+  }
   o.parameter_elements = model_parameter_elements(graph);
   o.model = &graph;
   o.batch_size = batch_size;
@@ -462,6 +466,53 @@ std::vector<LinearSize> model_linear_sizes(const Graph& graph, int ranks, int64_
     }
   }
   return {sizes.begin(), sizes.end()};
+}
+
+std::vector<int64_t> model_message_bytes(const Graph& graph, int ranks, int64_t batch_size, int max_micro_batches,
+                                         int64_t bucket_bytes) {
+  const std::vector<int64_t> fixed = MeasureOptions{}.message_bytes;
+  if (ranks < 2) return fixed;
+  std::set<int64_t> rows, widths;
+  for (int d : divisors(ranks, ranks)) {
+    if (batch_size % d != 0) continue;
+    for (int m : divisors(batch_size / d, max_micro_batches)) rows.insert(batch_size / d / m);
+  }
+  int64_t parameters = 0;
+  for (const Node& n : graph.nodes) {
+    if (n.kind == OpKind::kLinear) widths.insert(n.in_features), widths.insert(n.out_features);
+  }
+  for (int64_t e : model_parameter_elements(graph)) parameters += e;
+  constexpr double kFloatBytes = 4;
+  std::set<int64_t> sizes(fixed.begin(), fixed.end());
+  // A buffer of `bytes` reduced over `group` ranks moves `share` · 2·(group − 1)/group of
+  // it on the bus (share 1: all-reduce, 1/2: reduce-scatter or all-gather); over all ranks,
+  // the buffer that moves as much.
+  const auto reduced = [&](double bytes, int group, double share) {
+    const double bus = share * 2.0 * (group - 1) / group * bytes;
+    sizes.insert(static_cast<int64_t>(bus * ranks / (2.0 * (ranks - 1)) / kFloatBytes) * 4);  // whole floats, not over
+  };
+  for (int64_t r : rows) {
+    for (int64_t w : widths) {
+      const double bytes = kFloatBytes * static_cast<double>(r * w);
+      sizes.insert(static_cast<int64_t>(bytes));  // a stage's activations, sent
+      for (int t : divisors(ranks, ranks)) {
+        if (t > 1) reduced(bytes, t, 1), reduced(bytes, t, 0.5);  // tensor-parallel collectives
+      }
+    }
+  }
+  for (int d : divisors(ranks, ranks)) {
+    if (d < 2) continue;
+    for (int k : divisors(ranks / d, ranks / d)) {  // P·T: the ranks one replica's model is split over
+      const double bytes =
+          std::min(kFloatBytes * static_cast<double>(parameters) / k, static_cast<double>(bucket_bytes));
+      reduced(bytes, d, 1), reduced(bytes, d, 0.5);
+    }
+  }
+  std::vector<int64_t> out;
+  for (int64_t b : sizes) {
+    if (b > 0 && (out.empty() || b > out.back() * 1.1)) out.push_back(b);
+  }
+  return out;
 }
 
 std::vector<int64_t> model_parameter_elements(const Graph& graph) {

@@ -27,6 +27,18 @@ struct LinearSize {
 // `max_micro_batches`, each Linear whole and with its in or out features split by each T
 // dividing N that divides them. Sorted, each once.
 std::vector<LinearSize> model_linear_sizes(const Graph& graph, int ranks, int64_t batch_size, int max_micro_batches);
+// Every message size, in bytes, a layout of `graph` on `ranks` processes may send or
+// all-reduce, and MeasureOptions' four (the only ones with one rank): activations (rows × a Linear's in or out
+// features, rows as above) between stages and in tensor-parallel collectives, and gradients
+// (the model's, over each P·T it may be split into, at most one bucket of `bucket_bytes`) in
+// data-parallel reductions, all-reduce and ZeRO's reduce-scatter alike. An all-reduce size
+// is the buffer that, all-reduced over all `ranks`, moves the bus bytes (planner/profile.h)
+// the layout's group would, so that the link is read at a measured point rather than
+// between two far apart (model A's 2.7 MB of gradients lay between 1 and 8 MiB, where the
+// time per byte of two ranks' all-reduce on the 2-core VM changes threefold). Sorted; of
+// sizes within 10 % of each other only the smallest.
+std::vector<int64_t> model_message_bytes(const Graph& graph, int ranks, int64_t batch_size, int max_micro_batches,
+                                         int64_t bucket_bytes);
 // The elements of each trainable parameter tensor of `graph`.
 std::vector<int64_t> model_parameter_elements(const Graph& graph);
 
@@ -39,7 +51,8 @@ struct MeasureOptions {
   // 14.2 ms), and a figure taken at one moment carries that moment into the prices of the
   // shapes relative to each other, which is what ranks the layouts.
   int sweeps = 3;
-  // Message sizes for point-to-point and all-reduce, in bytes.
+  // Message sizes for point-to-point and all-reduce, in bytes (a model's:
+  // model_message_bytes as well).
   std::vector<int64_t> message_bytes = {4 << 10, 64 << 10, 1 << 20, 8 << 20};
   int64_t elementwise_elements = 1 << 20;  // size of the elementwise figure
   // The parameter tensors the optimizer steps, elements each: one Adam sweep over all of
@@ -57,8 +70,8 @@ struct MeasureOptions {
 };
 
 // Everything a plan of `graph` on `ranks` processes with a global batch of `batch_size` and
-// up to `max_micro_batches` micro-batches needs measured: its Linear shapes, its parameter
-// tensors, and the model itself for compute_scale. `graph` must outlive the options.
+// up to `max_micro_batches` micro-batches needs measured: its Linear shapes, its message
+// sizes, its parameter tensors, and the model itself for compute_scale. `graph` must outlive the options.
 MeasureOptions model_measure_options(const Graph& graph, int ranks, int64_t batch_size, int max_micro_batches);
 
 // Times `options.linear` (forward, input and weight gradient), the elementwise and Adam

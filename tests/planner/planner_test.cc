@@ -493,6 +493,48 @@ TEST(Measure, ModelShapesCoverEveryRowCountAndShard) {
   EXPECT_EQ(sizes.size(), 4u * 6);
 }
 
+TEST(Measure, EveryMessageALayoutPricesIsNearAMeasuredSize) {
+  const ImportedModel m = mlp({64, 32, 10});
+  const int ranks = 4;
+  const int64_t bucket = 4000;  // bytes: less than the model's 2410 floats
+  const std::vector<int64_t> sizes = model_message_bytes(m.graph, ranks, 8, 4, bucket);
+  ASSERT_TRUE(std::is_sorted(sizes.begin(), sizes.end()));
+  for (size_t i = 1; i < sizes.size(); ++i) EXPECT_GT(sizes[i], sizes[i - 1] * 1.1) << sizes[i];
+  for (int64_t fixed : MeasureOptions{}.message_bytes) {  // the four sizes every profile has, or one near
+    EXPECT_TRUE(std::any_of(sizes.begin(), sizes.end(), [&](int64_t s) { return s <= fixed && fixed <= s * 1.1; }));
+  }
+  // Bus bytes (planner/profile.h) as a profile on 4 ranks records each size, and as a layout reads
+  // them. Under 1 KiB a message costs its latency, which the smallest size measured gives.
+  const auto measured_near = [&](double bus) {
+    if (bus < 1024) return true;
+    return std::any_of(sizes.begin(), sizes.end(), [&](int64_t s) {
+      const double measured = 2.0 * (ranks - 1) / ranks * static_cast<double>(s);
+      return measured <= bus * 1.001 && bus <= measured * 1.1;
+    });
+  };
+  const auto sent_near = [&](double bytes) {
+    if (bytes < 1024) return true;
+    return std::any_of(sizes.begin(), sizes.end(), [&](int64_t s) { return s <= bytes && bytes <= s * 1.1; });
+  };
+  for (int64_t rows : {8, 4, 2, 1}) {  // 8/D/M
+    for (int64_t width : {64, 32, 10}) {
+      const double bytes = 4.0 * rows * width;
+      EXPECT_TRUE(sent_near(bytes)) << rows << " x " << width;
+      for (int t : {2, 4}) {
+        EXPECT_TRUE(measured_near(2.0 * (t - 1) / t * bytes)) << "all-reduce over " << t << ": " << bytes;
+        EXPECT_TRUE(measured_near(1.0 * (t - 1) / t * bytes)) << "reduce-scatter over " << t << ": " << bytes;
+      }
+    }
+  }
+  const double gradients = 4.0 * 2410;
+  for (auto [d, split] : {std::pair{2, 1}, {2, 2}, {4, 1}}) {
+    const double bytes = std::min(gradients / split, static_cast<double>(bucket));
+    EXPECT_TRUE(measured_near(2.0 * (d - 1) / d * bytes)) << "D = " << d << ", P·T = " << split;
+    EXPECT_TRUE(measured_near(1.0 * (d - 1) / d * bytes)) << "D = " << d << ", P·T = " << split << ", ZeRO";
+  }
+  EXPECT_EQ(model_message_bytes(m.graph, 1, 8, 4, bucket), MeasureOptions{}.message_bytes) << "one rank sends nothing";
+}
+
 TEST(Measure, AProfileOfThisMachineHasEveryFigure) {
   const ImportedModel m = mlp({64, 32, 10});
   MeasureOptions o = model_measure_options(m.graph, 2, 8, 4);

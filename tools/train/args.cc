@@ -165,7 +165,7 @@ void define_layout_and_the_rest(CLI::App& app, Args& a) {
       ->check(CLI::IsMember({"auto"}));
   app.add_option("--profile", a.profile,
                  "with --layout auto: the machine profile to plan with (the profile tool's profile.json); default: "
-                 "measure this machine first (3 to 30 s for the benchmark's models on 1 to 4 processes here)");
+                 "measure this machine first (3 to 40 s for the benchmark's models on 1 to 4 processes here)");
 }
 
 }  // namespace
