@@ -550,7 +550,7 @@ def main():
             shutil.copytree(folder, kept)
             print(f"kept models, data, logs and metrics in {kept}")
     mark_busy(cases, args.busy)
-    summaries = [summarize(c) for c in cases]
+    summaries = [summarize(c, args.rounds) for c in cases]
     print(f"\nmeasured in {(time.monotonic() - began) / 60:.1f} min; load average at the end {os.getloadavg()[0]:.2f}")
     print_report(cases, summaries)
     write_outputs(cases, summaries, run_meta(args, started), args.out)

@@ -65,8 +65,33 @@ def quiet(records):
     return [r for r in records if r["status"] == "ok" and not r["busy"]]
 
 
-def summarize(case):
-    """The per-(model, N) figures and their verdicts, over the layouts measured quietly."""
+def round_medians(record, rounds):
+    """The median step of each of the record's --rounds runs (each run of a layout has the same number
+    of steps, kept one after the other in step_ms), or None with fewer than two."""
+    steps = record.get("step_ms", [])
+    n = len(steps) // rounds if rounds > 1 else 0
+    if n == 0 or n * rounds != len(steps):
+        return None
+    return [statistics.median(steps[i * n:(i + 1) * n]) for i in range(rounds)]
+
+
+def self_agreement(records, rounds):
+    """The measurement against itself: over every pair of rounds, Spearman's correlation of the layouts'
+    medians in one round with the other's, and the median over the layouts of |a - b| / b; each the mean
+    over the pairs. What the machine's noise leaves for any prediction to agree with (a prediction is
+    compared with the median of all rounds, somewhat steadier than one). None without two rounds."""
+    medians = [round_medians(r, rounds) for r in records]
+    if len(records) < 2 or any(m is None for m in medians):
+        return None
+    pairs = [(a, b) for a in range(rounds) for b in range(rounds) if a < b]
+    rho = statistics.fmean(spearman([m[a] for m in medians], [m[b] for m in medians]) for a, b in pairs)
+    diff = statistics.fmean(statistics.median(abs(m[a] - m[b]) / m[b] for m in medians) for a, b in pairs)
+    return {"spearman": rho, "median_difference": diff}
+
+
+def summarize(case, rounds=1):
+    """The per-(model, N) figures and their verdicts, over the layouts measured quietly; with --rounds
+    of 2 or more, the measurement's agreement with itself beside them."""
     measured = [r for r in case["records"] if r["status"] == "ok"]
     ok = quiet(case["records"])
     s = {"model": case["model"], "ranks": case["ranks"], "threads": case["threads"], "layouts": len(case["records"]),
@@ -96,6 +121,7 @@ def summarize(case):
     s["worst_memory_error"] = max(memory) if memory else None
     worst = max((r for r in ok if r["memory_error"] is not None), key=lambda r: abs(r["memory_error"]), default=None)
     s["worst_memory_layout"] = worst["text"] if worst else None
+    s["self_agreement"] = self_agreement(ok, rounds)
     s["verdicts"] = {
         "median error <= 15%": s["median_error"] <= TARGET_MEDIAN_ERROR,
         "first choice <= 1.05 x fastest": s["first_choice_ratio"] is not None
@@ -140,13 +166,16 @@ def summary_rows(summaries):
             pct(s.get("median_signed_error"), signed=True),
             f"{rho:.3f} {verdict(v.get('Spearman >= 0.8'))}" if v else "-",
             f"{pct(s.get('worst_memory_error'))} {verdict(v.get('memory within 10%'))}" if v else "-",
+            f"{s['self_agreement']['spearman']:.3f}, {pct(s['self_agreement']['median_difference'])}"
+            if s.get("self_agreement") else "-",
         ])
     return rows
 
 
 SUMMARY_HEADER = ["model", "N x threads", "layouts (failed, BUSY: not in the figures)", "best predicted (ms)", "best measured (ms)",
                   "first choice measured ms", "first / fastest (<= 1.05)", "median abs. error (<= 15%)",
-                  "median signed error", "Spearman (>= 0.8)", "worst memory error (<= 10%)"]
+                  "median signed error", "Spearman (>= 0.8)", "worst memory error (<= 10%)",
+                  "one round vs another: Spearman, median difference"]
 
 
 def bias_rows(records, key):
@@ -212,6 +241,10 @@ def report_text(cases, summaries, meta, scatter):
            + ".\n",
            "Profiles: " + "; ".join(f"{c['model']} N={c['ranks']}: {c['profile_note']}" for c in cases) + ".\n",
            "## Summary (ms per step)\n", md_table(SUMMARY_HEADER, summary_rows(summaries)), "",
+           "The last column is the measurement against itself: each layout's median step in one round against "
+           "another round's (Spearman over the layouts, and the median relative difference), the mean over the "
+           "pairs of rounds. It is what this machine's noise lets any prediction reach; the figures before it "
+           "compare the prediction with the median over all rounds, which is somewhat steadier than one round.\n",
            f"![predicted against measured]({os.path.basename(scatter)})\n" if scatter else "",
            "## Where the cost model leans (signed error = (predicted - measured) / measured; negative: "
            "predicted too fast)\n"]
@@ -325,7 +358,7 @@ def report_from_json(path, out):
     dump.pop("summaries", None)
     dump.setdefault("busy", po.QUIET)
     mark_busy(cases, dump["busy"])
-    summaries = [summarize(c) for c in cases]
+    summaries = [summarize(c, dump.get("rounds", 1)) for c in cases]
     print_report(cases, summaries)
     write_outputs(cases, summaries, dump, out, with_json=False)
     return 0
