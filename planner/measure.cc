@@ -432,6 +432,17 @@ double gemm_all_busy_slowdown(Backend& backend, Communicator& world, Timer& time
   return std::max(1.0, all_busy / alone);
 }
 
+// The rows of a micro-batch in any layout on `ranks` processes: B/D/M for each D dividing N
+// (and B) and each M dividing B/D up to `max_micro_batches`.
+std::set<int64_t> micro_batch_rows(int ranks, int64_t batch_size, int max_micro_batches) {
+  std::set<int64_t> rows;
+  for (int d : divisors(ranks, ranks)) {
+    if (batch_size % d != 0) continue;
+    for (int m : divisors(batch_size / d, max_micro_batches)) rows.insert(batch_size / d / m);
+  }
+  return rows;
+}
+
 }  // namespace
 
 MeasureOptions model_measure_options(const Graph& graph, int ranks, int64_t batch_size, int max_micro_batches) {
@@ -449,11 +460,7 @@ MeasureOptions model_measure_options(const Graph& graph, int ranks, int64_t batc
 }
 
 std::vector<LinearSize> model_linear_sizes(const Graph& graph, int ranks, int64_t batch_size, int max_micro_batches) {
-  std::set<int64_t> rows;
-  for (int d : divisors(ranks, ranks)) {
-    if (batch_size % d != 0) continue;
-    for (int m : divisors(batch_size / d, max_micro_batches)) rows.insert(batch_size / d / m);
-  }
+  const std::set<int64_t> rows = micro_batch_rows(ranks, batch_size, max_micro_batches);
   std::set<LinearSize> sizes;
   for (const Node& n : graph.nodes) {
     if (n.kind != OpKind::kLinear) continue;
@@ -472,11 +479,8 @@ std::vector<int64_t> model_message_bytes(const Graph& graph, int ranks, int64_t 
                                          int64_t bucket_bytes) {
   const std::vector<int64_t> fixed = MeasureOptions{}.message_bytes;
   if (ranks < 2) return fixed;
-  std::set<int64_t> rows, widths;
-  for (int d : divisors(ranks, ranks)) {
-    if (batch_size % d != 0) continue;
-    for (int m : divisors(batch_size / d, max_micro_batches)) rows.insert(batch_size / d / m);
-  }
+  const std::set<int64_t> rows = micro_batch_rows(ranks, batch_size, max_micro_batches);
+  std::set<int64_t> widths;
   int64_t parameters = 0;
   for (const Node& n : graph.nodes) {
     if (n.kind == OpKind::kLinear) widths.insert(n.in_features), widths.insert(n.out_features);
@@ -489,7 +493,8 @@ std::vector<int64_t> model_message_bytes(const Graph& graph, int ranks, int64_t 
   // the buffer that moves as much.
   const auto reduced = [&](double bytes, int group, double share) {
     const double bus = share * 2.0 * (group - 1) / group * bytes;
-    sizes.insert(static_cast<int64_t>(bus * ranks / (2.0 * (ranks - 1)) / kFloatBytes) * 4);  // whole floats, not over
+    const double floats = bus * ranks / (2.0 * (ranks - 1)) / kFloatBytes;
+    sizes.insert(static_cast<int64_t>(floats) * static_cast<int64_t>(kFloatBytes));  // whole floats, not over
   };
   for (int64_t r : rows) {
     for (int64_t w : widths) {
